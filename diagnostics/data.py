@@ -1,0 +1,141 @@
+"""Task data: one file per task, the first N records, tokenised and right-padded.
+
+A record is a JSON Lines object with a ``text`` field, or ``prompt`` (also
+``question``/``input``) joined with ``completion`` (also ``answer``/``output``/
+``canonical_solution``); a plain-text file holds one record per non-empty
+line. ``samples=N`` takes the first N records of each file in file order; the
+`sample` coordinate in every store is the record's index in its file.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from diagnostics.errors import DataInputError
+
+PROMPT_FIELDS = ("prompt", "question", "input", "instruction")
+COMPLETION_FIELDS = ("completion", "answer", "output", "response", "canonical_solution")
+
+
+@dataclass
+class TaskData:
+    """The records of one task that enter the diagnostics."""
+
+    task: str
+    path: Path
+    texts: list[str]
+    indices: list[int]  # record index in the file
+    sha256: str
+
+    def provenance(self) -> dict:
+        return {"path": str(self.path), "sha256": self.sha256, "records": len(self.texts),
+                "first_record": self.indices[0], "last_record": self.indices[-1]}
+
+
+@dataclass
+class TokenBatch:
+    """A right-padded batch; `attention_mask` marks real tokens."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    sample_index: list[int]
+
+    def to(self, device) -> "TokenBatch":
+        return TokenBatch(self.input_ids.to(device), self.attention_mask.to(device), self.sample_index)
+
+
+def record_text(record, *, where: str) -> str:
+    """The text of one record (see module docstring for the fields understood)."""
+    if isinstance(record, str):
+        return record
+    if not isinstance(record, dict):
+        raise DataInputError(f"{where}: expected a JSON object or string, got {type(record).__name__}")
+    if isinstance(record.get("text"), str):
+        return record["text"]
+    prompt = next((record[f] for f in PROMPT_FIELDS if isinstance(record.get(f), str)), None)
+    completion = next((record[f] for f in COMPLETION_FIELDS if isinstance(record.get(f), str)), None)
+    if prompt is None and completion is None:
+        raise DataInputError(
+            f"{where}: no 'text' field and no prompt/completion fields (keys: {sorted(record)[:10]})"
+        )
+    if prompt is None or completion is None:
+        return prompt or completion
+    separator = "" if prompt.endswith(("\n", " ")) or completion.startswith(("\n", " ")) else "\n"
+    return prompt + separator + completion
+
+
+def _open_text(path: Path):
+    return gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else open(path, encoding="utf-8")
+
+
+def read_task_file(task: str, path: str | Path, *, samples: int | None = 30, skip: int = 0) -> TaskData:
+    """Read records `skip` .. `skip+samples-1` of a task file (all remaining records when samples is None)."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise DataInputError(f"task '{task}': data file {path} not found")
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    is_jsonl = any(s in (".jsonl", ".json", ".ndjson") for s in path.suffixes)
+    texts: list[str] = []
+    indices: list[int] = []
+    index = -1
+    with _open_text(path) as handle:
+        for line_number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            index += 1
+            if index < skip:
+                continue
+            if samples is not None and len(texts) >= samples:
+                break
+            where = f"{path}:{line_number}"
+            if is_jsonl:
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise DataInputError(f"{where}: not valid JSON ({exc.msg})") from None
+            else:
+                record = line.rstrip("\n")
+            text = record_text(record, where=where)
+            if not text.strip():
+                raise DataInputError(f"{where}: record {index} has empty text")
+            texts.append(text)
+            indices.append(index)
+    if not texts:
+        raise DataInputError(f"task '{task}': {path} has no records" + (f" after the first {skip}" if skip else ""))
+    return TaskData(task=task, path=path, texts=texts, indices=indices, sha256=digest)
+
+
+def tokenize(data: TaskData, tokenizer, *, max_tokens: int = 512, batch_size: int = 8) -> list[TokenBatch]:
+    """Tokenise records (truncated to the first `max_tokens` tokens), right-padded, in batches."""
+    if max_tokens < 1:
+        raise DataInputError("max_tokens must be at least 1")
+    batches: list[TokenBatch] = []
+    tokenizer.padding_side = "right"
+    for start in range(0, len(data.texts), batch_size):
+        texts = data.texts[start:start + batch_size]
+        encoded = tokenizer(texts, return_tensors="pt", padding=True, truncation=True, max_length=max_tokens)
+        mask = encoded["attention_mask"]
+        empty = [data.indices[start + i] for i in range(len(texts)) if int(mask[i].sum()) == 0]
+        if empty:
+            raise DataInputError(f"task '{data.task}': records {empty} of {data.path} tokenise to no tokens")
+        batches.append(TokenBatch(encoded["input_ids"], mask, data.indices[start:start + batch_size]))
+    return batches
+
+
+def parse_named(values: list[str] | None, what: str) -> dict[str, str]:
+    """Parse repeated ``NAME=PATH`` options into an ordered dict."""
+    named: dict[str, str] = {}
+    for value in values or []:
+        name, sep, path = value.partition("=")
+        if not sep or not name or not path:
+            raise DataInputError(f"--{what} expects NAME=PATH, got '{value}'")
+        if name in named:
+            raise DataInputError(f"--{what}: name '{name}' given twice")
+        named[name] = path
+    return named
