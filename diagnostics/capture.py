@@ -135,13 +135,12 @@ def replay_with_heads(
     arch: Architecture,
     recorded: Recorded,
     parameters: dict[str, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Replay an attention module and split its output projection by head.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Replay an attention module; also return its output projection's input and weight.
 
     Heads do not mix before the output projection W_o, so head h contributes
-    x_h · W_o[:, h·d:(h+1)·d]ᵀ, with x_h head h's slice of W_o's input. Returns the
-    attention output and the head outputs (batch, seq, heads, hidden); the heads
-    sum to W_o's output minus its bias.
+    x_h · W_o[:, h·d:(h+1)·d]ᵀ, with x_h head h's slice of W_o's input (`split_heads`,
+    `head_output`); the heads sum to W_o's output minus its bias.
     """
     o_proj = attention.get_submodule(arch.o_proj)
     seen: dict[str, torch.Tensor] = {}
@@ -155,16 +154,25 @@ def replay_with_heads(
     finally:
         handle.remove()
     weight = (parameters or {}).get(f"{arch.o_proj}.weight", o_proj.weight)
-    return output, split_heads(seen["x"], weight, arch)
+    return output, seen["x"], weight
 
 
 def split_heads(o_proj_input: torch.Tensor, o_proj_weight: torch.Tensor, arch: Architecture) -> torch.Tensor:
-    """Per-head contributions to the output projection: (batch, seq, heads, out)."""
+    """Per-head contributions to the output projection: (..., heads, out)."""
     heads, dim = arch.num_heads, arch.head_dim
     x = o_proj_input.reshape(*o_proj_input.shape[:-1], heads, dim)
     if arch.o_proj_transposed:  # Conv1D: y = x W, W (in, out)
-        return torch.einsum("bshd,hdo->bsho", x, o_proj_weight.reshape(heads, dim, -1).to(x.dtype))
-    return torch.einsum("bshd,ohd->bsho", x, o_proj_weight.reshape(-1, heads, dim).to(x.dtype))
+        return torch.einsum("...hd,hdo->...ho", x, o_proj_weight.reshape(heads, dim, -1).to(x.dtype))
+    return torch.einsum("...hd,ohd->...ho", x, o_proj_weight.reshape(-1, heads, dim).to(x.dtype))
+
+
+def head_output(o_proj_input: torch.Tensor, o_proj_weight: torch.Tensor, arch: Architecture, head: int) -> torch.Tensor:
+    """Head `head`'s contribution x_h · W_o[:, h·d:(h+1)·d]ᵀ, shape (..., out)."""
+    lo, hi = head * arch.head_dim, (head + 1) * arch.head_dim
+    x = o_proj_input[..., lo:hi]
+    if arch.o_proj_transposed:
+        return x @ o_proj_weight[lo:hi, :].to(x.dtype)
+    return x @ o_proj_weight[:, lo:hi].to(x.dtype).T
 
 
 def sample_features(output: torch.Tensor, token_mask: torch.Tensor) -> list[torch.Tensor]:

@@ -111,7 +111,13 @@ class Store:
         return sorted(name for name, _ in self._root("r").groups())
 
     def has(self, group: str) -> bool:
-        return group in self.groups()
+        if not self.exists():
+            return False
+        try:
+            node = self._root("r")[group]
+        except KeyError:
+            return False
+        return isinstance(node, zarr.Group)
 
     def open(self) -> xr.DataTree:
         """The whole store as an `xarray.DataTree`."""
@@ -122,7 +128,7 @@ class Store:
     def dataset(self, group: str) -> xr.Dataset:
         """One group as an `xarray.Dataset` (loaded)."""
         if not self.has(group):
-            raise StoreError(f"store {self.path} has no group '{group}' (it has: {', '.join(self.groups()) or 'none'})")
+            raise StoreError(f"store {self.path} has no group '{group}' (it has: {', '.join(self.groups()) or 'nothing'})")
         return xr.open_zarr(str(self.path), group=group, consolidated=False, zarr_format=3).load()
 
     @property
@@ -156,7 +162,7 @@ class Store:
             for key, value in _jsonable(root).items():
                 if key not in root_group.attrs or force:
                     root_group.attrs[key] = value
-        if group in dict(root_group.groups()):
+        if self.has(group):
             old = dict(root_group[group].attrs)
             if force:
                 del root_group[group]
@@ -168,7 +174,7 @@ class Store:
                 )
             else:
                 return self._repair(group, dim)
-        created = root_group.create_group(group)
+        created = root_group.require_group(group)
         created.attrs.update({"settings": settings, "complete": False, "units_done": 0,
                               **(_jsonable(attrs) if attrs else {})})
         return set()
