@@ -1,0 +1,128 @@
+"""Options and helpers shared by the `diag` commands."""
+
+from __future__ import annotations
+
+import functools
+import shlex
+import sys
+import warnings
+from pathlib import Path
+from typing import Annotated, Optional
+
+import click
+import typer
+import yaml
+from rich.console import Console
+
+from diagnostics.errors import SubmergeError
+
+console = Console(stderr=True)
+out = Console()
+
+# ------------------------------------------------------------------ --config run.yaml
+
+
+def load_config(ctx: click.Context, param, value: Optional[Path]):
+    """Read a YAML file whose keys are the command's option names; command-line options win."""
+    if value is None:
+        return value
+    path = Path(value)
+    if not path.exists():
+        raise typer.BadParameter(f"config file {path} not found")
+    try:
+        content = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise typer.BadParameter(f"{path} is not valid YAML: {exc}") from exc
+    if not isinstance(content, dict):
+        raise typer.BadParameter(f"{path} must hold a mapping of option names to values")
+    defaults = {}
+    for key, item in content.items():
+        name = key.replace("-", "_")
+        if isinstance(item, dict):  # finetuned: {math: path} → ["math=path"]
+            item = [f"{k}={v}" for k, v in item.items()]
+        defaults[name] = item
+    known = {p.name for p in ctx.command.params}
+    unknown = sorted(set(defaults) - known)
+    if unknown:
+        raise typer.BadParameter(f"{path}: unknown option(s) {unknown} for `diag {ctx.command.name}`")
+    ctx.default_map = {**(ctx.default_map or {}), **defaults}
+    return value
+
+
+ConfigOption = Annotated[
+    Optional[Path],
+    typer.Option("--config", help="YAML file with any of this command's options (names as keys).",
+                 callback=load_config, is_eager=True, expose_value=False),
+]
+ModelOption = Annotated[
+    Optional[str],
+    typer.Option("--model", "-m", help="Base model: alias (llama-2-7b), hub id, local directory or .gguf file. "
+                                       "Omit to use the embedded demo kit (SmolLM2-135M + three LoRA fine-tunes)."),
+]
+FinetunedOption = Annotated[
+    Optional[list[str]],
+    typer.Option("--finetuned", "-f", help="NAME=PATH of a fine-tune: hub id, directory, or LoRA adapter dir. Repeat."),
+]
+DataOption = Annotated[
+    Optional[list[str]],
+    typer.Option("--data", "-d", help="NAME=PATH of a task's data (.jsonl with text or prompt+completion, or .txt). "
+                                      "One per fine-tune, same NAME."),
+]
+OutOption = Annotated[Path, typer.Option("--out", "-o", help="Zarr store to write (created, or resumed).")]
+ForceOption = Annotated[bool, typer.Option("--force", help="Overwrite this command's results in an existing store.")]
+SamplesOption = Annotated[int, typer.Option("--samples", help="First N records of each task file (seed 002 uses 30).")]
+MaxTokensOption = Annotated[int, typer.Option("--max-tokens", help="Truncate each record to its first N tokens.")]
+BatchOption = Annotated[int, typer.Option("--batch-size", help="Sequences per forward/replay batch.")]
+DeviceOption = Annotated[str, typer.Option("--device", help="auto (CUDA when present), cpu, cuda, cuda:1 ...")]
+DtypeOption = Annotated[str, typer.Option("--dtype", help="auto (the checkpoint's dtype), float32, bfloat16, float16.")]
+PickleOption = Annotated[bool, typer.Option("--allow-pickle", help="Allow pickled .bin checkpoints "
+                                                                   "(loaded with weights_only=True).")]
+RemoteCodeOption = Annotated[bool, typer.Option("--trust-remote-code", help="Run model code from the repository "
+                                                                            "(off by default).")]
+VocabOption = Annotated[str, typer.Option("--vocab", help="Fine-tunes with added tokens: 'base' uses the base's "
+                                                          "vocabulary rows (warned, recorded), 'error' refuses.")]
+ProgressOption = Annotated[bool, typer.Option("--progress/--no-progress", help="Show progress bars.")]
+
+
+def command_line() -> str:
+    return " ".join(shlex.quote(a) for a in ["diag", *sys.argv[1:]])
+
+
+def user_errors(function):
+    """Turn `SubmergeError`s (bad input) into one clear message and exit code 2."""
+
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("default")
+                return function(*args, **kwargs)
+        except SubmergeError as exc:
+            console.print(f"[bold red]error:[/] {exc}", highlight=False)
+            raise typer.Exit(2) from None
+        except KeyboardInterrupt:
+            console.print("[yellow]interrupted[/]: finished modules are saved; run the same command to resume.")
+            raise typer.Exit(130) from None
+
+    return wrapper
+
+
+def resolve_inputs(model: Optional[str], finetuned: Optional[list[str]], data: Optional[list[str]],
+                   *, need_data: bool = True) -> tuple[str, dict[str, str], dict[str, str]]:
+    """The base / fine-tunes / data the user named, or the embedded demo kit when no --model."""
+    from diagnostics.data import parse_named
+
+    named_finetuned = parse_named(finetuned, "finetuned")
+    named_data = parse_named(data, "data")
+    if model is None:
+        if named_finetuned:
+            raise typer.BadParameter("--finetuned given without --model; name the base model too")
+        from diagnostics import demo
+
+        console.print("[bold]No --model: using the embedded demo kit[/] (SmolLM2-135M-Instruct and LoRA fine-tunes "
+                      f"on {', '.join(demo.DEMO_TASKS)}).")
+        model = str(demo.ensure_demo_base(console))
+        named_finetuned = {task: str(path) for task, path in demo.demo_adapters().items()}
+        if need_data and not named_data:
+            named_data = {task: str(path) for task, path in demo.ensure_demo_data(console).items()}
+    return model, named_finetuned, named_data
