@@ -242,6 +242,174 @@ def check(
             out.print(f"  {task}: {name} uses the base's {rows[0]} of {rows[1]} vocabulary rows")
 
 
+@app.command()
+@user_errors
+def plan(
+    store_path: Annotated[Path, typer.Argument(help="Store written by diag linearity / projection / alpha.")],
+    out_path: Annotated[Path, typer.Option("--out", "-o", help="Plan file to write (YAML).")] = Path("plan.yaml"),
+    granularity: Annotated[str, typer.Option("--granularity", help="auto (finest level under the thresholds; never "
+                                             "head level), model, layer, attn-mlp or head-mlp.")] = "auto",
+    nl_max: Annotated[float, typer.Option("--nl-max", help="Highest mean Non-linearity Score a level may have.")] = 0.5,
+    pd_max: Annotated[float, typer.Option("--pd-max", help="Highest mean Projection Distance a level may have.")] = 0.2,
+    rest: Annotated[str, typer.Option("--rest", help="Parameters outside the chosen modules: mean-task-vector, or a "
+                                      "merge method name (task-arithmetic, ties ...).")] = "mean-task-vector",
+    export_mergekit: Annotated[Optional[Path], typer.Option(
+        "--export-mergekit", help="Also write the equivalent mergekit config to this YAML file.")] = None,
+    force: ForceOption = False,
+    config: ConfigOption = None,
+):
+    """Choose the merge granularity from the store and write a plan: α per submodule + the rest."""
+    import yaml
+
+    from merge.plan import make_plan
+
+    if out_path.exists() and not force:
+        raise typer.BadParameter(f"{out_path} exists; pass --force to overwrite it")
+    the_plan = make_plan(store_path, granularity=granularity, nl_max=nl_max, pd_max=pd_max,
+                         rest={"method": rest}, command=command_line())
+    the_plan.save(out_path)
+    for reason in the_plan.decision.get("reasons", []):
+        out.print(f"  {reason}")
+    out.print(f"Plan: granularity [bold]{the_plan.granularity}[/], {len(the_plan.alpha)} submodules → {out_path}")
+    if export_mergekit:
+        from transformers import AutoConfig
+
+        from diagnostics.models import local_path
+
+        layers = AutoConfig.from_pretrained(local_path(the_plan.base_model)).num_hidden_layers
+        mergekit, notes = the_plan.to_mergekit(layers)
+        export_mergekit.write_text(yaml.safe_dump(mergekit, sort_keys=False))
+        out.print(f"mergekit config → {export_mergekit}")
+        for note in notes:
+            out.print(f"  [yellow]not expressible in mergekit:[/] {note}")
+
+
+@app.command()
+@user_errors
+def merge(
+    plan_path: Annotated[Optional[Path], typer.Argument(help="Plan from diag plan (or use --method).")] = None,
+    out_dir: Annotated[Path, typer.Option("--out", "-o", help="Directory for the merged checkpoint.")] = Path("merged"),
+    method: Annotated[Optional[str], typer.Option(
+        "--method", help="Merge method without a plan: weight-average, task-arithmetic, ties, dare, breadcrumbs, "
+                         "della, tsv-m, iso-c, iso-cts, cart, star, sftm, regmean (needs --data), closed-form "
+                         "(needs --data; α solved on the fly at --granularity).")] = None,
+    option: Annotated[Optional[list[str]], typer.Option(
+        "--option", help="KEY=VALUE method option (e.g. scaling=0.5, top_k=0.2). Repeat.")] = None,
+    model: ModelOption = None,
+    finetuned: FinetunedOption = None,
+    data: DataOption = None,
+    granularity: Annotated[str, typer.Option("--granularity", help="For --method closed-form.")] = "attn-mlp",
+    samples: SamplesOption = 30,
+    max_tokens: MaxTokensOption = 512,
+    shard_size: Annotated[str, typer.Option("--shard-size", help="Largest safetensors shard, e.g. 2GB.")] = "2GB",
+    device: DeviceOption = "cpu",
+    allow_pickle: PickleOption = False,
+    vocab: VocabOption = "base",
+    force: ForceOption = False,
+    progress: ProgressOption = True,
+    config: ConfigOption = None,
+):
+    """Write a merged Hugging Face checkpoint, streaming tensor by tensor (sharded safetensors + config +
+    tokenizer + submerge_merge.yaml)."""
+    from merge.plan import Plan, plan_from_alpha
+    from merge.writer import method_rule, prepare_output, write_merge
+
+    if (plan_path is None) == (method is None):
+        raise typer.BadParameter("give either a PLAN file or --method")
+    if out_dir.exists() and any(out_dir.iterdir()) and not force:
+        prepare_output(out_dir, force)  # raises the clear error before any work
+    grams = None
+    if plan_path is not None:
+        the_plan = Plan.load(plan_path)
+        base, named_finetuned = the_plan.base_model, the_plan.finetuned
+        rule_for, record = the_plan.rule_for, {"plan": str(plan_path), "granularity": the_plan.granularity}
+    else:
+        from diagnostics.data import parse_named
+
+        options = parse_named(option, "option") if option else {}
+        base, named_finetuned, named_data = resolve_inputs(model, finetuned, data,
+                                                           need_data=method in ("closed-form", "regmean"))
+        record = {"method": method, "options": options}
+        if method in ("closed-form", "regmean"):
+            experiment = _experiment(base, [f"{k}={v}" for k, v in named_finetuned.items()],
+                                     [f"{k}={v}" for k, v in named_data.items()], samples=samples,
+                                     max_tokens=max_tokens, batch_size=8, dtype="auto", device=device,
+                                     allow_pickle=allow_pickle, trust_remote_code=False, vocab=vocab)
+        if method == "closed-form":
+            from diagnostics.linearity import alpha as run_alpha
+
+            solved = run_alpha(experiment, granularity=granularity, progress=progress)
+            the_plan = plan_from_alpha(solved, base, named_finetuned)
+            rule_for = the_plan.rule_for
+            record.update({"granularity": granularity, "alpha": the_plan.alpha})
+        else:
+            rule_for = method_rule(method, options)
+        if method == "regmean":
+            from diagnostics.capture import input_gram_matrices
+
+            per_task = {t: input_gram_matrices(experiment.base.model, experiment.arch, experiment.batches[t])
+                        for t in named_finetuned}
+            names = experiment.base.checkpoint_names
+            by_checkpoint = {names.get(k, k): [per_task[t][k] for t in named_finetuned] for k in per_task[
+                next(iter(named_finetuned))]}
+            grams = by_checkpoint.get
+            rule_for = _regmean_rule(options, set(by_checkpoint))
+    out_dir = write_merge(base, named_finetuned, out_dir, rule_for, record=record, force=force,
+                          allow_pickle=allow_pickle, vocab=vocab, shard_size=shard_size, device=device,
+                          gram_matrices=grams, progress=progress)
+    out.print(f"Merged checkpoint → [bold]{out_dir}[/] (load with AutoModelForCausalLM.from_pretrained)")
+
+
+def _regmean_rule(options, linear_names):
+    from merge.writer import ParameterRule
+
+    regmean = ParameterRule(method="regmean", options=options)
+    elsewhere = ParameterRule(method="task-arithmetic", options={})
+    return lambda name, shape: regmean if name in linear_names else elsewhere
+
+
+@app.command("eval")
+@user_errors
+def evaluate_command(
+    model: ModelOption = None,
+    finetuned: FinetunedOption = None,
+    merged: Annotated[Optional[list[str]], typer.Option(
+        "--merged", help="NAME=DIR of a merged model to evaluate too. Repeat.")] = None,
+    data: DataOption = None,
+    out_path: OutOption = Path("runs/diag.zarr"),
+    skip: Annotated[int, typer.Option("--skip", help="Held-out records start after the first N (used for "
+                                                     "fitting).")] = 30,
+    samples: Annotated[int, typer.Option("--samples", help="Held-out records per task.")] = 100,
+    max_tokens: MaxTokensOption = 512,
+    batch_size: BatchOption = 8,
+    device: DeviceOption = "auto",
+    dtype: DtypeOption = "auto",
+    allow_pickle: PickleOption = False,
+    trust_remote_code: RemoteCodeOption = False,
+    force: ForceOption = False,
+    progress: ProgressOption = True,
+    config: ConfigOption = None,
+):
+    """Per-task mean token loss and perplexity on held-out records, for the base, each fine-tune and
+    merged models, in one table. Writes store group `eval`."""
+    from diagnostics.data import parse_named
+    from diagnostics.evaluate import evaluate
+    from diagnostics.store import Store
+
+    base, named_finetuned, named_data = resolve_inputs(model, finetuned, data)
+    models = {**named_finetuned, **parse_named(merged, "merged")}
+    dataset = evaluate(base, models, named_data, skip=skip, samples=samples, max_tokens=max_tokens,
+                       batch_size=batch_size, dtype=dtype, device=device, allow_pickle=allow_pickle,
+                       trust_remote_code=trust_remote_code, store=Store(out_path), force=force, progress=progress,
+                       command=command_line())
+    frame = dataset.loss.to_pandas()
+    frame.columns = [f"loss {c}" for c in frame.columns]
+    for task in dataset.task.values:
+        frame[f"ppl {task}"] = dataset.perplexity.sel(task=task).to_pandas()
+    _print_frame(frame, "Held-out mean token loss (nats) and perplexity")
+    out.print(f"Wrote group [bold]eval[/] of {out_path}")
+
+
 def main() -> None:  # pragma: no cover
     app()
 

@@ -357,3 +357,41 @@ def _embed_with(backbone, params, model, first_layer_path, batch, device) -> tor
     finally:
         handle.remove()
     return seen["hidden"]
+
+
+# --------------------------------------------------------------------------- Gram matrices (RegMean)
+
+
+@torch.no_grad()
+def input_gram_matrices(model: nn.Module, arch: Architecture, batches: list[TokenBatch],
+                        *, device=None) -> dict[str, torch.Tensor]:
+    """Σ_x x xᵀ over real tokens of the input of every linear map inside the blocks (float32, CPU).
+
+    Keys are the linear maps' weight names (e.g. ``model.layers.0.self_attn.q_proj.weight``). Recorded on
+    the base model θ0, as the capture engine does; RegMean's paper uses each fine-tune's own activations.
+    Memory: one in×in matrix per linear map (for a 7B model ≈ 14 GB in float32).
+    """
+    device = device or next(model.parameters()).device
+    grams: dict[str, torch.Tensor] = {}
+    current_mask: dict[str, torch.Tensor] = {}
+    handles = []
+    layers = model.get_submodule(arch.layers_path)
+    for name, module in layers.named_modules():
+        if isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D":
+            key = f"{arch.layers_path}.{name}.weight"
+
+            def hook(module, args, key=key):
+                x = args[0][current_mask["mask"]].to(torch.float32)
+                gram = x.T @ x
+                grams[key] = gram.cpu() if key not in grams else grams[key] + gram.cpu()
+
+            handles.append(module.register_forward_pre_hook(hook))
+    backbone = get_module(model, arch.backbone_path)
+    try:
+        for batch in batches:
+            current_mask["mask"] = batch.attention_mask.to(device).bool()
+            _call_backbone(backbone, batch, device)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return grams

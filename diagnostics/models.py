@@ -116,7 +116,7 @@ class CheckpointReader:
 
     def fingerprint(self) -> dict:
         """Where these weights came from: spec, path, and a hash of the file headers and sizes."""
-        return {"spec": self.spec, "path": str(self.path)}
+        return {"spec": self.spec, "path": str(Path(self.path).resolve())}
 
     def _missing(self, name: str) -> ModelInputError:
         return ModelInputError(f"tensor '{name}' not found in {self.path}")
@@ -179,7 +179,7 @@ class SafetensorsReader(CheckpointReader):
                 header_len = int.from_bytes(handle.read(8), "little")
                 digest.update(handle.read(header_len))
             digest.update(str(file.stat().st_size).encode())
-        info = {"spec": self.spec, "path": str(self.path), "header_sha256": digest.hexdigest()}
+        info = {"spec": self.spec, "path": str(Path(self.path).resolve()), "header_sha256": digest.hexdigest()}
         info.update(_hub_revision(self.path))
         return info
 
@@ -205,7 +205,7 @@ class StateDictReader(CheckpointReader):
         return tensor.to(device=device, dtype=dtype or tensor.dtype)
 
     def fingerprint(self):
-        info = {"spec": self.spec, "path": str(self.path)}
+        info = {"spec": self.spec, "path": str(Path(self.path).resolve())}
         if self.path.is_file():
             info["file_size"] = self.path.stat().st_size
         return info
@@ -303,7 +303,7 @@ class LoraReader(CheckpointReader):
 
     def fingerprint(self):
         weights = self.path / "adapter_model.safetensors"
-        info = {"spec": self.spec, "path": str(self.path), "adapter_of": self.base.spec}
+        info = {"spec": self.spec, "path": str(Path(self.path).resolve()), "adapter_of": self.base.spec}
         if weights.exists():
             info["adapter_sha256"] = hashlib.sha256(weights.read_bytes()).hexdigest()
         return info

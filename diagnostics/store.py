@@ -150,7 +150,9 @@ class Store:
         if self.exists() and root:
             old_base = self.attrs.get("base_model")
             new_base = _jsonable(root).get("base_model")
-            if old_base and new_base and old_base.get("spec") != new_base.get("spec"):
+            same = (old_base or {}).get("path", (old_base or {}).get("spec")) == (new_base or {}).get(
+                "path", (new_base or {}).get("spec"))
+            if old_base and new_base and not same:
                 if not force:
                     raise StoreError(
                         f"store {self.path} holds results for base model {old_base.get('spec')!r}, not "

@@ -1,0 +1,1 @@
+"""Model merging: strategies (``merge.strategies``), plan and checkpoint writer."""

@@ -1,0 +1,586 @@
+"""Known-answer tests for merge/strategies.py (one parameter at a time)."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from merge.strategies import (
+    DEFAULT_FALLBACK,
+    STRATEGIES,
+    breadcrumbs,
+    breadcrumbs_mask,
+    cart,
+    dare,
+    della,
+    elect_sign_disjoint_mean,
+    iso_c,
+    iso_cts,
+    keep_top_magnitude,
+    magprune,
+    merge_parameter,
+    parameter_kind,
+    procrustes_orthonormalise,
+    regmean,
+    sftm,
+    sftm_system,
+    star,
+    star_truncate,
+    task_arithmetic,
+    ties,
+    tsv_bases,
+    tsv_m,
+    weight_average,
+    weighted_task_arithmetic,
+)
+
+f64 = torch.float64
+
+
+def _random(shape, seed, dtype=f64):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+def _random_tasks(count, shape, seed=0, dtype=f64):
+    return [_random(shape, seed * 100 + index, dtype) for index in range(count)]
+
+
+def _singular_values(matrix):
+    return torch.linalg.svdvals(matrix.to(f64))
+
+
+def _identity_diag(*values):
+    return torch.diag(torch.tensor(values, dtype=f64))
+
+
+# ----------------------------------------------------------------------- trivial identities
+
+
+def test_weight_average_and_task_arithmetic_by_hand():
+    a = torch.tensor([[1.0, -2.0], [0.5, 4.0]], dtype=f64)
+    b = torch.tensor([[3.0, 2.0], [-0.5, 0.0]], dtype=f64)
+    torch.testing.assert_close(weight_average([a, b]), torch.tensor([[2.0, 0.0], [0.0, 2.0]], dtype=f64))
+    torch.testing.assert_close(task_arithmetic([a, b]), torch.tensor([[4.0, 0.0], [0.0, 4.0]], dtype=f64))
+    torch.testing.assert_close(task_arithmetic([a, b], scaling=0.25), torch.tensor([[1.0, 0.0], [0.0, 1.0]], dtype=f64))
+
+
+def test_weighted_task_arithmetic_identities():
+    tasks = _random_tasks(3, (4, 5))
+    torch.testing.assert_close(weighted_task_arithmetic(tasks, [1.0, 1.0, 1.0]), task_arithmetic(tasks))
+    torch.testing.assert_close(weighted_task_arithmetic(tasks, [1 / 3] * 3), weight_average(tasks))
+    torch.testing.assert_close(weighted_task_arithmetic(tasks, [0.0, 2.0, 0.0]), 2 * tasks[1])
+    torch.testing.assert_close(
+        weighted_task_arithmetic(tasks, torch.tensor([0.5, -1.0, 0.0])), 0.5 * tasks[0] - tasks[1]
+    )
+    with pytest.raises(ValueError, match="2 entries but there are 3"):
+        weighted_task_arithmetic(tasks, [1.0, 2.0])
+
+
+# --------------------------------------------------------------------------------- TIES
+
+
+def test_ties_three_task_example_worked_by_hand():
+    # Keep the top 50 % = 3 of 6 entries per task:
+    # τ1 |.| = 4 1 .5 / 2 3 .1  -> keep 4, 2, -3     τ̂1 = [[4,0,0],[2,-3,0]]
+    # τ2 |.| = 2 5 .2 / 1 1 6   -> keep -2, 5, -6    τ̂2 = [[-2,5,0],[0,0,-6]]
+    # τ3 |.| = 3 1 .3 / 4 .5 2  -> keep 3, -4, 2     τ̂3 = [[3,0,0],[-4,0,2]]
+    # Σ = [[5,5,0],[-2,-3,-4]] -> elected signs [[+,+,0],[-,-,-]]
+    # disjoint mean: (4+3)/2, 5, 0 / -4, -3, -6
+    tau1 = torch.tensor([[4.0, -1.0, 0.5], [2.0, -3.0, 0.1]], dtype=f64)
+    tau2 = torch.tensor([[-2.0, 5.0, 0.2], [1.0, -1.0, -6.0]], dtype=f64)
+    tau3 = torch.tensor([[3.0, 1.0, -0.3], [-4.0, 0.5, 2.0]], dtype=f64)
+    torch.testing.assert_close(keep_top_magnitude(tau1, 0.5), torch.tensor([[4.0, 0, 0], [2.0, -3.0, 0]], dtype=f64))
+    expected = torch.tensor([[3.5, 5.0, 0.0], [-4.0, -3.0, -6.0]], dtype=f64)
+    torch.testing.assert_close(ties([tau1, tau2, tau3], top_k=0.5), expected)
+    torch.testing.assert_close(ties([tau1, tau2, tau3], top_k=0.5, scaling=0.5), expected / 2)
+
+
+def test_ties_sign_election_without_trim():
+    # top_k = 1: Σ = [2-1-0.5, -1+3-1] = [0.5, 1] -> +,+ ; mean of positive entries only.
+    tasks = [
+        torch.tensor([2.0, -1.0], dtype=f64),
+        torch.tensor([-1.0, 3.0], dtype=f64),
+        torch.tensor([-0.5, -1.0], dtype=f64),
+    ]
+    torch.testing.assert_close(ties(tasks, top_k=1.0), torch.tensor([2.0, 3.0], dtype=f64))
+    # An exact tie (+1, −1) elects sign 0 and merges to 0, as sgn(Σ) says.
+    torch.testing.assert_close(
+        elect_sign_disjoint_mean(torch.tensor([[1.0, 2.0], [-1.0, 2.0]], dtype=f64)),
+        torch.tensor([0.0, 2.0], dtype=f64),
+    )
+
+
+def test_keep_top_magnitude_counts_exactly():
+    values = torch.arange(1, 21, dtype=f64) * torch.tensor([1.0, -1.0] * 10, dtype=f64)
+    kept = keep_top_magnitude(values, 0.2)
+    assert int((kept != 0).sum()) == 4
+    assert set(kept[kept != 0].abs().tolist()) == {17.0, 18.0, 19.0, 20.0}
+    assert int((keep_top_magnitude(values, 0.01) != 0).sum()) == 1  # at least one kept
+    with pytest.raises(ValueError, match="top_k"):
+        keep_top_magnitude(values, 20)
+
+
+# --------------------------------------------------------------------------------- DARE
+
+
+def test_dare_rescale_keeps_the_expectation():
+    # One task, DARE-TA with λ = 1 returns the dropped-and-rescaled τ̂. Each entry of the mean
+    # over N seeds has standard deviation |τ|·sqrt(p/(1−p))/sqrt(N) = |τ|/sqrt(N) at p = 0.5;
+    # we allow 5 standard deviations (the chance of a false failure over 20 entries is ~1e-5).
+    task = torch.linspace(-2.0, 3.0, 20, dtype=f64)
+    seeds = 3000
+    mean = sum(dare([task], drop_rate=0.5, seed=seed) for seed in range(seeds)) / seeds
+    tolerance = 5 * task.abs() / math.sqrt(seeds)
+    assert bool(((mean - task).abs() <= tolerance + 1e-12).all())
+    # Every draw is either 0 or τ / (1 − p).
+    one = dare([task], drop_rate=0.5, seed=7)
+    assert bool(((one == 0) | torch.isclose(one, 2 * task)).all())
+
+
+def test_dare_is_deterministic_for_a_seed():
+    tasks = _random_tasks(3, (8, 6), seed=1)
+    first = dare(tasks, drop_rate=0.7, seed=123)
+    torch.testing.assert_close(first, dare(tasks, drop_rate=0.7, seed=123), rtol=0, atol=0)
+    assert not torch.equal(first, dare(tasks, drop_rate=0.7, seed=124))
+    # p = 0 is plain task arithmetic; over TIES with p = 0 it is TIES.
+    torch.testing.assert_close(dare(tasks, drop_rate=0.0, scaling=0.3), task_arithmetic(tasks, scaling=0.3))
+    torch.testing.assert_close(dare(tasks, drop_rate=0.0, base="ties", top_k=0.2), ties(tasks, top_k=0.2))
+
+
+def test_dare_drop_fraction():
+    task = torch.ones(20000, dtype=f64)
+    kept = (dare([task], drop_rate=0.9, seed=0) != 0).double().mean().item()
+    # Binomial(20000, 0.1): std of the kept fraction is 0.0021; allow 5 std.
+    assert abs(kept - 0.1) < 0.011
+
+
+# --------------------------------------------------------------------------- Breadcrumbs
+
+
+def test_breadcrumbs_masks_exactly_the_expected_entries():
+    # Magnitudes 1..10 in a scrambled order; β = 0.2 drops the 2 smallest, γ = 0.9 the largest one.
+    magnitudes = torch.tensor([7.0, 1.0, 10.0, 4.0, 2.0, 9.0, 3.0, 6.0, 8.0, 5.0], dtype=f64)
+    signs = torch.tensor([1.0, -1.0, 1.0, -1.0, 1.0, 1.0, -1.0, 1.0, -1.0, 1.0], dtype=f64)
+    task = (magnitudes * signs).reshape(2, 5)
+    mask = breadcrumbs_mask(task, beta=0.2, gamma=0.9)
+    expected_kept = magnitudes.reshape(2, 5).ge(3) & magnitudes.reshape(2, 5).le(9)
+    assert torch.equal(mask, expected_kept)
+    merged = breadcrumbs([task, 2 * task], beta=0.2, gamma=0.9, scaling=0.5)
+    torch.testing.assert_close(merged, 1.5 * torch.where(expected_kept, task, 0.0))
+
+
+def test_breadcrumbs_rejects_bad_thresholds():
+    with pytest.raises(ValueError, match="beta <= gamma"):
+        breadcrumbs_mask(torch.ones(4), beta=0.9, gamma=0.5)
+
+
+# --------------------------------------------------------------------------------- DELLA
+
+
+def test_della_drop_probabilities_follow_magnitude_rank():
+    # One row of n = 4 deltas, p = 0.5, ε = 0.4: ranks from the largest are 0..3, so the
+    # drop probabilities are 0.3, 0.4, 0.5, 0.6 and the kept entries are scaled by 1/(1 − p_i).
+    row = torch.tensor([[4.0, -1.0, 3.0, -2.0]], dtype=f64)  # ranks: 0, 3, 1, 2
+    drop_probability = torch.tensor([0.3, 0.6, 0.4, 0.5], dtype=f64)
+    draws = 4000
+    generator = torch.Generator().manual_seed(0)
+    samples = torch.stack([magprune(row, 0.5, 0.4, generator) for _ in range(draws)])
+    dropped_rate = (samples == 0).double().mean(dim=0).reshape(-1)
+    assert bool(((dropped_rate - drop_probability).abs() < 5 * 0.5 / math.sqrt(draws)).all())
+    nonzero = samples[0][samples[0] != 0]
+    expected = (row / (1 - drop_probability))[samples[0] != 0]
+    torch.testing.assert_close(nonzero, expected)
+    # Expectation preserved like DARE.
+    assert bool(((samples.mean(dim=0) - row).abs() < 5 * 4.0 * math.sqrt(0.6 / 0.4) / math.sqrt(draws)).all())
+
+
+def test_della_without_drop_is_ties_without_trim_and_rejects_bad_rates():
+    tasks = _random_tasks(3, (5, 4), seed=2)
+    torch.testing.assert_close(della(tasks, drop_rate=0.0, epsilon=0.0), ties(tasks, top_k=1.0))
+    with pytest.raises(ValueError, match="epsilon"):
+        della(tasks, drop_rate=0.05, epsilon=0.2)
+
+
+# -------------------------------------------------------------------------------- TSV-M
+
+
+def test_tsv_orthogonalised_bases_are_orthonormal():
+    tasks = _random_tasks(3, (12, 9), seed=3)  # k = 9 // 3 = 3 per task, 9 columns
+    bases = tsv_bases(tasks)
+    assert bases.left.shape == (12, 9) and bases.right.shape == (9, 9)
+    torch.testing.assert_close(bases.left.mT @ bases.left, torch.eye(9, dtype=f64), atol=1e-6, rtol=0)
+    torch.testing.assert_close(bases.right.mT @ bases.right, torch.eye(9, dtype=f64), atol=1e-6, rtol=0)
+    expected = 0.7 * (bases.left * bases.singular_values) @ bases.right.mT
+    torch.testing.assert_close(tsv_m(tasks, scaling=0.7), expected)
+    # σ̂ are the top-3 singular values of each task.
+    top = torch.cat([_singular_values(task)[:3] for task in tasks])
+    torch.testing.assert_close(bases.singular_values, top)
+
+
+def test_tsv_m_of_orthogonal_tasks_is_task_arithmetic():
+    # Rank-1 tasks on disjoint basis vectors: already decorrelated, Procrustes changes nothing.
+    eye = torch.eye(4, dtype=f64)
+    tasks = [3.0 * torch.outer(eye[0], eye[1]), -2.0 * torch.outer(eye[2], eye[3])]
+    # k = 4 // 2 = 2 but each task has rank 1: zero singular directions are left out.
+    torch.testing.assert_close(tsv_m(tasks), task_arithmetic(tasks), atol=1e-12, rtol=0)
+
+
+def test_procrustes_is_whitening():
+    matrix = _random((7, 4), seed=4)
+    gram = matrix.mT @ matrix
+    eigenvalues, eigenvectors = torch.linalg.eigh(gram)
+    whitened = matrix @ eigenvectors @ torch.diag(eigenvalues.rsqrt()) @ eigenvectors.mT
+    torch.testing.assert_close(procrustes_orthonormalise(matrix), whitened)
+
+
+# ---------------------------------------------------------------------------- Iso-C / CTS
+
+
+def test_iso_c_spectrum_is_flat_and_scaled_by_the_mean_singular_value():
+    tasks = _random_tasks(3, (7, 5), seed=5)
+    expected_value = _singular_values(sum(tasks)).mean()
+    merged = iso_c(tasks, scaling=1.3)
+    torch.testing.assert_close(_singular_values(merged), torch.full((5,), 1.3 * float(expected_value), dtype=f64))
+    # Same singular vectors as the task-arithmetic sum: Δ_Iso-C = σ̄ U Vᵀ.
+    left, _, right_t = torch.linalg.svd(sum(tasks), full_matrices=False)
+    torch.testing.assert_close(merged, 1.3 * expected_value * left @ right_t)
+
+
+def test_iso_c_by_hand():
+    # Δ_TA = diag(3, 1) -> σ̄ = 2 -> 2 I.
+    torch.testing.assert_close(iso_c([_identity_diag(3, 0), _identity_diag(0, 1)]), 2 * torch.eye(2, dtype=f64))
+    # Rank-deficient sum diag(5, 4, 0, 2): the zero direction stays zero, σ̄ = 11/3 on the others.
+    tasks = [_identity_diag(5, 0, 1, 0), _identity_diag(0, 4, -1, 2)]
+    torch.testing.assert_close(iso_c(tasks), _identity_diag(11 / 3, 11 / 3, 0, 11 / 3), atol=1e-12, rtol=0)
+
+
+def test_iso_cts_by_hand():
+    # r = 4, T = 2, common fraction 0.5: k = 2 common directions of Δ_TA = diag(5, 4, 0, 2) (e1, e2);
+    # off that subspace task 1 leaves diag(0,0,1,0) (σ = 1 on e3), task 2 diag(0,0,-1,2) (top σ = 2 on e4).
+    # σ̄ = (5 + 4 + 1 + 2) / 4 = 3 and U_⊥ V_⊥ᵀ = I -> 3 I.
+    tasks = [_identity_diag(5, 0, 1, 0), _identity_diag(0, 4, -1, 2)]
+    torch.testing.assert_close(iso_cts(tasks, common_fraction=0.5), 3 * torch.eye(4, dtype=f64), atol=1e-12, rtol=0)
+    torch.testing.assert_close(
+        iso_cts(tasks, common_fraction=0.5, scaling=0.5), 1.5 * torch.eye(4, dtype=f64), atol=1e-12, rtol=0
+    )
+
+
+def test_iso_cts_spectrum_is_flat():
+    tasks = _random_tasks(4, (16, 12), seed=6)  # r = 12, k0 = 9, s = round(3/4) = 1, k = 8
+    merged = iso_cts(tasks)
+    singular_values = _singular_values(merged)
+    torch.testing.assert_close(singular_values, singular_values.mean().expand(12), atol=1e-9, rtol=0)
+
+
+# ---------------------------------------------------------------------------------- CART
+
+
+def test_cart_full_rank_is_weight_average():
+    tasks = _random_tasks(3, (6, 8), seed=7)
+    torch.testing.assert_close(cart(tasks, rank_ratio=1.0, scaling=2.5), weight_average(tasks), rtol=0, atol=0)
+    torch.testing.assert_close(cart(tasks, rank_ratio=0.0), weight_average(tasks), rtol=0, atol=0)
+
+
+def test_cart_low_rank_by_hand():
+    # τ_t = 3 e_t e_tᵀ (t = 1..3): mean = I; centred = 3 e_t e_tᵀ − I, whose rank-1 part is 2 e_t e_tᵀ;
+    # k = round(1/3 · 3) = 1 -> I + λ·2I.
+    tasks = [3 * torch.diag(torch.eye(3, dtype=f64)[index]) for index in range(3)]
+    torch.testing.assert_close(cart(tasks, rank_ratio=1 / 3, scaling=1.0), 3 * torch.eye(3, dtype=f64))
+    torch.testing.assert_close(cart(tasks, rank_ratio=1 / 3, scaling=0.5), 2 * torch.eye(3, dtype=f64))
+
+
+def test_cart_two_tasks_is_weight_average_at_any_rank():
+    # With T = 2 the centred matrices are ±(τ1 − τ2)/2 and their rank-k parts cancel.
+    tasks = _random_tasks(2, (6, 5), seed=8)
+    torch.testing.assert_close(cart(tasks, rank_ratio=0.4), weight_average(tasks), atol=1e-12, rtol=0)
+
+
+# ---------------------------------------------------------------------------------- STAR
+
+
+def test_star_truncates_and_keeps_the_nuclear_norm():
+    # σ = 4, 3, 2, 1: 4/10 ≥ 40 % -> r = 1; σ'_1 = 4 · 10/4 = 10.
+    task = _identity_diag(4, 3, 2, 1)
+    torch.testing.assert_close(star_truncate(task, 0.4), _identity_diag(10, 0, 0, 0))
+    # η = 0.5: 4/10 < 0.5 ≤ 7/10 -> r = 2, σ' = (4, 3) · 10/7.
+    torch.testing.assert_close(star_truncate(task, 0.5), _identity_diag(40 / 7, 30 / 7, 0, 0))
+    random_task = _random((6, 5), seed=9)
+    assert math.isclose(
+        float(torch.linalg.matrix_norm(star_truncate(random_task, 0.4), ord="nuc")),
+        float(torch.linalg.matrix_norm(random_task, ord="nuc")),
+        rel_tol=1e-12,
+    )
+    torch.testing.assert_close(star([task, -task]), torch.zeros(4, 4, dtype=f64))
+    torch.testing.assert_close(star([task, 3 * task]), _identity_diag(20, 0, 0, 0))
+
+
+# ---------------------------------------------------------------------------------- SFTM
+
+
+def test_sftm_alpha_solves_its_linear_system():
+    tasks = _random_tasks(3, (5, 4), seed=10)
+    system = sftm_system(tasks)
+    assert system.coefficient_matrix.shape == (12, 12)
+    # Build Eq. 3's matrix entry by entry from each task's SVD.
+    triplets = []
+    for task in tasks:
+        left, values, right_t = torch.linalg.svd(task, full_matrices=False)
+        triplets += [(values[k], left[:, k], right_t[k]) for k in range(values.numel())]
+    by_definition = torch.tensor(
+        [
+            [s_col * float(u_row @ u_col) * float(v_col @ v_row) for s_col, u_col, v_col in triplets]
+            for _, u_row, v_row in triplets
+        ],
+        dtype=f64,
+    )
+    torch.testing.assert_close(system.coefficient_matrix.abs(), by_definition.abs())  # singular-vector signs may differ
+    sigma = torch.tensor([float(s) for s, _, _ in triplets], dtype=f64)
+    torch.testing.assert_close(system.singular_values, sigma)
+    residual = system.coefficient_matrix @ system.alpha - system.singular_values
+    assert float(residual.abs().max()) < 1e-9
+    # Eq. 2 holds for the merged matrix: ⟨u_i^(k), M v_i^(k)⟩ = σ_i^(k).
+    merged = sftm(tasks, top_k=1.0)
+    torch.testing.assert_close(torch.einsum("mr,mn,nr->r", system.left, merged, system.right), system.singular_values)
+
+
+def test_sftm_two_by_two_by_hand():
+    # M1 = e1 e1ᵀ, M2 = u uᵀ with u = (1,1)/√2: system [[1, 1/2], [1/2, 1]] α = (1, 1) -> α = 2/3;
+    # M = 2/3 (M1 + M2) = [[1, 1/3], [1/3, 1/3]].
+    u = torch.tensor([1.0, 1.0], dtype=f64) / math.sqrt(2)
+    tasks = [_identity_diag(1, 0), torch.outer(u, u)]
+    system = sftm_system(tasks)
+    torch.testing.assert_close(system.alpha, torch.full((2,), 2 / 3, dtype=f64))
+    expected = torch.tensor([[1.0, 1 / 3], [1 / 3, 1 / 3]], dtype=f64)
+    torch.testing.assert_close(sftm(tasks, top_k=1.0), expected)
+    torch.testing.assert_close(sftm(tasks, top_k=1.0, scaling=0.6), 0.6 * expected)
+
+
+def test_sftm_orthogonal_tasks_add_up():
+    eye = torch.eye(4, dtype=f64)
+    tasks = [2 * torch.outer(eye[0], eye[1]) + torch.outer(eye[1], eye[0]), -3 * torch.outer(eye[2], eye[3])]
+    assert torch.allclose(sftm_system(tasks).alpha, torch.ones(3, dtype=f64))
+    torch.testing.assert_close(sftm(tasks, top_k=1.0), tasks[0] + tasks[1], atol=1e-12, rtol=0)
+    # Identical tasks make the system singular; the minimum-norm solution returns the task itself.
+    torch.testing.assert_close(sftm([tasks[0], tasks[0]], top_k=1.0), tasks[0], atol=1e-12, rtol=0)
+
+
+def test_sftm_trims_before_solving():
+    tasks = _random_tasks(2, (6, 6), seed=11)
+    trimmed = [keep_top_magnitude(task, 0.3) for task in tasks]
+    torch.testing.assert_close(sftm(tasks, top_k=0.3), sftm(trimmed, top_k=1.0))
+
+
+# ------------------------------------------------------------------------------- RegMean
+
+
+def _regression_toy():
+    in_features, out_features = 4, 3
+    inputs = [_random((20, in_features), seed=12), _random((15, in_features), seed=13)]
+    base = _random((out_features, in_features), seed=14)
+    weights = [_random((out_features, in_features), seed=15), _random((out_features, in_features), seed=16)]
+    return inputs, base, weights
+
+
+def test_regmean_is_least_squares_with_unscaled_grams():
+    inputs, base, weights = _regression_toy()
+    targets = [x @ w.mT for x, w in zip(inputs, weights)]
+    task_vectors = [w - base for w in weights]
+    grams = [x.mT @ x for x in inputs]
+    merged = base + regmean(task_vectors, gram_matrices=grams, off_diagonal_scale=1.0)
+    least_squares = torch.linalg.lstsq(torch.cat(inputs), torch.cat(targets)).solution.mT
+    torch.testing.assert_close(merged, least_squares)
+
+    # It minimises Σ_t ‖X_t Wᵀ − Y_t‖²: any perturbation is worse.
+    def loss(w):
+        return sum(float(((x @ w.mT - y) ** 2).sum()) for x, y in zip(inputs, targets))
+
+    assert loss(merged) <= loss(merged + 1e-3 * _random(merged.shape, seed=17))
+
+
+def test_regmean_off_diagonal_scale_by_closed_form():
+    inputs, base, weights = _regression_toy()
+    grams = [x.mT @ x for x in inputs]
+    scaled = [0.9 * g + 0.1 * torch.diag(torch.diagonal(g)) for g in grams]
+    expected = torch.linalg.inv(sum(scaled)) @ sum(g @ w.mT for g, w in zip(scaled, weights))
+    merged = base + regmean([w - base for w in weights], gram_matrices=grams)
+    torch.testing.assert_close(merged, expected.mT)
+
+
+def test_regmean_disjoint_inputs_take_each_tasks_columns():
+    # Task 1 only ever sees feature 0, task 2 only feature 1: diagonal Grams, so the merged
+    # weight takes column 0 from task 1 and column 1 from task 2.
+    grams = [_identity_diag(2.0, 0.0), _identity_diag(0.0, 5.0)]
+    tau1 = torch.tensor([[1.0, 9.0], [2.0, 9.0]], dtype=f64)
+    tau2 = torch.tensor([[7.0, 3.0], [7.0, 4.0]], dtype=f64)
+    torch.testing.assert_close(
+        regmean([tau1, tau2], gram_matrices=grams), torch.tensor([[1.0, 3.0], [2.0, 4.0]], dtype=f64)
+    )
+
+
+def test_regmean_errors_name_the_shapes():
+    with pytest.raises(ValueError, match=r"gram_matrices\[0\] has shape \(3, 3\), expected \(2, 2\)"):
+        regmean([torch.ones(4, 2)], gram_matrices=[torch.eye(3)])
+    with pytest.raises(ValueError, match="one Gram matrix per task"):
+        regmean([torch.ones(4, 2), torch.ones(4, 2)], gram_matrices=[torch.eye(2)])
+
+
+# ---------------------------------------------------------------------- dtype, shape, registry
+
+
+def _options_for(name, tasks):
+    if name == "regmean":
+        return {"gram_matrices": [torch.eye(tasks[0].shape[1]) * (index + 1) for index in range(len(tasks))]}
+    return {}
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_output_dtype_and_shape_preserved(name, dtype):
+    tasks = _random_tasks(3, (6, 4), seed=18, dtype=dtype)
+    method = STRATEGIES[name]
+    merged = method.function(tasks, **method.defaults, **_options_for(name, tasks))
+    assert merged.dtype == dtype and merged.shape == (6, 4)
+    assert bool(torch.isfinite(merged.float()).all())
+
+
+def test_registry_contents():
+    expected = {
+        "weight-average", "task-arithmetic", "ties", "dare", "breadcrumbs", "della", "tsv-m",
+        "iso-c", "iso-cts", "cart", "star", "sftm", "regmean",
+    }  # fmt: skip
+    assert set(STRATEGIES) == expected
+    matrix_only = {name for name, method in STRATEGIES.items() if method.matrix_only}
+    assert matrix_only == {"tsv-m", "iso-c", "iso-cts", "cart", "star", "sftm", "regmean"}
+    assert STRATEGIES["ties"].defaults == {"top_k": 0.2, "scaling": 1.0}
+    assert STRATEGIES["iso-cts"].defaults["common_fraction"] == 0.8
+    assert STRATEGIES["star"].defaults["energy_fraction"] == 0.4
+    assert STRATEGIES["regmean"].defaults["off_diagonal_scale"] == 0.9
+    for method in STRATEGIES.values():
+        assert method.description and method.function.__doc__
+
+
+def test_matrix_methods_reject_vectors():
+    with pytest.raises(ValueError, match=r"2-D task matrices, got task_vectors of shape \(4,\)"):
+        tsv_m([torch.ones(4), torch.ones(4)])
+    with pytest.raises(ValueError, match="one shape"):
+        task_arithmetic([torch.ones(4), torch.ones(5)])
+    with pytest.raises(ValueError, match="empty"):
+        ties([])
+
+
+# ------------------------------------------------------------------------- merge_parameter
+
+
+def test_parameter_kind():
+    assert parameter_kind("model.layers.0.self_attn.q_proj.weight", (8, 8)) == "matrix"
+    assert parameter_kind("model.layers.0.self_attn.q_proj.bias", (8,)) == "bias"
+    assert parameter_kind("model.layers.0.input_layernorm.weight", (8,)) == "norm"
+    assert parameter_kind("transformer.h.0.ln_1.bias", (8,)) == "norm"
+    assert parameter_kind("bert.embeddings.LayerNorm.weight", (8,)) == "norm"
+    assert parameter_kind("model.embed_tokens.weight", (100, 8)) == "embedding"
+    assert parameter_kind("transformer.wte.weight", (100, 8)) == "embedding"
+    assert parameter_kind("lm_head.weight", (100, 8)) == "embedding"
+    assert parameter_kind("conv.weight", (4, 3, 2, 2)) == "matrix"
+
+
+def test_merge_parameter_fallbacks():
+    vectors = [torch.tensor([1.0, 2.0], dtype=f64), torch.tensor([3.0, -4.0], dtype=f64)]
+    # Matrix-only method on a bias -> task arithmetic; on a norm -> mean.
+    torch.testing.assert_close(merge_parameter("layer.bias", vectors, "tsv-m"), torch.tensor([4.0, -2.0], dtype=f64))
+    torch.testing.assert_close(
+        merge_parameter("final_norm.weight", vectors, "iso-c"), torch.tensor([2.0, -1.0], dtype=f64)
+    )
+    embeddings = _random_tasks(2, (10, 4), seed=19)
+    torch.testing.assert_close(
+        merge_parameter("model.embed_tokens.weight", embeddings, "sftm"), task_arithmetic(embeddings)
+    )
+    # The caller overrides the fallback or the kind.
+    torch.testing.assert_close(
+        merge_parameter("layer.bias", vectors, "star", fallback={"bias": ("task-arithmetic", {"scaling": 0.5})}),
+        torch.tensor([2.0, -1.0], dtype=f64),
+    )
+    torch.testing.assert_close(
+        merge_parameter("layer.bias", vectors, "star", fallback={"bias": "weight-average"}),
+        torch.tensor([2.0, -1.0], dtype=f64),
+    )
+    torch.testing.assert_close(merge_parameter("lm_head.weight", embeddings, "iso-c", kind="matrix"), iso_c(embeddings))
+    # Element-wise methods apply to every kind.
+    torch.testing.assert_close(merge_parameter("layer.bias", vectors, "ties", {"top_k": 1.0}), ties(vectors, top_k=1.0))
+    assert DEFAULT_FALLBACK["norm"][0] == "weight-average"
+
+
+def test_merge_parameter_options_and_reshape():
+    tasks = _random_tasks(3, (4, 6), seed=20)
+    torch.testing.assert_close(
+        merge_parameter("mlp.up_proj.weight", tasks, "ties", {"top_k": "50%", "scaling": "0.5"}),
+        ties(tasks, top_k=0.5, scaling=0.5),
+    )
+    with pytest.raises(ValueError, match="unknown option 'k' for merge method 'ties'"):
+        merge_parameter("mlp.up_proj.weight", tasks, "ties", {"k": 0.2})
+    with pytest.raises(ValueError, match="unknown merge method"):
+        merge_parameter("mlp.up_proj.weight", tasks, "slerp")
+    kernels = [task.reshape(4, 3, 2) for task in tasks]
+    torch.testing.assert_close(merge_parameter("conv.weight", kernels, "tsv-m"), tsv_m(tasks).reshape(4, 3, 2))
+    with pytest.raises(ValueError, match="regmean needs gram_matrices"):
+        merge_parameter("mlp.up_proj.weight", tasks, "regmean")
+    grams = [torch.eye(6, dtype=f64)] * 3
+    torch.testing.assert_close(
+        merge_parameter("mlp.up_proj.weight", tasks, "regmean", gram_matrices=grams), weight_average(tasks)
+    )
+
+
+def test_merge_parameter_seeds_differ_by_name():
+    tasks = _random_tasks(2, (6, 6), seed=21)
+    first = merge_parameter("layers.0.q_proj.weight", tasks, "dare", {"drop_rate": 0.5})
+    assert torch.equal(first, merge_parameter("layers.0.q_proj.weight", tasks, "dare", {"drop_rate": 0.5}))
+    assert not torch.equal(first, merge_parameter("layers.1.q_proj.weight", tasks, "dare", {"drop_rate": 0.5}))
+
+
+# -------------------------------------------------------------------- hypothesis properties
+
+_small_tasks = st.integers(min_value=1, max_value=4).flatmap(
+    lambda count: st.tuples(
+        st.integers(min_value=0, max_value=2**31 - 1),
+        st.just(count),
+        st.integers(min_value=1, max_value=5),
+        st.integers(min_value=1, max_value=5),
+    )
+)
+
+
+def _draw_tasks(params):
+    seed, count, rows, columns = params
+    return _random_tasks(count, (rows, columns), seed=seed % 10_000)
+
+
+@settings(max_examples=40, deadline=None)
+@given(_small_tasks, st.randoms(use_true_random=False))
+def test_task_order_does_not_matter(params, random):
+    tasks = _draw_tasks(params)
+    permuted = list(tasks)
+    random.shuffle(permuted)
+    for merge in (weight_average, task_arithmetic, lambda t: ties(t, top_k=0.4), lambda t: ties(t, top_k=1.0)):
+        torch.testing.assert_close(merge(permuted), merge(tasks), atol=1e-12, rtol=0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(_small_tasks)
+def test_single_task_returns_itself(params):
+    task = _draw_tasks(params)[0]
+    torch.testing.assert_close(task_arithmetic([task], scaling=1.0), task)
+    torch.testing.assert_close(ties([task], top_k=1.0, scaling=1.0), task)
+    torch.testing.assert_close(weight_average([task]), task)
+    torch.testing.assert_close(cart([task], rank_ratio=0.5), task)
+    torch.testing.assert_close(star([task], energy_fraction=1.0), task, atol=1e-10, rtol=0)
+    torch.testing.assert_close(sftm([task], top_k=1.0), task, atol=1e-10, rtol=0)
+
+
+@settings(max_examples=30, deadline=None)
+@given(_small_tasks, st.floats(min_value=-3, max_value=3, allow_nan=False))
+def test_scaling_is_linear(params, scaling):
+    tasks = _draw_tasks(params)
+    torch.testing.assert_close(task_arithmetic(tasks, scaling=scaling), scaling * task_arithmetic(tasks))
+    torch.testing.assert_close(ties(tasks, top_k=0.5, scaling=scaling), scaling * ties(tasks, top_k=0.5))
+    torch.testing.assert_close(tsv_m(tasks, scaling=scaling), scaling * tsv_m(tasks), atol=1e-10, rtol=1e-10)
