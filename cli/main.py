@@ -410,6 +410,29 @@ def evaluate_command(
     out.print(f"Wrote group [bold]eval[/] of {out_path}")
 
 
+demo_app = typer.Typer(help="The embedded demo kit: SmolLM2-135M-Instruct + LoRA fine-tunes on math, code and "
+                            "trivia, all from PyPI (no model hub).", no_args_is_help=True)
+app.add_typer(demo_app, name="demo")
+
+
+@demo_app.command("fetch")
+@user_errors
+def demo_fetch():
+    """Fetch and cache the demo base model and task data now (later commands then run offline)."""
+    from diagnostics import demo
+
+    base = demo.ensure_demo_base(console)
+    data = demo.ensure_demo_data(console)
+    adapters = demo.demo_adapters()
+    table = Table(title="Demo kit", title_justify="left")
+    for column in ("task", "data (held-out records)", "LoRA adapter", "what"):
+        table.add_column(column)
+    for task, description in demo.DEMO_TASKS.items():
+        table.add_row(task, str(data[task]), str(adapters[task]), description)
+    out.print(f"base: {base}")
+    out.print(table)
+
+
 def main() -> None:  # pragma: no cover
     app()
 
