@@ -41,11 +41,12 @@ def load_config(ctx: click.Context, param, value: Optional[Path]):
         if isinstance(item, dict):  # finetuned: {math: path} → ["math=path"]
             item = [f"{k}={v}" for k, v in item.items()]
         defaults[name] = item
-    known = {p.name for p in ctx.command.params}
-    unknown = sorted(set(defaults) - known)
+    known = {p.name: p.name for p in ctx.command.params}  # option names (--out) map to parameters (out_path)
+    known.update({o[2:].replace("-", "_"): p.name for p in ctx.command.params for o in p.opts if o.startswith("--")})
+    unknown = sorted(set(defaults) - set(known))
     if unknown:
         raise typer.BadParameter(f"{path}: unknown option(s) {unknown} for `diag {ctx.command.name}`")
-    ctx.default_map = {**(ctx.default_map or {}), **defaults}
+    ctx.default_map = {**(ctx.default_map or {}), **{known[k]: v for k, v in defaults.items()}}
     return value
 
 

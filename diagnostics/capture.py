@@ -216,9 +216,10 @@ class ParameterSource:
         base_params = self.base_parameters(path)
         deltas = {t: self.deltas(path, t) for t in active}
         for local, weight in base_params.items():
-            value = weight.to(torch.float32)
+            compute = torch.promote_types(weight.dtype, torch.float32)  # float64 models stay float64
+            value = weight.to(compute)
             for task, coefficient in active.items():
-                value = value + coefficient * deltas[task][local]
+                value = value + coefficient * deltas[task][local].to(compute)
             params[local] = value.to(weight.dtype)
         return params
 
@@ -331,12 +332,13 @@ def _subset_variant(source: ParameterSource, path: str, variant: Variant, locals
     own = dict(module.named_parameters(remove_duplicate=False))
     params, changed = {}, False
     for local in locals_:
-        value = own[local].to(torch.float32)
+        compute = torch.promote_types(own[local].dtype, torch.float32)  # float64 models stay float64
+        value = own[local].to(compute)
         for task, coefficient in variant.items():
             if coefficient:
                 delta = source.task_vectors[task].get(source.base.checkpoint_name(names[local]), torch.float32, device)
                 changed = changed or bool(delta.abs().max() > 0)
-                value = value + coefficient * delta
+                value = value + coefficient * delta.to(compute)
         params[local] = value.to(own[local].dtype)
     return params if changed else None
 

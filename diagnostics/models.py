@@ -538,6 +538,8 @@ class TaskVectorReader:
 
     def _fit_vocab(self, name: str, tuned: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
         if tuned.dim() >= 1 and tuned.shape[1:] == base.shape[1:] and tuned.shape[0] > base.shape[0] and self.vocab == "base":
+            if name in self.cropped:
+                return tuned[: base.shape[0]]
             self.cropped[name] = (base.shape[0], tuned.shape[0])
             warnings.warn(
                 f"fine-tune '{self.name}': '{name}' has {tuned.shape[0]} rows, the base {base.shape[0]}; "

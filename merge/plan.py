@@ -233,7 +233,10 @@ def choose_granularity(
             reasons.append(f"{granularity}: chosen" + (f" (fallback: {'; '.join(failing)})" if failing else ""))
             return granularity, reasons
         reasons.append(f"{granularity}: rejected ({'; '.join(failing)})")
-    raise PlanError("no granularity available: run diag alpha first")
+    raise PlanError(
+        "no granularity available (" + "; ".join(reasons) + "): run diag alpha at a coarser granularity, "
+        "raise --nl-max / --pd-max, or pass --granularity"
+    )
 
 
 def make_plan(

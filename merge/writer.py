@@ -40,6 +40,8 @@ _COPIED_FILES = (
     "chat_template.jinja",
 )
 
+_CONV1D_MODEL_TYPES = ("gpt2", "openai-gpt", "imagegpt", "decision_transformer")
+
 
 class MergeError(SubmergeError):
     """The merge cannot be written (output exists, bad method options ...)."""
@@ -113,6 +115,7 @@ def write_merge(
     used: dict[str, str] = {}
     names = base_reader.names()
     temporary: list[Path] = []
+    conv1d = gram_matrices is not None and _conv1d_layout(base, allow_pickle)  # square (in, out) weights too
 
     def flush():
         nonlocal shard_bytes
@@ -137,7 +140,8 @@ def write_merge(
                     delta = sum(rule.weights.get(task, 0.0) * vector for task, vector in zip(task_vectors, vectors))
                 else:
                     grams = gram_matrices(name) if (gram_matrices and rule.method == "regmean") else None
-                    transposed = bool(grams) and vectors[0].dim() == 2 and vectors[0].shape[1] != grams[0].shape[0]
+                    transposed = bool(grams) and vectors[0].dim() == 2 and (
+                        conv1d or vectors[0].shape[1] != grams[0].shape[0])
                     if transposed:  # GPT-2 Conv1D stores (in, out)
                         vectors = [v.T for v in vectors]
                     try:
@@ -198,6 +202,13 @@ def _rule_summary(used: dict[str, str]) -> dict[str, list[str]]:
         rule: (names if len(names) <= 8 else names[:8] + [f"... {len(names) - 8} more"])
         for rule, names in by_rule.items()
     }
+
+
+def _conv1d_layout(base: str, allow_pickle: bool) -> bool:
+    """Whether the base's linear maps are transformers `Conv1D`s, stored (in, out) (GPT-2 family)."""
+    source = local_path(base, allow_pickle=allow_pickle)
+    config = (source if source.is_dir() else source.parent) / "config.json"
+    return config.exists() and json.loads(config.read_text()).get("model_type") in _CONV1D_MODEL_TYPES
 
 
 def _copy_model_files(base: str, out_dir: Path, allow_pickle: bool) -> None:

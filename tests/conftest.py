@@ -1,0 +1,90 @@
+"""Shared fixtures: tiny real models of several architectures, a synthetic fine-tune of each, task data.
+
+Everything is built once per test session in a temporary directory (no network) and
+cached per architecture, so tests that need the same architecture share one build.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from diagnostics import toy
+
+torch.set_num_threads(1)  # tiny tensors: threads only add overhead (and the suite runs on 2 shared cores)
+
+LAYERS = 3
+HIDDEN = 32
+SAMPLES = 4
+TASK = "math"
+
+
+@dataclass
+class ToyKit:
+    """One architecture: base and fine-tune directories, the task's data file, the loaded base."""
+
+    architecture: str
+    base_dir: Path
+    finetuned_dir: Path
+    data_path: Path
+
+    def load(self):
+        """A freshly loaded base model and the fine-tune's task-vector reader (float32, CPU)."""
+        from diagnostics.models import load_base_model, open_finetunes
+
+        base = load_base_model(str(self.base_dir), dtype="float32", device="cpu")
+        task_vectors, _ = open_finetunes(base.reader, {TASK: str(self.finetuned_dir)})
+        return base, task_vectors
+
+    def finetuned_model(self) -> torch.nn.Module:
+        """The fine-tune instantiated as a whole model (the reference the engine must reproduce)."""
+        import transformers
+
+        auto = transformers.AutoModel if self.architecture == "bert" else transformers.AutoModelForCausalLM
+        model = auto.from_pretrained(self.finetuned_dir, dtype=torch.float32).eval()
+        model.requires_grad_(False)
+        return model
+
+    def experiment(self, data_path: Path | None = None, **options):
+        """`Experiment.load` on this kit (its own task data unless `data_path`), small settings."""
+        from diagnostics.experiment import Experiment
+
+        settings = {"samples": SAMPLES, "max_tokens": 48, "batch_size": 2, "dtype": "float32", "device": "cpu"}
+        settings.update(options)
+        data = {TASK: str(data_path or self.data_path)}
+        return Experiment.load(str(self.base_dir), {TASK: str(self.finetuned_dir)}, data, **settings)
+
+
+@pytest.fixture(scope="session")
+def toy_root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("toy_models")
+
+
+@pytest.fixture(scope="session")
+def toy_kit(toy_root):
+    """`toy_kit(architecture)` → a `ToyKit`, built on first use and cached for the session."""
+    built: dict[str, ToyKit] = {}
+
+    def get(architecture: str) -> ToyKit:
+        if architecture not in built:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                base_dir = toy.build_model(toy_root / f"{architecture}_base", architecture, layers=LAYERS,
+                                           hidden=HIDDEN)
+                finetuned_dir = toy.finetune(base_dir, toy_root / f"{architecture}_{TASK}", TASK, steps=3)
+            data_path = toy_root / f"{TASK}.jsonl"
+            if not data_path.exists():
+                toy.write_task_data(data_path, TASK, count=8)
+            built[architecture] = ToyKit(architecture, base_dir, finetuned_dir, data_path)
+        return built[architecture]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def llama_kit(toy_kit) -> ToyKit:
+    return toy_kit("llama")

@@ -1,0 +1,265 @@
+"""Capture/replay engine against real forwards of tiny models of six architectures.
+
+Reference numbers come from the models themselves: forward hooks in a normal forward of the
+base model, the fine-tuned model instantiated whole, and its full forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+from diagnostics.capture import (
+    ParameterSource,
+    head_output,
+    model_outputs,
+    record_inputs,
+    replay,
+    replay_with_heads,
+    sample_features,
+    split_heads,
+)
+from diagnostics.data import read_task_file, tokenize
+from diagnostics.modules import find_architecture, find_submodules, get_module
+
+TASK = "math"  # the toy fine-tunes' task (tests/conftest.py)
+ARCHITECTURES = ["llama", "qwen2", "gemma3", "gpt2", "bert"]  # mistral: llama's structure, left out for time
+TOLERANCE = 1e-5
+
+
+@dataclass
+class Engine:
+    name: str
+    base: object
+    task_vectors: dict
+    arch: object
+    submodules: list
+    batches: list
+    recorded: dict
+    finetuned: torch.nn.Module
+    source: ParameterSource
+
+
+@pytest.fixture(scope="module", params=ARCHITECTURES)
+def engine(request, toy_kit) -> Engine:
+    kit = toy_kit(request.param)
+    base, task_vectors = kit.load()
+    arch = find_architecture(base.model)
+    submodules = find_submodules(base.model, ("layer", "attn", "mlp"), arch=arch)
+    data = read_task_file(TASK, kit.data_path, samples=4)
+    batches = tokenize(data, base.tokenizer, max_tokens=48, batch_size=2)
+    assert any(bool((b.attention_mask == 0).any()) for b in batches), "the test data should need padding"
+    recorded = record_inputs(base.model, arch, [s.path for s in submodules], batches)
+    return Engine(request.param, base, task_vectors, arch, submodules, batches, recorded, kit.finetuned_model(),
+                  ParameterSource(base, task_vectors))
+
+
+def _hooked_outputs(model, arch, submodules, batch) -> dict[str, torch.Tensor]:
+    """Outputs of every submodule in one normal forward of `model` (BERT's MLP: its `output` part)."""
+    outputs: dict[str, torch.Tensor] = {}
+    handles = []
+    for submodule in submodules:
+        path = submodule.path
+        if "+" in path:  # intermediate+output: the MLP's output is the `output` module's
+            parent, _, joined = path.rpartition(".")
+            path = f"{parent}.{joined.split('+')[-1]}"
+
+        def hook(module, args, output, name=submodule.name):
+            outputs[name] = output[0] if isinstance(output, tuple) else output
+
+        handles.append(model.get_submodule(path).register_forward_hook(hook))
+    try:
+        with torch.no_grad():
+            get_module(model, arch.backbone_path)(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return outputs
+
+
+def _max_error(first: torch.Tensor, second: torch.Tensor, mask: torch.Tensor) -> float:
+    return (first - second)[mask].abs().max().item()
+
+
+def test_replay_with_base_parameters_reproduces_the_forward(engine):
+    for b, batch in enumerate(engine.batches):
+        reference = _hooked_outputs(engine.base.model, engine.arch, engine.submodules, batch)
+        mask = batch.attention_mask.bool()
+        for submodule in engine.submodules:
+            module = get_module(engine.base.model, submodule.path)
+            replayed = replay(module, engine.recorded[submodule.path][b])
+            assert replayed.shape == reference[submodule.name].shape
+            assert _max_error(replayed, reference[submodule.name], mask) <= TOLERANCE, submodule.name
+
+
+def test_replay_with_finetuned_parameters_reproduces_the_finetuned_modules(engine):
+    checked = 0
+    for b, batch in enumerate(engine.batches):
+        mask = batch.attention_mask.bool()
+        for submodule in engine.submodules:
+            recorded = engine.recorded[submodule.path][b]
+            parameters = engine.source.variant(submodule.path, {TASK: 1.0})
+            assert parameters is not None
+            replayed = replay(get_module(engine.base.model, submodule.path), recorded, parameters)
+            with torch.no_grad():
+                expected = get_module(engine.finetuned, submodule.path)(*recorded.args, **recorded.kwargs)
+            expected = expected[0] if isinstance(expected, tuple) else expected
+            base_output = replay(get_module(engine.base.model, submodule.path), recorded)
+            assert _max_error(replayed, expected, mask) <= TOLERANCE, submodule.name
+            # the fine-tune really moved this module, so the check above can fail
+            assert _max_error(base_output, expected, mask) > 100 * TOLERANCE, submodule.name
+            checked += 1
+    assert checked == len(engine.batches) * len(engine.submodules)
+
+
+def test_variant_is_base_plus_scaled_task_vector(engine):
+    path = engine.arch.attn_path(1)
+    assert engine.source.variant(path, {TASK: 0.0}) is None
+    half = engine.source.variant(path, {TASK: 0.5})
+    base_parameters = engine.source.base_parameters(path)
+    deltas = engine.source.deltas(path, TASK)
+    for local, weight in base_parameters.items():
+        torch.testing.assert_close(half[local], weight + 0.5 * deltas[local], rtol=0, atol=1e-7)
+    assert engine.source.changed(path, TASK)
+
+
+@pytest.mark.parametrize("coefficient", [0.0, 1.0])
+def test_model_outputs_equal_full_forward(engine, coefficient):
+    reference_model = engine.base.model if coefficient == 0.0 else engine.finetuned
+    outputs = model_outputs(engine.source, engine.arch, engine.batches, [{TASK: coefficient}])
+    backbone = get_module(reference_model, engine.arch.backbone_path)
+    for b, batch in enumerate(engine.batches):
+        with torch.no_grad():
+            expected = backbone(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
+        assert _max_error(outputs[0][b], expected, batch.attention_mask.bool()) <= TOLERANCE
+
+
+def test_model_outputs_of_several_variants_at_once(engine):
+    """Variants computed together equal variants computed one by one (no state leaks between them)."""
+    together = model_outputs(engine.source, engine.arch, engine.batches, [{TASK: 0.0}, {TASK: 0.5}, {TASK: 1.0}])
+    alone = model_outputs(engine.source, engine.arch, engine.batches, [{TASK: 0.5}])
+    for b, batch in enumerate(engine.batches):
+        mask = batch.attention_mask.bool()
+        assert _max_error(together[1][b], alone[0][b], mask) <= TOLERANCE
+        assert _max_error(together[0][b], together[2][b], mask) > 100 * TOLERANCE
+
+
+def test_model_logits_equal_full_forward(engine):
+    if engine.name == "bert":
+        with pytest.raises(ValueError, match="no output head"):
+            model_outputs(engine.source, engine.arch, engine.batches[:1], [{TASK: 1.0}], output="logits")
+        return
+    outputs = model_outputs(engine.source, engine.arch, engine.batches, [{TASK: 1.0}], output="logits")
+    for b, batch in enumerate(engine.batches):
+        with torch.no_grad():
+            expected = engine.finetuned(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        assert outputs[0][b].shape[-1] == engine.finetuned.config.vocab_size
+        assert _max_error(outputs[0][b], expected, batch.attention_mask.bool()) <= TOLERANCE
+
+
+@pytest.mark.parametrize("coefficient", [0.0, 1.0])
+def test_heads_sum_to_output_projection_minus_bias(engine, coefficient):
+    arch = engine.arch
+    for layer in range(arch.num_layers):
+        path = arch.attn_path(layer)
+        attention = get_module(engine.base.model, path)
+        o_proj = attention.get_submodule(arch.o_proj)
+        parameters = engine.source.variant(path, {TASK: coefficient})
+        seen: dict[str, torch.Tensor] = {}
+        handle = o_proj.register_forward_hook(lambda module, args, output, seen=seen: seen.__setitem__("y", output))
+        try:
+            output, o_input, o_weight = replay_with_heads(attention, arch, engine.recorded[path][0], parameters)
+        finally:
+            handle.remove()
+        if parameters is not None:
+            assert torch.equal(o_weight, parameters[f"{arch.o_proj}.weight"])
+        bias = (parameters or {}).get(f"{arch.o_proj}.bias", o_proj.bias)
+        expected = seen["y"] - (bias if bias is not None else 0)
+        heads = split_heads(o_input, o_weight, arch)
+        assert heads.shape == (*o_input.shape[:-1], arch.num_heads, expected.shape[-1])
+        assert (heads.sum(-2) - expected).abs().max().item() <= TOLERANCE
+        for head in range(arch.num_heads):
+            assert torch.allclose(head_output(o_input, o_weight, arch, head), heads[..., head, :],
+                                  rtol=0, atol=1e-6)
+        # one head is not the whole: the split is a real split
+        assert (heads[..., 0, :] - expected).abs().max().item() > 100 * TOLERANCE
+        assert output.shape[:-1] == o_input.shape[:-1]
+
+
+def test_recording_stops_after_the_deepest_requested_block(llama_kit):
+    base, _ = llama_kit.load()
+    arch = find_architecture(base.model)
+    data = read_task_file(TASK, llama_kit.data_path, samples=2)
+    batches = tokenize(data, base.tokenizer, max_tokens=48, batch_size=2)
+    calls = []
+    handle = base.model.get_submodule(arch.layer_path(arch.num_layers - 1)).register_forward_pre_hook(
+        lambda module, args: calls.append(1))
+    try:
+        recorded = record_inputs(base.model, arch, [arch.attn_path(0)], batches)
+    finally:
+        handle.remove()
+    assert calls == []
+    assert len(recorded[arch.attn_path(0)]) == len(batches)
+    assert recorded[arch.attn_path(0)][0].sample_index == [0, 1]
+
+
+# --------------------------------------------------------------------------- padding
+
+
+SHORT = "Q: what is 2 plus 3?"
+LONG = "Q: what is 17 plus 25? A: 17 + 25 = 42. Then 42 plus 8 is 50, and 50 plus 50 is 100."
+
+
+@pytest.mark.parametrize("name", ["llama", "bert"])
+def test_padding_does_not_change_module_features(toy_kit, name):
+    from diagnostics.data import TokenBatch
+
+    kit = toy_kit(name)
+    base, task_vectors = kit.load()
+    arch = find_architecture(base.model)
+    source = ParameterSource(base, task_vectors)
+    paths = [s.path for s in find_submodules(base.model, ("layer", "attn", "mlp"), arch=arch)]
+    alone = base.tokenizer([SHORT], return_tensors="pt", padding=True)
+    together = base.tokenizer([SHORT, LONG], return_tensors="pt", padding=True)
+    assert together["input_ids"].shape[1] >= 3 * alone["input_ids"].shape[1]
+    batches = {
+        "alone": [TokenBatch(alone["input_ids"], alone["attention_mask"], [0])],
+        "together": [TokenBatch(together["input_ids"], together["attention_mask"], [0, 1])],
+    }
+    features = {}
+    for key, batch in batches.items():
+        recorded = record_inputs(base.model, arch, paths, batch)
+        for path in paths:
+            rec = recorded[path][0]
+            output = replay(get_module(base.model, path), rec, source.variant(path, {TASK: 0.5}))
+            features[key, path] = sample_features(output, rec.token_mask)[0]
+        final = model_outputs(source, arch, batch, [{TASK: 0.5}])[0][0]
+        features[key, "model"] = sample_features(final, batch[0].attention_mask.bool())[0]
+    for path in [*paths, "model"]:
+        first, second = features["alone", path], features["together", path]
+        assert first.shape == second.shape
+        assert (first - second).abs().max().item() <= TOLERANCE, path
+
+
+@pytest.mark.parametrize("name", ["llama", "bert"])
+def test_padding_does_not_change_nonlinearity_score(toy_kit, tmp_path, name):
+    import json
+
+    from diagnostics.linearity import nonlinearity
+
+    data_path = tmp_path / "mixed.jsonl"
+    data_path.write_text(json.dumps({"text": SHORT}) + "\n" + json.dumps({"text": LONG}) + "\n")
+    kit = toy_kit(name)
+    scores = {}
+    for batch_size in (1, 2):
+        experiment = kit.experiment(data_path, batch_size=batch_size, samples=2, max_tokens=128)
+        assert len(experiment.batches[TASK]) == 3 - batch_size
+        dataset = nonlinearity(experiment, levels=("model", "layer", "attn", "mlp", "head"), steps=4,
+                               progress=False)
+        scores[batch_size] = dataset.nonlinearity_score.sel(task=TASK).values
+    assert scores[1].shape == scores[2].shape
+    assert np.isfinite(scores[1]).all()
+    np.testing.assert_allclose(scores[2], scores[1], rtol=1e-4, atol=1e-7)

@@ -1,0 +1,209 @@
+"""The `diag` command line on tiny local models: help, a real run, --config, and clear errors (exit code 2)."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from safetensors.torch import load_file, save_file
+from typer.testing import CliRunner
+
+from cli.main import app
+from diagnostics.store import Store
+
+TASK = "math"
+WIDE = {"COLUMNS": "400"}  # no line wrapping of messages by rich
+
+
+@pytest.fixture(scope="module")
+def runner() -> CliRunner:
+    return CliRunner()
+
+
+def _flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _invoke(runner, arguments: list[str]):
+    return runner.invoke(app, [str(a) for a in arguments], env=WIDE)
+
+
+def _linearity_arguments(kit, out, *extra):
+    return ["linearity", "--model", kit.base_dir, "--finetuned", f"{TASK}={kit.finetuned_dir}",
+            "--data", f"{TASK}={kit.data_path}", "--out", out, "--samples", "2", "--steps", "2",
+            "--levels", "layer,model", "--max-tokens", "24", "--device", "cpu", "--no-progress", *extra]
+
+
+def _assert_user_error(result, *fragments: str) -> None:
+    """Exit code 2, the message on the terminal, no traceback."""
+    output = _flat(result.output)
+    assert result.exit_code == 2, output
+    assert isinstance(result.exception, SystemExit)
+    assert "Traceback" not in result.output
+    for fragment in fragments:
+        assert fragment in output, (fragment, output)
+
+
+def test_help_lists_the_commands(runner):
+    result = _invoke(runner, ["--help"])
+    assert result.exit_code == 0
+    for command in ("linearity", "projection", "alpha", "check"):
+        assert command in result.output
+    result = _invoke(runner, ["linearity", "--help"])
+    assert result.exit_code == 0
+    for option in ("--model", "--finetuned", "--data", "--config", "--force", "--allow-pickle",
+                   "--trust-remote-code", "--vocab", "--no-progress"):
+        assert option in result.output
+    import typer.main
+
+    for name, command in typer.main.get_command(app).commands.items():
+        defaults = {p.name: p.default for p in command.params}
+        if "trust_remote_code" in defaults:
+            assert defaults["trust_remote_code"] is False, name
+        if "allow_pickle" in defaults:
+            assert defaults["allow_pickle"] is False, name
+
+
+def test_linearity_writes_a_store(runner, llama_kit, tmp_path):
+    out = tmp_path / "run.zarr"
+    result = _invoke(runner, _linearity_arguments(llama_kit, out))
+    assert result.exit_code == 0, result.output
+    assert "Non-linearity Score" in result.output and "Wrote group linearity" in _flat(result.output)
+    store = Store(out)
+    assert store.is_complete("linearity")
+    dataset = store.dataset("linearity")
+    assert list(dataset.module.values) == ["layers.0", "layers.1", "layers.2", "model"]
+    assert dataset.sizes["sample"] == 2
+    assert store.attrs["command"].startswith("diag")
+    # the same command again resumes a finished run: nothing to redo, same numbers
+    again = _invoke(runner, _linearity_arguments(llama_kit, out))
+    assert again.exit_code == 0, again.output
+    assert store.dataset("linearity").nonlinearity_score.equals(dataset.nonlinearity_score)
+    # other settings in the same store: a clear error unless --force
+    other = _invoke(runner, [*_linearity_arguments(llama_kit, out), "--steps", "3"])
+    _assert_user_error(other, "already has group 'linearity' made with other settings", "steps: 2 → 3", "--force")
+    forced = _invoke(runner, [*_linearity_arguments(llama_kit, out), "--steps", "3", "--force"])
+    assert forced.exit_code == 0, forced.output
+    assert Store(out)._root("r")["linearity"].attrs["settings"]["steps"] == 3
+
+
+def test_config_file_gives_the_options(runner, llama_kit, tmp_path):
+    out = tmp_path / "configured.zarr"
+    config = {"model": str(llama_kit.base_dir), "finetuned": {TASK: str(llama_kit.finetuned_dir)},
+              "data": {TASK: str(llama_kit.data_path)}, "out": str(out), "samples": 3, "steps": 2,
+              "levels": "attn,mlp", "max-tokens": 24, "device": "cpu", "progress": False}
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    result = _invoke(runner, ["linearity", "--config", path, "--steps", "3"])  # the command line wins
+    assert result.exit_code == 0, result.output
+    settings = Store(out)._root("r")["linearity"].attrs["settings"]
+    assert settings["samples"] == 3 and settings["steps"] == 3 and settings["levels"] == ["attn", "mlp"]
+    assert settings["max_tokens"] == 24
+    path.write_text(yaml.safe_dump({**config, "stepz": 4}))
+    _assert_user_error(_invoke(runner, ["linearity", "--config", path]), "unknown option(s) ['stepz']")
+    path.write_text("model: [unclosed")
+    _assert_user_error(_invoke(runner, ["linearity", "--config", path]), "not valid YAML")
+    _assert_user_error(_invoke(runner, ["linearity", "--config", tmp_path / "nope.yaml"]), "not found")
+
+
+def test_bad_data_line_is_named(runner, llama_kit, tmp_path):
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"text": "fine"}\n{"text": oops}\n')
+    arguments = _linearity_arguments(llama_kit, tmp_path / "o.zarr")
+    arguments[arguments.index("--data") + 1] = f"{TASK}={data}"
+    _assert_user_error(_invoke(runner, arguments), f"{data}:2: not valid JSON")
+    data.write_text("")
+    _assert_user_error(_invoke(runner, arguments), "has no records")
+
+
+def test_bad_options_are_usage_errors(runner, llama_kit, tmp_path):
+    out = tmp_path / "o.zarr"
+    _assert_user_error(_invoke(runner, [*_linearity_arguments(llama_kit, out), "--levels", "layer,neuron"]),
+                       "unknown level(s) ['neuron']")
+    _assert_user_error(_invoke(runner, [*_linearity_arguments(llama_kit, out), "--model-output", "probs"]),
+                       "--model-output must be hidden or logits")
+    arguments = _linearity_arguments(llama_kit, out)
+    arguments[arguments.index("--finetuned") + 1] = "just-a-path"
+    _assert_user_error(_invoke(runner, arguments), "--finetuned expects NAME=PATH")
+    _assert_user_error(_invoke(runner, ["check", "--finetuned", f"x={llama_kit.finetuned_dir}"]),
+                       "--finetuned given without --model")
+    _assert_user_error(_invoke(runner, [*_linearity_arguments(llama_kit, out), "--dtype", "float8"]),
+                       "unknown dtype 'float8'")
+    assert not out.exists()
+
+
+def test_check_accepts_a_matching_finetune(runner, llama_kit):
+    result = _invoke(runner, ["check", "-m", llama_kit.base_dir, "-f", f"{TASK}={llama_kit.finetuned_dir}", "--scan"])
+    assert result.exit_code == 0, result.output
+    assert "ok: 1 fine-tune(s) match" in _flat(result.output) and "no NaN/Inf" in result.output
+
+
+def test_check_refuses_another_architecture(runner, toy_kit):
+    result = _invoke(runner, ["check", "-m", toy_kit("llama").base_dir, "-f", f"gpt={toy_kit('gpt2').finetuned_dir}"])
+    _assert_user_error(result, "error:", "gpt: missing 'model.layers.0.self_attn.q_proj.weight'",
+                       "extra 'transformer.h.0.attn.c_attn.weight'")
+
+
+def test_check_scan_names_nan_tensor(runner, llama_kit, tmp_path):
+    tensors = load_file(llama_kit.finetuned_dir / "model.safetensors")
+    tensors["model.layers.1.mlp.gate_proj.weight"][0, 0] = float("nan")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    arguments = ["check", "-m", llama_kit.base_dir, "-f", f"{TASK}={broken}"]
+    assert _invoke(runner, arguments).exit_code == 0  # headers match
+    _assert_user_error(_invoke(runner, [*arguments, "--scan"]), "'model.layers.1.mlp.gate_proj.weight'",
+                       str(broken / "model.safetensors"), "NaN/Inf")
+
+
+def test_check_vocabulary_policies(runner, llama_kit, tmp_path):
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(llama_kit.finetuned_dir, dtype=torch.float32)
+    model.resize_token_embeddings(260)
+    model.save_pretrained(tmp_path / "grown")
+    arguments = ["check", "-m", llama_kit.base_dir, "-f", f"{TASK}={tmp_path / 'grown'}"]
+    with pytest.warns(UserWarning, match="260 vocabulary rows, the base 258"):
+        result = _invoke(runner, arguments)
+    assert result.exit_code == 0, result.output
+    assert "math: model.embed_tokens.weight uses the base's 258 of 260 vocabulary rows" in _flat(result.output)
+    _assert_user_error(_invoke(runner, [*arguments, "--vocab", "error"]),
+                       "'model.embed_tokens.weight' has shape (260, 32), base (258, 32)")
+
+
+def test_pickled_base_needs_allow_pickle(runner, llama_kit, tmp_path):
+    import shutil
+
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    for file in llama_kit.base_dir.glob("*.json"):
+        shutil.copy(file, pickled / file.name)
+    import torch
+
+    torch.save(load_file(llama_kit.base_dir / "model.safetensors"), pickled / "pytorch_model.bin")
+    arguments = ["check", "-m", pickled, "-f", f"{TASK}={llama_kit.finetuned_dir}"]
+    _assert_user_error(_invoke(runner, arguments), "pickled checkpoint", "--allow-pickle")
+    result = _invoke(runner, [*arguments, "--allow-pickle"])
+    assert result.exit_code == 0, result.output
+
+
+def test_unknown_model_path(runner, llama_kit, tmp_path):
+    _assert_user_error(_invoke(runner, ["check", "-m", tmp_path / "missing", "-f", f"x={llama_kit.finetuned_dir}"]),
+                       "model path not found")
+
+
+def test_unrecognised_architecture(runner, llama_kit, tmp_path):
+    """A real model without attention + MLP blocks (Mamba): the error lists what was found."""
+    import transformers
+
+    from diagnostics.toy import byte_tokenizer
+
+    config = transformers.MambaConfig(vocab_size=258, hidden_size=16, state_size=4, num_hidden_layers=2,
+                                      pad_token_id=256, eos_token_id=257, bos_token_id=257)
+    mamba = tmp_path / "mamba"
+    transformers.MambaForCausalLM(config).save_pretrained(mamba)
+    byte_tokenizer().save_pretrained(mamba)
+    result = _invoke(runner, ["linearity", "-m", mamba, "-f", f"{TASK}={mamba}", "-d", f"{TASK}={llama_kit.data_path}",
+                              "-o", tmp_path / "o.zarr", "--device", "cpu", "--no-progress"])
+    _assert_user_error(result, "could not find transformer blocks in MambaForCausalLM",
+                       "backbone.layers (2 x MambaBlock)")
