@@ -217,6 +217,78 @@ def alpha(
 
 @app.command()
 @user_errors
+def interference(
+    model: ModelOption = None,
+    finetuned: FinetunedOption = None,
+    out_path: OutOption = Path("runs/diag.zarr"),
+    rank_fracs: Annotated[str, typer.Option("--rank-fracs", help="Rank fractions of the I(k)/R(k) grid.")] =
+    "0.01,0.02,0.04,0.08,0.16,0.32,0.64,1",
+    sar_against: Annotated[str, typer.Option("--sar-against", help="Merged matrix for SAR: ta (Σ Δ_t) or a merge "
+                                             "method (iso-c, ties, tsv-m ...).")] = "ta",
+    svd_dtype: Annotated[str, typer.Option("--svd-dtype", help="float32 or float64 SVDs.")] = "float32",
+    device: DeviceOption = "auto",
+    allow_pickle: PickleOption = False,
+    vocab: VocabOption = "base",
+    force: ForceOption = False,
+    progress: ProgressOption = True,
+    config: ConfigOption = None,
+):
+    """Weight-space interference of every 2-D weight matrix (no data): ‖τ‖, effective rank, cosine and
+    sign conflicts, STI (TSV-M), SAR (Iso-C), row-space interference I(k) and R(k) (CART).
+
+    Streams one matrix at a time (base + one tensor per fine-tune); writes store group `interference`."""
+    from diagnostics.interference import interference as run_interference
+    from diagnostics.interference import summarize_interference
+    from diagnostics.models import open_checkpoint, open_finetunes
+    from diagnostics.store import Store
+
+    try:
+        fractions = [float(v) for v in rank_fracs.split(",")]
+    except ValueError:
+        raise typer.BadParameter(f"--rank-fracs expects numbers separated by commas, got '{rank_fracs}'") from None
+    model, named_finetuned, _ = resolve_inputs(model, finetuned, None, need_data=False)
+    base = open_checkpoint(model, allow_pickle=allow_pickle)
+    task_vectors, _ = open_finetunes(base, named_finetuned, allow_pickle=allow_pickle, vocab=vocab)
+    dataset = run_interference(base, task_vectors, rank_fracs=fractions, sar_against=sar_against,
+                               svd_dtype=svd_dtype, device=device, progress=progress,
+                               transposed=_conv1d_weights(base), store=Store(out_path), force=force,
+                               command=command_line())
+    _print_frame(summarize_interference(dataset, by=("level",)), "Interference per level (means over matrices)")
+    _print_frame(summarize_interference(dataset, by=("layer",)), "Interference per layer")
+    out.print(f"Wrote group [bold]interference[/] of {out_path}")
+
+
+def _conv1d_weights(base) -> list[str]:
+    """GPT-2-family checkpoints store their linear maps as Conv1D (in, out)."""
+    import json
+    import re
+
+    config = base.path / "config.json" if base.path.is_dir() else base.path.parent / "config.json"
+    if not config.exists() or json.loads(config.read_text()).get("model_type") not in ("gpt2", "openai-gpt"):
+        return []
+    return [n for n in base.names() if re.search(r"\.(c_attn|c_proj|c_fc|q_attn)\.weight$", n)]
+
+
+@app.command()
+@user_errors
+def report(
+    store_path: Annotated[Path, typer.Argument(help="A store written by the diag commands.")],
+    out_dir: Annotated[Optional[Path], typer.Option("--out", "-o", help="Folder for the PNG figures "
+                                                    "(default: <store>-figures).")] = None,
+):
+    """Tables in the terminal and seaborn figures (PNG) of every group in a store."""
+    from diagnostics.errors import StoreError
+    from diagnostics.plot import print_tables, report as draw, summary_tables
+
+    if not (store_path / "zarr.json").exists():
+        raise StoreError(f"no store at {store_path}")
+    print_tables(summary_tables(store_path), console=out)
+    figures = draw(store_path, out_dir or store_path.with_name(store_path.stem + "-figures"), console=out)
+    out.print(f"Wrote {len(figures)} figure(s) to {figures[0].parent if figures else out_dir}")
+
+
+@app.command()
+@user_errors
 def check(
     model: ModelOption = None,
     finetuned: FinetunedOption = None,

@@ -1,0 +1,483 @@
+"""Known-answer and property tests for diagnostics.interference (weight-space metrics)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from diagnostics.interference import (
+    DEFAULT_RANK_FRACS,
+    centered,
+    cosine_similarity,
+    effective_rank,
+    effective_rank_cutoff,
+    effective_rank_from_singular_values,
+    matrix_interference,
+    rank_from_fraction,
+    reconstruction_error,
+    row_space_interference,
+    sar,
+    sign_conflict_rate,
+    sti,
+    sti_rank,
+    task_vector_norm,
+)
+
+F64 = torch.float64
+
+
+def outer(u, v):
+    return torch.outer(torch.tensor(u, dtype=F64), torch.tensor(v, dtype=F64))
+
+
+# Two 3×3 task matrices built from explicit singular triplets.
+#   Δ_1 = 3·e1 e1ᵀ + 1·e2 e2ᵀ                     σ(Δ_1) = (3, 1, 0)
+#   Δ_2 = 2·u vᵀ + 0.5·u' v'ᵀ                     σ(Δ_2) = (2, 0.5, 0)
+#   u = (3/5, 4/5, 0), u' = (−4/5, 3/5, 0)  (orthonormal)
+#   v = (4/5, 0, 3/5), v' = (0, 1, 0)       (orthonormal)
+U_2, U_2_SECOND = [0.6, 0.8, 0.0], [-0.8, 0.6, 0.0]
+V_2, V_2_SECOND = [0.8, 0.0, 0.6], [0.0, 1.0, 0.0]
+DELTA_1 = 3 * outer([1, 0, 0], [1, 0, 0]) + 1 * outer([0, 1, 0], [0, 1, 0])
+DELTA_2 = 2 * outer(U_2, V_2) + 0.5 * outer(U_2_SECOND, V_2_SECOND)
+
+
+def random_task_matrices(seed: int, shape=(12, 9), num_tasks=3, dtype=F64):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=generator, dtype=dtype) for _ in range(num_tasks)]
+
+
+def block_orthogonal_tasks(num_tasks=3, block=2, seed=0):
+    """Δ_t non-zero only on rows and columns [block·t, block·(t+1)): mutually
+    orthogonal column spaces (U) and row spaces (V)."""
+    generator = torch.Generator().manual_seed(seed)
+    size = num_tasks * block
+    tasks = []
+    for t in range(num_tasks):
+        delta = torch.zeros(size, size, dtype=F64)
+        delta[block * t : block * (t + 1), block * t : block * (t + 1)] = torch.randn(block, block, generator=generator, dtype=F64)
+        tasks.append(delta)
+    return tasks
+
+
+# ------------------------------------------------------------------- simple metrics
+
+
+def test_cosine_and_sign_conflict_on_tiny_examples():
+    a = torch.tensor([1.0, -2.0, 0.0, 3.0])
+    b = torch.tensor([-1.0, -1.0, 5.0, -2.0])
+    # opposite non-zero signs at entries 0 and 3; entry 2 has a zero → 2 of 4 entries
+    assert sign_conflict_rate(a, b) == 0.5
+    assert sign_conflict_rate(a, a) == 0.0
+    assert sign_conflict_rate(a, -a) == 0.75  # the zero entry is never a conflict, but counts in N
+    # ⟨a,b⟩ = −1 + 2 + 0 − 6 = −5, ‖a‖ = √14, ‖b‖ = √31
+    assert cosine_similarity(a, b) == pytest.approx(-5 / math.sqrt(14 * 31), abs=1e-12)
+    assert cosine_similarity(torch.tensor([[1.0, 0.0]]), torch.tensor([[1.0, 1.0]])) == pytest.approx(1 / math.sqrt(2))
+    assert math.isnan(cosine_similarity(a, torch.zeros(4)))
+    assert task_vector_norm(torch.tensor([[3.0, 0.0], [0.0, 4.0]])) == pytest.approx(5.0)
+    with pytest.raises(ValueError, match=r"\(4,\).*\(3,\)"):
+        cosine_similarity(a, torch.zeros(3))
+
+
+def test_effective_rank_known_values():
+    assert effective_rank(torch.eye(5, dtype=F64)) == pytest.approx(5.0)
+    assert effective_rank(outer([1, 2, 3], [4, 5])) == pytest.approx(1.0)
+    # σ = (3, 1): p = (3/4, 1/4), exp(H) = (3/4)^(−3/4) (1/4)^(−1/4) = 4 / 3^(3/4)
+    assert effective_rank(torch.diag(torch.tensor([3.0, 1.0], dtype=F64))) == pytest.approx(4 / 3**0.75)
+    assert effective_rank_from_singular_values([1.0, 1.0, 0.0]) == pytest.approx(2.0)
+    assert math.isnan(effective_rank_from_singular_values([0.0, 0.0]))
+    with pytest.raises(ValueError, match="2-D"):
+        effective_rank(torch.ones(3))
+
+
+# ------------------------------------------------------------------------------ STI
+
+
+def test_sti_hand_computed_two_tasks():
+    # T = 2, min(m, n) = 3 → k = ⌊3/2⌋ = 1: U = [e1, u], V = [e1, v], Σ = diag(3, 2).
+    #   UᵀU − I = [[0, e1·u], [e1·u, 0]] = [[0, .6], [.6, 0]]
+    #   VᵀV − I = [[0, e1·v], [e1·v, 0]] = [[0, .8], [.8, 0]]
+    #   (UᵀU − I) Σ = [[0, 1.2], [1.8, 0]]
+    #   (UᵀU − I) Σ (VᵀV − I) = [[1.2·.8, 0], [0, 1.8·.8]] = [[0.96, 0], [0, 1.44]]
+    #   STI = 0.96 + 1.44 = 2.4;  Σσ = 3 + 2 = 5  →  normalised 0.48
+    value, normalized, k = sti([DELTA_1, DELTA_2], svd_dtype="float64")
+    assert k == 1
+    assert value == pytest.approx(2.4, abs=1e-12)
+    assert normalized == pytest.approx(0.48, abs=1e-12)
+
+
+def test_sti_zero_for_orthogonal_subspaces():
+    tasks = block_orthogonal_tasks(num_tasks=3, block=2)
+    value, normalized, k = sti(tasks, svd_dtype="float64")
+    assert k == 2  # ⌊6/3⌋
+    assert value == pytest.approx(0.0, abs=1e-12)
+    assert normalized == pytest.approx(0.0, abs=1e-12)
+
+
+def test_sti_ignores_null_directions_of_rank_deficient_tasks():
+    # k = ⌊4/2⌋ = 2 but each task has rank 1; the σ = 0 direction is not unique
+    # and is dropped, so the (orthogonal) tasks give exactly 0.
+    delta_1 = outer([1, 0, 0, 0], [1, 0, 0, 0])
+    delta_2 = 2 * outer([0, 1, 0, 0], [0, 1, 0, 0])
+    assert sti([delta_1, delta_2], svd_dtype="float64")[0] == pytest.approx(0.0, abs=1e-12)
+    zero_value, zero_normalized, _ = sti([torch.zeros(3, 3), torch.zeros(3, 3)])
+    assert zero_value == 0.0 and math.isnan(zero_normalized)
+
+
+def test_sti_rank_rule_and_shape_errors():
+    assert sti_rank((4096, 11008), 3) == 1365
+    assert sti_rank((2, 10), 5) == 1  # max(1, ·)
+    with pytest.raises(ValueError, match=r"\(3, 3\).*\(3, 4\)"):
+        sti([torch.zeros(3, 3), torch.zeros(3, 4)])
+
+
+# ------------------------------------------------------------------------------ SAR
+
+
+def test_effective_rank_cutoff_hand_spectrum():
+    # σ = (3, 2, 1, 0.1): σ² = (9, 4, 1, 0.01), Σσ² = 14.01
+    # ε = 0.05: ε²Σσ² = 0.035025; tails Σ_{i>k}σ² for k=1,2,3 = 5.01, 1.01, 0.01 → k_M = 3
+    assert effective_rank_cutoff([3, 2, 1, 0.1], 0.05) == 3
+    # ε = 0.3: ε²Σσ² = 1.2609 ≥ 1.01 (k=2) but < 5.01 (k=1) → k_M = 2
+    assert effective_rank_cutoff([3, 2, 1, 0.1], 0.3) == 2
+    assert effective_rank_cutoff([0.1, 3, 1, 2], 0.3) == 2  # order does not matter
+    assert effective_rank_cutoff([3, 2, 1, 0.1], 0.0) == 4
+    assert effective_rank_cutoff([3, 2, 1, 0.1], 1.0) == 0  # k = 0 already meets ε = 1
+    assert effective_rank_cutoff([0.0, 0.0], 0.05) == 0
+
+
+def test_sar_inside_orthogonal_and_partial():
+    # Δ_M = diag(10, 5, 0.1): σ² = (100, 25, 0.01); ε²Σ = 0.3125 → k_M = 2, top space span(e1, e2)
+    merged = torch.diag(torch.tensor([10.0, 5.0, 0.1], dtype=F64))
+    inside = torch.tensor([[1.0, 2.0, 3.0], [-4.0, 0.0, 1.0], [0.0, 0.0, 0.0]], dtype=F64)
+    orthogonal = torch.tensor([[0.0, 0.0, 0.0], [0.0, 0.0, 0.0], [1.0, -2.0, 5.0]], dtype=F64)
+    partial = torch.tensor([[3.0, 0.0, 0.0], [0.0, 0.0, 0.0], [0.0, 4.0, 0.0]], dtype=F64)
+    assert sar(inside, merged, svd_dtype="float64") == (pytest.approx(1.0, abs=1e-12), 2)
+    assert sar(orthogonal, merged, svd_dtype="float64")[0] == pytest.approx(0.0, abs=1e-12)
+    assert sar(partial, merged, svd_dtype="float64")[0] == pytest.approx(3 / 5, abs=1e-12)  # ‖(3,0)‖/‖(3,4)‖
+    assert math.isnan(sar(torch.zeros(3, 3, dtype=F64), merged)[0])
+    with pytest.raises(ValueError, match="differ in shape"):
+        sar(inside, torch.zeros(3, 4))
+
+
+# ---------------------------------------------------------------------- CART I(k), R(k)
+
+
+def test_row_space_interference_and_reconstruction_hand_computed():
+    tasks = [DELTA_1, DELTA_2]
+    # k = 1: σ̃ = 1 for both tasks, Ṽ_1 = e1, Ṽ_2 = v; I = 2·|e1·v| = 2·0.8
+    assert row_space_interference(tasks, 1, svd_dtype="float64") == pytest.approx(1.6, abs=1e-12)
+    # k = 2: Σ̃_1 = diag(3,1)/√10, Σ̃_2 = diag(2,.5)/√4.25, Ṽ_1ᵀṼ_2 = [[.8, 0], [0, 1]]
+    #   Σ̃_1 Ṽ_1ᵀ Ṽ_2 Σ̃_2 = diag(4.8, 0.5)/√42.5 → ‖·‖_F = √(23.04 + 0.25)/√42.5; two ordered pairs
+    assert row_space_interference(tasks, 2, svd_dtype="float64") == pytest.approx(2 * math.sqrt(23.29 / 42.5), abs=1e-12)
+    # R(1) = 1² + 0.5² (discarded σ²), R(2) = R(3) = 0
+    assert reconstruction_error(tasks, 1, svd_dtype="float64") == pytest.approx(1.25, abs=1e-12)
+    assert reconstruction_error(tasks, 2, svd_dtype="float64") == pytest.approx(0.0, abs=1e-12)
+    assert reconstruction_error(tasks, 3, svd_dtype="float64") == pytest.approx(0.0, abs=1e-12)
+    with pytest.raises(ValueError, match="rank k"):
+        row_space_interference(tasks, 4)
+
+
+def test_row_space_interference_zero_for_orthogonal_row_spaces():
+    tasks = block_orthogonal_tasks(num_tasks=3, block=2, seed=1)
+    for k in range(1, 7):
+        assert row_space_interference(tasks, k, svd_dtype="float64") == pytest.approx(0.0, abs=1e-10)
+
+
+def test_reconstruction_error_is_sum_of_discarded_squares():
+    tasks = random_task_matrices(3, shape=(7, 5), num_tasks=2)
+    spectra = [torch.linalg.svdvals(t) for t in tasks]
+    for k in range(1, 6):
+        expected = sum(float((s[k:] ** 2).sum()) for s in spectra)
+        assert reconstruction_error(tasks, k, svd_dtype="float64") == pytest.approx(expected, rel=1e-12, abs=1e-12)
+    assert reconstruction_error(tasks, 5, svd_dtype="float64") == pytest.approx(0.0, abs=1e-20)
+
+
+def test_centered_and_rank_fractions():
+    base = torch.randn(4, 3, dtype=F64)
+    weights = [base + d for d in random_task_matrices(5, shape=(4, 3), num_tasks=3)]
+    centred_weights = centered(weights)
+    centred_deltas = centered([w - base for w in weights])
+    torch.testing.assert_close(sum(centred_weights), torch.zeros(4, 3, dtype=F64), atol=1e-12, rtol=0)
+    for a, b in zip(centred_weights, centred_deltas):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)  # translation invariant
+    torch.testing.assert_close(centred_weights[0], weights[0] - (weights[0] + weights[1] + weights[2]) / 3)
+    assert [rank_from_fraction(f, 100) for f in DEFAULT_RANK_FRACS] == [1, 2, 4, 8, 16, 32, 64, 100]
+    assert rank_from_fraction(0.5, 5) == 3  # 2.5 rounds half up
+    assert rank_from_fraction(0.01, 10) == 1  # max(1, round(0.1))
+    with pytest.raises(ValueError, match="rank fraction"):
+        rank_from_fraction(0.0, 10)
+
+
+# ---------------------------------------------------------------- matrix_interference
+
+
+def test_matrix_interference_matches_single_metrics():
+    base = torch.randn(10, 8, dtype=F64, generator=torch.Generator().manual_seed(11))
+    deltas = random_task_matrices(12, shape=(10, 8), num_tasks=3)
+    finetuned = [base + d for d in deltas]
+    result = matrix_interference(base, finetuned, rank_fracs=(0.25, 0.5, 1.0), svd_dtype="float64")
+    assert list(result["ranks"]) == [2, 4, 8]
+    assert result["sti_k"] == 2
+    value, normalized, _ = sti(deltas, svd_dtype="float64")
+    assert result["sti"] == pytest.approx(value, rel=1e-10)
+    assert result["sti_normalized"] == pytest.approx(normalized, rel=1e-10)
+    merged = deltas[0] + deltas[1] + deltas[2]
+    for t, delta in enumerate(deltas):
+        sar_value, k_merged = sar(delta, merged, svd_dtype="float64")
+        assert result["sar"][t] == pytest.approx(sar_value, rel=1e-10)
+        assert result["sar_k"] == k_merged
+        assert result["task_vector_norm"][t] == pytest.approx(float(torch.linalg.norm(delta)), rel=1e-12)
+        assert result["effective_rank"][t] == pytest.approx(effective_rank(delta, svd_dtype="float64"), rel=1e-10)
+    assert result["cosine"][0, 2] == pytest.approx(cosine_similarity(deltas[0], deltas[2]), rel=1e-10)
+    assert result["cosine"][2, 0] == result["cosine"][0, 2]
+    assert result["sign_conflict"][1, 2] == sign_conflict_rate(deltas[1], deltas[2])
+    for index, k in enumerate(result["ranks"]):
+        k = int(k)
+        assert result["row_space_interference"][index, 0] == pytest.approx(row_space_interference(deltas, k, svd_dtype="float64"), rel=1e-10)
+        assert result["row_space_interference"][index, 1] == pytest.approx(
+            row_space_interference(centered(deltas), k, svd_dtype="float64"), rel=1e-10
+        )
+        assert result["reconstruction_error"][index, 1] == pytest.approx(
+            reconstruction_error(centered(deltas), k, svd_dtype="float64"), rel=1e-10, abs=1e-12
+        )
+
+
+def test_matrix_interference_sar_equals_one_inside_merged_space():
+    # Δ_M = Δ_1 (rank 2 of 6×5) → k_M = 2 and Δ_1 lies inside it; Δ_2 is orthogonal to it.
+    base = torch.zeros(6, 5, dtype=F64)
+    delta_1 = outer([1, 0, 0, 0, 0, 0], [1, 2, 0, 0, 0]) + outer([0, 1, 0, 0, 0, 0], [0, 0, 1, 0, 0])
+    delta_2 = outer([0, 0, 0, 1, 0, 0], [1, 1, 1, 1, 1])
+    result = matrix_interference(base, [delta_1, delta_2], merged=delta_1, svd_dtype="float64")
+    assert result["sar_k"] == 2
+    assert result["sar"] == pytest.approx([1.0, 0.0], abs=1e-12)
+
+
+def test_matrix_interference_unchanged_matrix_gives_nan_not_error():
+    base = torch.randn(5, 4)
+    result = matrix_interference(base, [base.clone(), base + torch.randn(5, 4)])
+    assert result["task_vector_norm"][0] == 0.0
+    assert math.isnan(result["effective_rank"][0])
+    assert math.isnan(result["cosine"][0, 1])
+    assert math.isnan(result["sar"][0])
+    assert np.isnan(result["row_space_interference"][:, 0]).all()  # task 0 has no top-k energy
+    assert np.isfinite(result["row_space_interference"][:, 1]).all()  # centred tasks are ±(Δ_2/2)
+    assert math.isfinite(result["sti"])
+    with pytest.raises(ValueError, match=r"finetuned\[0\] has shape \(4, 5\)"):
+        matrix_interference(base, [torch.zeros(4, 5)])
+
+
+def test_float32_and_float64_agree():
+    # low-rank signal + noise, the shape of real task matrices; rel. tolerance 1e-4
+    generator = torch.Generator().manual_seed(7)
+    base = torch.randn(48, 40, generator=generator, dtype=F64)
+    finetuned = []
+    for _ in range(3):
+        low_rank = torch.randn(48, 4, generator=generator, dtype=F64) @ torch.randn(4, 40, generator=generator, dtype=F64)
+        finetuned.append(base + 0.1 * low_rank + 0.01 * torch.randn(48, 40, generator=generator, dtype=F64))
+    single = matrix_interference(base.float(), [w.float() for w in finetuned], svd_dtype="float32")
+    double = matrix_interference(base, finetuned, svd_dtype="float64")
+    assert single["sti_k"] == double["sti_k"] and single["sar_k"] == double["sar_k"]
+    for key in ("task_vector_norm", "effective_rank", "cosine", "sti", "sti_normalized", "sar",
+                "row_space_interference", "reconstruction_error"):
+        np.testing.assert_allclose(single[key], double[key], rtol=1e-4, atol=1e-6, err_msg=key)
+    np.testing.assert_array_equal(single["sign_conflict"], double["sign_conflict"])
+
+
+# --------------------------------------------------------------------- properties
+
+shapes = st.tuples(st.integers(2, 7), st.integers(2, 7))
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), shape=shapes, num_tasks=st.integers(2, 4))
+def test_sti_nonnegative_and_symmetric_in_task_order(seed, shape, num_tasks):
+    tasks = random_task_matrices(seed, shape=shape, num_tasks=num_tasks)
+    value, normalized, _ = sti(tasks, svd_dtype="float64")
+    reversed_value, reversed_normalized, _ = sti(tasks[::-1], svd_dtype="float64")
+    rotated_value, _, _ = sti(tasks[1:] + tasks[:1], svd_dtype="float64")
+    assert value >= 0.0 and normalized >= 0.0
+    assert reversed_value == pytest.approx(value, rel=1e-9, abs=1e-12)
+    assert rotated_value == pytest.approx(value, rel=1e-9, abs=1e-12)
+    assert reversed_normalized == pytest.approx(normalized, rel=1e-9, abs=1e-12)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), shape=shapes, num_tasks=st.integers(2, 4), rank_frac=st.floats(0.01, 1.0))
+def test_row_space_interference_symmetric_and_bounded(seed, shape, num_tasks, rank_frac):
+    tasks = random_task_matrices(seed, shape=shape, num_tasks=num_tasks)
+    k = rank_from_fraction(rank_frac, min(shape))
+    value = row_space_interference(tasks, k, svd_dtype="float64")
+    assert value == pytest.approx(row_space_interference(tasks[::-1], k, svd_dtype="float64"), rel=1e-9, abs=1e-12)
+    # each term is ‖A B‖_F with ‖A‖_F = ‖B‖_F = 1 and orthonormal Ṽ → ≤ 1
+    assert -1e-12 <= value <= num_tasks * (num_tasks - 1) + 1e-9
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), shape=shapes, eps=st.floats(0.0, 0.9))
+def test_sar_in_unit_interval(seed, shape, eps):
+    task_matrix, merged = random_task_matrices(seed, shape=shape, num_tasks=2)
+    value, k_merged = sar(task_matrix, merged, eps, svd_dtype="float64")
+    assert 0.0 <= value <= 1.0
+    assert 1 <= k_merged <= min(shape)
+    if shape[0] <= shape[1]:  # ε = 0 keeps all m left singular vectors of a full-rank Δ_M: the whole space
+        assert sar(task_matrix, merged, 0.0, svd_dtype="float64")[0] == pytest.approx(1.0, abs=1e-9)
+
+
+# ---------------------------------------------------------------- streaming driver
+
+
+def write_checkpoint(directory, tensors):
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file({name: t.contiguous() for name, t in tensors.items()}, str(directory / "model.safetensors"))
+    return directory
+
+
+def tiny_llama_tensors(seed=0, hidden=8, intermediate=12, vocab=10, layers=2):
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {"model.embed_tokens.weight": torch.randn(vocab, hidden, generator=generator),
+               "model.norm.weight": torch.ones(hidden)}
+    for layer in range(layers):
+        prefix = f"model.layers.{layer}."
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            tensors[prefix + f"self_attn.{proj}.weight"] = torch.randn(hidden, hidden, generator=generator)
+        tensors[prefix + "mlp.gate_proj.weight"] = torch.randn(intermediate, hidden, generator=generator)
+        tensors[prefix + "mlp.up_proj.weight"] = torch.randn(intermediate, hidden, generator=generator)
+        tensors[prefix + "mlp.down_proj.weight"] = torch.randn(hidden, intermediate, generator=generator)
+        tensors[prefix + "input_layernorm.weight"] = torch.ones(hidden)
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()  # tied, stored twice
+    return tensors
+
+
+@pytest.fixture()
+def tiny_checkpoints(tmp_path):
+    from diagnostics.models import open_checkpoint
+
+    base_tensors = tiny_llama_tensors()
+    write_checkpoint(tmp_path / "base", base_tensors)
+    generator = torch.Generator().manual_seed(1)
+    finetuned_tensors = {}
+    for task in ("math", "code"):
+        tensors = {name: t + 0.01 * torch.randn(t.shape, generator=generator) for name, t in base_tensors.items()}
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+        write_checkpoint(tmp_path / task, tensors)
+        finetuned_tensors[task] = tensors
+    base = open_checkpoint(str(tmp_path / "base"))
+    finetuned = {task: open_checkpoint(str(tmp_path / task)) for task in ("math", "code")}
+    return base, finetuned, base_tensors, finetuned_tensors
+
+
+def test_interference_driver_dataset(tiny_checkpoints):
+    from diagnostics.interference import interference, summarize_interference
+
+    base, finetuned, base_tensors, finetuned_tensors = tiny_checkpoints
+    ds = interference(base, finetuned, rank_fracs=(0.25, 1.0), progress=False, device="cpu")
+    assert ds.sizes == {"matrix": 15, "task": 2, "task_other": 2, "rank_frac": 2, "centered": 2}
+    assert "lm_head.weight" not in ds["matrix"].values  # tied duplicate of the embedding
+    assert ds.attrs["tied_duplicates"] == {"lm_head.weight": "model.embed_tokens.weight"}
+    assert "model.norm.weight" not in ds["matrix"].values  # 1-D
+    name = "model.layers.1.mlp.down_proj.weight"
+    row = ds.sel(matrix=name)
+    assert (row["module"].item(), row["layer"].item(), row["level"].item()) == ("layers.1.mlp.down_proj", 1, "mlp")
+    assert (row["rows"].item(), row["cols"].item()) == (8, 12)
+    expected = matrix_interference(base_tensors[name], [finetuned_tensors[t][name] for t in ("math", "code")],
+                                   rank_fracs=(0.25, 1.0))
+    assert row["sti"].item() == pytest.approx(expected["sti"], rel=1e-6)
+    np.testing.assert_allclose(row["sar"].values, expected["sar"], rtol=1e-6)
+    np.testing.assert_allclose(row["row_space_interference"].values, expected["row_space_interference"], rtol=1e-5)
+    np.testing.assert_allclose(row["reconstruction_error"].sel(rank_frac=1.0).values, 0.0, atol=1e-10)
+    summary = summarize_interference(ds, by=("level",))
+    assert set(summary.index) == {"attn", "mlp", "embed"}
+    assert summary.loc["attn", "matrices"] == 8 and summary.loc["mlp", "matrices"] == 6
+    per_layer = summarize_interference(ds)
+    assert per_layer.loc[("attn", 0), "sti_normalized"] == pytest.approx(
+        float(ds["sti_normalized"].where(ds["level"] == "attn").where(ds["layer"] == 0).mean()))
+
+
+def test_interference_driver_lora_and_strategies(tiny_checkpoints, tmp_path):
+    import json
+
+    from safetensors.torch import save_file
+
+    from diagnostics.interference import interference
+    from diagnostics.models import open_checkpoint
+
+    base, finetuned, _, _ = tiny_checkpoints
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 4}))
+    generator = torch.Generator().manual_seed(2)
+    lora_a, lora_b = torch.randn(2, 8, generator=generator), torch.randn(8, 2, generator=generator)
+    save_file({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": lora_a,
+               "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": lora_b},
+              str(adapter / "adapter_model.safetensors"))
+    lora = open_checkpoint(str(adapter), base=base)
+    names = ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight"]
+    tasks = {"lora": lora, "math": finetuned["math"]}
+    ta = interference(base, tasks, matrices=names, progress=False, device="cpu", svd_dtype="float64")
+    q_proj, k_proj = ta.sel(matrix=names[0]), ta.sel(matrix=names[1])
+    expected_delta = 2.0 * lora_b @ lora_a  # scale α/r = 2
+    assert q_proj["task_vector_norm"].sel(task="lora").item() == pytest.approx(
+        float(torch.linalg.norm(expected_delta)), rel=1e-6)
+    assert q_proj["effective_rank"].sel(task="lora").item() <= 2.0 + 1e-9
+    assert math.isnan(k_proj["effective_rank"].sel(task="lora").item())  # LoRA left k_proj unchanged
+    assert math.isnan(k_proj["cosine"].sel(task="lora", task_other="math").item())
+
+    # The weight average is TA / T: same left singular vectors and k_M, so the same SAR.
+    average = interference(base, tasks, matrices=names, sar_against="weight-average", progress=False,
+                           device="cpu", svd_dtype="float64")
+    np.testing.assert_allclose(average["sar"].values, ta["sar"].values, rtol=1e-9)
+    assert average.attrs["sar_against"] == "weight-average"
+    # Iso-C flattens TA's spectrum: r equal σ → k_M = ⌈r(1 − ε²)⌉ = r = 8 of 8×8, the whole space → SAR = 1.
+    iso = interference(base, {"a": finetuned["math"], "b": finetuned["code"]}, matrices=names[:1],
+                       sar_against="iso-c", progress=False, device="cpu", svd_dtype="float64")
+    assert iso["sar_k"].item() == 8
+    np.testing.assert_allclose(iso["sar"].values, 1.0, atol=1e-9)
+    with pytest.raises(ValueError, match="not in the base"):
+        interference(base, finetuned, matrices=["nope.weight"], progress=False)
+    with pytest.raises(ValueError, match="sar_against"):
+        interference(base, finetuned, sar_against="no-such-merge", progress=False)
+
+
+def test_interference_store_resumes(tiny_checkpoints, tmp_path, monkeypatch):
+    import diagnostics.interference as interference_module
+    from diagnostics.store import Store
+
+    base, finetuned, _, _ = tiny_checkpoints
+    fresh = interference_module.interference(base, finetuned, rank_fracs=(0.5, 1.0), progress=False, device="cpu")
+    original = interference_module.task_matrix_interference
+    calls, dying = [], [True]
+
+    def dies_on_the_seventh(*args, **kwargs):
+        calls.append(1)
+        if dying[0] and len(calls) == 7:
+            raise RuntimeError("killed")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(interference_module, "task_matrix_interference", dies_on_the_seventh)
+    store = Store(tmp_path / "run.zarr")
+    with pytest.raises(RuntimeError, match="killed"):
+        interference_module.interference(base, finetuned, rank_fracs=(0.5, 1.0), progress=False, device="cpu",
+                                         store=store, flush_every=2)
+    assert not store.is_complete("interference")
+    calls.clear()
+    dying[0] = False
+    resumed = interference_module.interference(base, finetuned, rank_fracs=(0.5, 1.0), progress=False,
+                                               device="cpu", store=store, flush_every=2)
+    assert len(calls) == 15 - 6  # the six matrices written in three flushes are not redone
+    assert store.is_complete("interference")
+    stored = store.dataset("interference")
+    for dataset in (resumed, stored):
+        assert [str(m) for m in dataset["matrix"].values] == [str(m) for m in fresh["matrix"].values]
+        np.testing.assert_allclose(dataset["sti"].values, fresh["sti"].values, rtol=1e-12)
+        np.testing.assert_allclose(dataset["row_space_interference"].values,
+                                   fresh["row_space_interference"].values, rtol=1e-12)
+    assert stored.attrs["sar_eps"] == 0.05 and stored.attrs["svd_dtype"] == "float32"
+    with pytest.raises(Exception, match="other settings"):
+        interference_module.interference(base, finetuned, rank_fracs=(0.25,), progress=False, store=store)
