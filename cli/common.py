@@ -97,6 +97,8 @@ def user_errors(function):
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("default")
+                for category in (DeprecationWarning, PendingDeprecationWarning, FutureWarning):
+                    warnings.simplefilter("ignore", category)
                 return function(*args, **kwargs)
         except SubmergeError as exc:
             console.print(f"[bold red]error:[/] {exc}", highlight=False)

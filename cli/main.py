@@ -80,7 +80,7 @@ def _cell(value) -> str:
     if isinstance(value, tuple) and len(value) == 2:
         return f"{value[0]:.4g} ± {value[1]:.2g}"
     if isinstance(value, float):
-        return f"{value:.4g}"
+        return f"{value:.3g}"
     return str(value)
 
 
@@ -253,8 +253,11 @@ def interference(
                                svd_dtype=svd_dtype, device=device, progress=progress,
                                transposed=_conv1d_weights(base), store=Store(out_path), force=force,
                                command=command_line())
-    _print_frame(summarize_interference(dataset, by=("level",)), "Interference per level (means over matrices)")
-    _print_frame(summarize_interference(dataset, by=("layer",)), "Interference per layer")
+    short = {"matrices": "n", "task_vector_norm": "‖τ‖", "effective_rank": "eff.rank", "cosine": "cos",
+             "sign_conflict": "sign≠", "sti_normalized": "STI/Σσ", "sar": "SAR"}
+    for by, title in (("level", "Interference per level"), ("layer", "Interference per layer")):
+        frame = summarize_interference(dataset, by=(by,)).rename(columns=lambda c: short.get(c, c))
+        _print_frame(frame, f"{title} (means over matrices; cos, sign≠ over task pairs; I at k = 8 % of rank)")
     out.print(f"Wrote group [bold]interference[/] of {out_path}")
 
 
