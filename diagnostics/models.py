@@ -174,12 +174,18 @@ class SafetensorsReader(CheckpointReader):
 
     def fingerprint(self) -> dict:
         digest = hashlib.sha256()
+        sample = 1 << 20
         for file in sorted(set(self._files.values())):
+            size = file.stat().st_size
             with open(file, "rb") as handle:
                 header_len = int.from_bytes(handle.read(8), "little")
                 digest.update(handle.read(header_len))
-            digest.update(str(file.stat().st_size).encode())
-        info = {"spec": self.spec, "path": str(Path(self.path).resolve()), "header_sha256": digest.hexdigest()}
+                for offset in sorted({8 + header_len, max(0, size // 2 - sample // 2), max(0, size - sample)}):
+                    handle.seek(offset)
+                    digest.update(handle.read(sample))
+            digest.update(str(size).encode())
+        info = {"spec": self.spec, "path": str(Path(self.path).resolve()), "content_sha256": digest.hexdigest(),
+                "content_hash": "sha256 of each file's header, three 1 MiB samples (start, middle, end) and size"}
         info.update(_hub_revision(self.path))
         return info
 

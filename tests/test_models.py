@@ -70,7 +70,7 @@ def test_safetensors_reader_reads_each_tensor(llama_kit):
     with pytest.raises(ModelInputError, match="model.layers.9.mlp.down_proj.weight"):
         reader.get("model.layers.9.mlp.down_proj.weight")
     fingerprint = reader.fingerprint()
-    assert len(fingerprint["header_sha256"]) == 64 and fingerprint["path"] == str(llama_kit.base_dir)
+    assert len(fingerprint["content_sha256"]) == 64 and fingerprint["path"] == str(llama_kit.base_dir)
 
 
 def test_sharded_safetensors_are_read_through_the_index(llama_kit, tmp_path):
@@ -438,3 +438,9 @@ def test_experiment_needs_data_for_every_finetune(llama_kit):
     with pytest.raises(DataInputError, match=r"no --data for fine-tune\(s\) \['code'\]"):
         Experiment.load(str(llama_kit.base_dir), {TASK: str(llama_kit.finetuned_dir), "code": "x"},
                         {TASK: str(llama_kit.data_path)})
+
+
+def test_content_hash_tells_a_fine_tune_from_its_base(llama_kit):
+    base = open_checkpoint(str(llama_kit.base_dir)).fingerprint()
+    tuned = open_checkpoint(str(llama_kit.finetuned_dir)).fingerprint()
+    assert base["content_sha256"] != tuned["content_sha256"]

@@ -132,7 +132,7 @@ def test_store_opens_as_datatree_with_provenance(reference, llama_kit):
     assert root["toolkit_version"] == metadata.version("submerge")
     assert root["command"] == COMMAND
     assert root["base_model"]["spec"] == str(llama_kit.base_dir)
-    assert len(root["base_model"]["header_sha256"]) == 64
+    assert len(root["base_model"]["content_sha256"]) == 64
     assert root["base_model"]["architecture"] == "LlamaForCausalLM"
     for library in ("torch", "transformers", "xarray", "zarr", "numpy"):
         assert root["libraries"][library] == metadata.version(library)
