@@ -456,6 +456,32 @@ def _bytes_per_layer(experiment, paths_per_layer: int) -> int:
     return padded * hidden * element * max(1, paths_per_layer)
 
 
+def _modules_for(experiment, levels: Sequence[str]) -> list[Submodule]:
+    """Submodules of the requested levels, blocks first, the model level last."""
+    block_levels = tuple(level for level in levels if level != "model")
+    modules = find_submodules(experiment.base.model, block_levels, arch=experiment.arch) if block_levels else []
+    if "model" in levels:
+        modules.append(Submodule("model", "model", -1, experiment.arch.backbone_path))
+    return modules
+
+
+def _by_layer(modules: Sequence[Submodule]) -> dict[int, list[Submodule]]:
+    by_layer: dict[int, list[Submodule]] = {}
+    for module in modules:
+        if module.level != "model":
+            by_layer.setdefault(module.layer, []).append(module)
+    return by_layer
+
+
+def _finish_chunk(chunk, by_layer, done, finish_unit, bar, job) -> None:
+    """Write one store unit per layer of a finished chunk (the modules not already done)."""
+    for layer in chunk:
+        layer_modules = [m for m in by_layer.get(layer, []) if m.name not in done]
+        if layer_modules:
+            finish_unit(layer_modules)
+            bar.advance(job, len(layer_modules))
+
+
 def _replay_variants(experiment, path: str, recorded, variants, *, heads: bool = False):
     """Outputs of the module at `path` for each variant on every recorded batch.
 
@@ -521,10 +547,7 @@ def nonlinearity(
         raise ValueError("steps must be at least 1")
     tasks = experiment.tasks
     experiment._source = experiment.parameter_source()
-    block_levels = tuple(level for level in levels if level != "model")
-    modules = find_submodules(experiment.base.model, block_levels, arch=experiment.arch) if block_levels else []
-    if "model" in levels:
-        modules.append(Submodule("model", "model", -1, experiment.arch.backbone_path))
+    modules = _modules_for(experiment, levels)
     settings = {**experiment.settings, "levels": list(levels), "steps": steps, "model_output": model_output}
     done: set[str] = set()
     if store is not None:
@@ -554,10 +577,7 @@ def nonlinearity(
         if on_unit:
             on_unit(unit_modules[-1].name)
 
-    block_modules = [m for m in modules if m.level != "model"]
-    by_layer: dict[int, list[Submodule]] = {}
-    for module in block_modules:
-        by_layer.setdefault(module.layer, []).append(module)
+    by_layer = _by_layer(modules)
     paths_per_layer = max((len(_units(ms)) for ms in by_layer.values()), default=1)
     chunks = layer_chunks(experiment.arch.num_layers, _bytes_per_layer(experiment, paths_per_layer), capture_budget)
     with progress_bar(progress) as bar:
@@ -592,11 +612,7 @@ def nonlinearity(
                     del outputs, o_inputs
                 experiment._source.clear()
                 del recorded
-            for layer in chunk:
-                layer_modules = [m for m in by_layer.get(layer, []) if m.name not in done]
-                if layer_modules:
-                    finish_unit(layer_modules, scores, unchanged)
-                    bar.advance(job, len(layer_modules))
+            _finish_chunk(chunk, by_layer, done, lambda ms: finish_unit(ms, scores, unchanged), bar, job)
         if "model" in levels and "model" not in done:
             scores, unchanged = {}, {}
             for task in tasks:
@@ -666,10 +682,7 @@ def projection(
         for task, value in zip(subset, alpha):
             combo_alpha[c, tasks.index(task)] = value
     subset_names = ["+".join(s) for s in subsets]
-    block_levels = tuple(level for level in levels if level != "model")
-    modules = find_submodules(experiment.base.model, block_levels, arch=experiment.arch) if block_levels else []
-    if "model" in levels:
-        modules.append(Submodule("model", "model", -1, experiment.arch.backbone_path))
+    modules = _modules_for(experiment, levels)
     settings = {**experiment.settings, "levels": list(levels), "alphas": None if alphas is None else list(alphas)}
     done: set[str] = set()
     if store is not None:
@@ -729,10 +742,7 @@ def projection(
         if on_unit:
             on_unit(unit_modules[-1].name)
 
-    by_layer: dict[int, list[Submodule]] = {}
-    for module in modules:
-        if module.level != "model":
-            by_layer.setdefault(module.layer, []).append(module)
+    by_layer = _by_layer(modules)
     chunks = layer_chunks(experiment.arch.num_layers, _bytes_per_layer(experiment, 3) * len(tasks), capture_budget)
     with progress_bar(progress) as bar:
         job = bar.add_task("Projection Distance", total=len(modules))
@@ -763,11 +773,7 @@ def projection(
                 values[module.name] = metrics_for(deltas_by_task, merged_by_combo)
                 experiment._source.clear()
             del recorded
-            for layer in chunk:
-                layer_modules = [m for m in by_layer.get(layer, []) if m.name not in done]
-                if layer_modules:
-                    finish_unit(layer_modules, values)
-                    bar.advance(job, len(layer_modules))
+            _finish_chunk(chunk, by_layer, done, lambda ms: finish_unit(ms, values), bar, job)
         if "model" in levels and "model" not in done:
             bar.update(job, description="Projection Distance · model")
             variants = [{}] + [{t: 1.0} for t in tasks]
@@ -826,10 +832,7 @@ def alpha(
     tasks = experiment.tasks
     experiment._source = experiment.parameter_source()
     levels = GRANULARITIES[granularity]
-    block_levels = tuple(level for level in levels if level != "model")
-    modules = find_submodules(experiment.base.model, block_levels, arch=experiment.arch) if block_levels else []
-    if "model" in levels:
-        modules.append(Submodule("model", "model", -1, experiment.arch.backbone_path))
+    modules = _modules_for(experiment, levels)
     group = f"alpha/{granularity}"
     settings = {**experiment.settings, "granularity": granularity, "balance": balance, "max_condition": max_condition}
     done: set[str] = set()
@@ -902,10 +905,7 @@ def alpha(
                 "lin_alpha": linearized_objective(solution.alpha, grams, balance),
                 "lin_uniform": linearized_objective(uniform, grams, balance)}
 
-    by_layer: dict[int, list[Submodule]] = {}
-    for module in modules:
-        if module.level != "model":
-            by_layer.setdefault(module.layer, []).append(module)
+    by_layer = _by_layer(modules)
     chunks = layer_chunks(experiment.arch.num_layers, _bytes_per_layer(experiment, 2) * len(tasks), capture_budget)
     variants = [{}] + [{t: 1.0} for t in tasks]
     with progress_bar(progress) as bar:
@@ -950,11 +950,7 @@ def alpha(
                 del replays
                 experiment._source.clear()
             del recorded
-            for layer in chunk:
-                layer_modules = [m for m in by_layer.get(layer, []) if m.name not in done]
-                if layer_modules:
-                    finish_unit(layer_modules, results)
-                    bar.advance(job, len(layer_modules))
+            _finish_chunk(chunk, by_layer, done, lambda ms: finish_unit(ms, results), bar, job)
         if "model" in levels and "model" not in done:
             bar.update(job, description="Closed-form α · model")
             outputs_by_input, batches_masks = {}, {}
