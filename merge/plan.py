@@ -149,13 +149,14 @@ class Plan:
         if self.granularity == "head-mlp":
             notes.append("mergekit has no per-head weights: attention exported with the mean α of each layer's heads")
         models = []
-        for i, task in enumerate(tasks):
+        for task in tasks:
             if self.granularity == "model":
                 weight = float(self.alpha["model"][task])
             else:
                 weight = []
                 if self.granularity == "layer":
-                    weight.append({"value": [float(self.alpha[f"layers.{j}"][task]) for j in range(num_layers)]})
+                    weight.append({"filter": "layers.", "value": [float(self.alpha[f"layers.{j}"][task])
+                                                                  for j in range(num_layers)]})
                 else:
                     attn = []
                     for j in range(num_layers):
@@ -171,17 +172,8 @@ class Plan:
                             "value": [float(self.alpha[f"layers.{j}.mlp"][task]) for j in range(num_layers)],
                         }
                     )
-                    notes.append(
-                        "block norms (input/post-attention layernorm) take the filter-less value: mergekit "
-                        "applies the layer gradient to them, not the rest weight"
-                    ) if i == 0 else None
                 weight.append({"value": float(rest_weights[task])})
             models.append({"model": self.finetuned[task], "parameters": {"weight": weight}})
-        if self.granularity == "layer":
-            notes.append(
-                "embeddings / final norm / lm_head: mergekit applies the filter-less gradient by position, "
-                "so they may differ from the plan's rest weight"
-            )
         config = {
             "merge_method": "task_arithmetic",
             "base_model": self.base_model,
