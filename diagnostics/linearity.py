@@ -579,7 +579,8 @@ def nonlinearity(
 
     by_layer = _by_layer(modules)
     paths_per_layer = max((len(_units(ms)) for ms in by_layer.values()), default=1)
-    chunks = layer_chunks(experiment.arch.num_layers, _bytes_per_layer(experiment, paths_per_layer), capture_budget)
+    chunks = layer_chunks(experiment.arch.num_layers, _bytes_per_layer(experiment, paths_per_layer) * len(tasks),
+                          capture_budget)
     with progress_bar(progress) as bar:
         job = bar.add_task("Non-linearity Score", total=len(modules))
         bar.advance(job, sum(1 for m in modules if m.name in done))
@@ -587,32 +588,37 @@ def nonlinearity(
             chunk_modules = [m for layer in chunk for m in by_layer.get(layer, []) if m.name not in done]
             if not chunk_modules:
                 continue
-            units = _units(chunk_modules)
-            scores, unchanged = {}, {}
-            for task in tasks:
-                bar.update(job, description=f"Non-linearity Score · layers {chunk[0]}–{chunk[-1]} · {task}")
-                recorded = record_inputs(experiment.base.model, experiment.arch, list(units),
-                                         experiment.batches[task], device=experiment.device)
-                for path, served in units.items():
-                    if not experiment._source.changed(path, task):
+            bar.update(job, description=f"Non-linearity Score · capturing layers {chunk[0]}–{chunk[-1]}")
+            recorded = {task: record_inputs(experiment.base.model, experiment.arch, list(_units(chunk_modules)),
+                                            experiment.batches[task], device=experiment.device) for task in tasks}
+            for layer in chunk:
+                layer_modules = [m for m in by_layer.get(layer, []) if m.name not in done]
+                if not layer_modules:
+                    continue
+                scores, unchanged = {}, {}
+                for path, served in _units(layer_modules).items():
+                    for task in tasks:
+                        bar.update(job, description=f"Non-linearity Score · {served[0].name} · {task}")
+                        if not experiment._source.changed(path, task):
+                            for module in served:
+                                unchanged[(task, module.name)] = True
+                            continue
+                        heads = any(m.level == "head" for m in served)
+                        outputs, o_inputs, o_weights = _replay_variants(experiment, path, recorded[task][path],
+                                                                        variants_of[task], heads=heads)
                         for module in served:
-                            unchanged[(task, module.name)] = True
-                        continue
-                    head_modules = [m for m in served if m.level == "head"]
-                    outputs, o_inputs, o_weights = _replay_variants(experiment, path, recorded[path],
-                                                                    variants_of[task], heads=bool(head_modules))
-                    for module in served:
-                        values = np.full(len(positions), np.nan)
-                        for position, trajectory in _trajectories(
-                            outputs, recorded[path], sample_positions, head=module.head,
-                            o_inputs=o_inputs, o_weights=o_weights, arch=experiment.arch,
-                        ):
-                            values[position] = nonlinearity_score(trajectory)
-                        scores[(task, module.name)] = values
-                    del outputs, o_inputs
-                experiment._source.clear()
-                del recorded
-            _finish_chunk(chunk, by_layer, done, lambda ms: finish_unit(ms, scores, unchanged), bar, job)
+                            values = np.full(len(positions), np.nan)
+                            for position, trajectory in _trajectories(
+                                outputs, recorded[task][path], sample_positions, head=module.head,
+                                o_inputs=o_inputs, o_weights=o_weights, arch=experiment.arch,
+                            ):
+                                values[position] = nonlinearity_score(trajectory)
+                            scores[(task, module.name)] = values
+                        del outputs, o_inputs
+                    experiment._source.clear()
+                finish_unit(layer_modules, scores, unchanged)
+                bar.advance(job, len(layer_modules))
+            del recorded
         if "model" in levels and "model" not in done:
             scores, unchanged = {}, {}
             for task in tasks:
