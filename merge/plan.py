@@ -173,7 +173,8 @@ class Plan:
                         }
                     )
                 weight.append({"value": float(rest_weights[task])})
-            models.append({"model": self.finetuned[task], "parameters": {"weight": weight}})
+            model = _mergekit_model(self.base_model, self.finetuned[task])
+            models.append({"model": model, "parameters": {"weight": weight}})
         config = {
             "merge_method": "task_arithmetic",
             "base_model": self.base_model,
@@ -182,6 +183,11 @@ class Plan:
             "dtype": "float32",
         }
         return config, [n for n in notes if n]
+
+
+def _mergekit_model(base_model: str, spec: str) -> str:
+    """mergekit names a LoRA fine-tune as BASE+ADAPTER."""
+    return f"{base_model}+{spec}" if (Path(spec) / "adapter_config.json").exists() else spec
 
 
 def _level_stats(store: Store) -> dict[str, dict[str, float]]:
