@@ -307,9 +307,9 @@ def check(
     base = open_checkpoint(model, allow_pickle=allow_pickle)
     task_vectors, report = open_finetunes(base, named_finetuned, allow_pickle=allow_pickle, vocab=vocab)
     if scan:
-        for task, reader in task_vectors.items():
+        for reader in task_vectors.values():
             for name in base.names():
-                reader.get(name)
+                reader.get(name)  # raises NonFiniteWeights naming the tensor and file
     out.print(f"[green]ok[/]: {len(named_finetuned)} fine-tune(s) match {model} ({len(base.names())} tensors)"
               + (", no NaN/Inf" if scan else ""))
     for task, info in report.items():
