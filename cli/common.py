@@ -82,6 +82,8 @@ RemoteCodeOption = Annotated[bool, typer.Option("--trust-remote-code", help="Run
                                                                             "(off by default).")]
 VocabOption = Annotated[str, typer.Option("--vocab", help="Fine-tunes with added tokens: 'base' uses the base's "
                                                           "vocabulary rows (warned, recorded), 'error' refuses.")]
+CaptureBudgetOption = Annotated[float, typer.Option(
+    "--capture-budget", help="GiB of recorded module inputs held at once; layers are captured in chunks that fit.")]
 ProgressOption = Annotated[bool, typer.Option("--progress/--no-progress", help="Show progress bars.")]
 
 

@@ -10,6 +10,7 @@ from rich.table import Table
 
 from cli.common import (
     BatchOption,
+    CaptureBudgetOption,
     ConfigOption,
     DataOption,
     DeviceOption,
@@ -96,6 +97,7 @@ def linearity(
     samples: SamplesOption = 30,
     max_tokens: MaxTokensOption = 512,
     batch_size: BatchOption = 8,
+    capture_budget: CaptureBudgetOption = 2.0,
     model_output: Annotated[str, typer.Option("--model-output", help="Model-level features: hidden (final hidden "
                                                                      "state after the final norm) or logits.")] = "hidden",
     device: DeviceOption = "auto",
@@ -121,7 +123,8 @@ def linearity(
                              dtype=dtype, device=device, allow_pickle=allow_pickle,
                              trust_remote_code=trust_remote_code, vocab=vocab)
     dataset = nonlinearity(experiment, levels=_levels(levels), steps=steps, store=Store(out_path), force=force,
-                           progress=progress, model_output=model_output, command=command_line())
+                           progress=progress, model_output=model_output, command=command_line(),
+                           capture_budget=int(capture_budget * 2**30))
     _print_frame(summarize_nonlinearity(dataset), "Non-linearity Score (mean ± std over modules and samples)")
     out.print(f"Wrote group [bold]linearity[/] of {out_path}")
 
@@ -139,6 +142,7 @@ def projection(
     samples: SamplesOption = 30,
     max_tokens: MaxTokensOption = 512,
     batch_size: BatchOption = 8,
+    capture_budget: CaptureBudgetOption = 2.0,
     device: DeviceOption = "auto",
     dtype: DtypeOption = "auto",
     allow_pickle: PickleOption = False,
@@ -163,7 +167,7 @@ def projection(
                              dtype=dtype, device=device, allow_pickle=allow_pickle,
                              trust_remote_code=trust_remote_code, vocab=vocab)
     dataset = run_projection(experiment, levels=_levels(levels), alphas=alphas, store=Store(out_path), force=force,
-                             progress=progress, command=command_line())
+                             progress=progress, command=command_line(), capture_budget=int(capture_budget * 2**30))
     frame = dataset.projection_distance.mean("combo").to_dataframe().groupby("level")["projection_distance"].agg(
         ["mean", "std"])
     _print_frame(frame, "Projection Distance (mean over the α grid; mean and std over modules)")
@@ -183,6 +187,7 @@ def alpha(
     samples: SamplesOption = 30,
     max_tokens: MaxTokensOption = 512,
     batch_size: BatchOption = 8,
+    capture_budget: CaptureBudgetOption = 2.0,
     device: DeviceOption = "auto",
     dtype: DtypeOption = "auto",
     allow_pickle: PickleOption = False,
@@ -206,7 +211,7 @@ def alpha(
                              dtype=dtype, device=device, allow_pickle=allow_pickle,
                              trust_remote_code=trust_remote_code, vocab=vocab)
     dataset = run_alpha(experiment, granularity=granularity, balance=balance, store=Store(out_path), force=force,
-                        progress=progress, command=command_line())
+                        progress=progress, command=command_line(), capture_budget=int(capture_budget * 2**30))
     frame = dataset.alpha.isel(granularity=0).to_pandas()
     frame["objective α"] = dataset.objective_alpha.isel(granularity=0).to_pandas()
     frame["objective 1/T"] = dataset.objective_uniform.isel(granularity=0).to_pandas()
