@@ -19,7 +19,7 @@ from diagnostics.data import read_task_file, tokenize
 from diagnostics.errors import ModelInputError
 from diagnostics.models import BaseModel, load_base_model, open_checkpoint
 from diagnostics.progress import progress_bar
-from diagnostics.store import Store, provenance
+from diagnostics.store import Store, UnitWriter, provenance
 
 
 @torch.no_grad()
@@ -92,26 +92,18 @@ def evaluate(
         raise ModelInputError(f"model labels must be unique (got {labels}); 'base' is reserved")
     tasks = list(task_data)
     settings = {"skip": skip, "samples": samples, "max_tokens": max_tokens, "tasks": tasks}
-    done: set[str] = set()
     inputs = {
         "base_model": base.reader.fingerprint() | {"spec": base_spec},
         "models": models,
         "data": {t: d.provenance() for t, d in task_data.items()},
     }
-    if store is not None:
-        done = store.begin(
-            "eval",
-            settings,
-            force=force,
-            dim="model",
-            root=provenance(command, base_model=inputs["base_model"]),
-            attrs={"provenance": provenance(command, **inputs)},
-        )
-    pieces = [store.dataset("eval")] if store is not None and done else []
+    writer = UnitWriter(store, "eval", settings, dim="model", force=force, on_unit=on_unit,
+                        root=provenance(command, base_model=inputs["base_model"]),
+                        attrs={"provenance": provenance(command, **inputs)})
     with progress_bar(progress) as bar:
         job = bar.add_task("Evaluating", total=len(labels) * len(tasks))
         for label in labels:
-            if label in done:
+            if label in writer.done:
                 bar.advance(job, len(tasks))
                 continue
             load_weights(base, None if label == "base" else models[label], allow_pickle=allow_pickle)
@@ -134,19 +126,11 @@ def evaluate(
                     "spec": ("model", np.array([base_spec if label == "base" else models[label]], dtype=object)),
                 },
             )
-            if store is not None:
-                store.append("eval", piece, dim="model")
-            pieces.append(piece)
-            if on_unit:
-                on_unit(label)
+            writer.add(piece, label)
     load_weights(base, None)
-    result = xr.concat(pieces, dim="model") if len(pieces) > 1 else pieces[0]
     notes = {
         "loss": "mean next-token cross-entropy over real tokens, nats",
         "perplexity": "exp(loss)",
         "records": f"records after the first {skip} of each task file",
     }
-    result.attrs.update(notes)
-    if store is not None:
-        store.finish("eval", notes)
-    return result
+    return writer.finish(notes)

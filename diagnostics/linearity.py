@@ -419,7 +419,7 @@ from diagnostics.capture import (  # noqa: E402
 )
 from diagnostics.modules import DEFAULT_LEVELS, Submodule, find_submodules, get_module  # noqa: E402
 from diagnostics.progress import progress_bar  # noqa: E402
-from diagnostics.store import Store  # noqa: E402
+from diagnostics.store import Store, UnitWriter  # noqa: E402
 
 DEFAULT_CAPTURE_BUDGET = 2 * 1024**3  # bytes of recorded inputs held at once
 GRANULARITIES = {"model": ("model",), "layer": ("layer",), "attn-mlp": ("attn", "mlp"), "head-mlp": ("head", "mlp")}
@@ -549,16 +549,12 @@ def nonlinearity(
     experiment._source = experiment.parameter_source()
     modules = _modules_for(experiment, levels)
     settings = {**experiment.settings, "levels": list(levels), "steps": steps, "model_output": model_output}
-    done: set[str] = set()
-    if store is not None:
-        done = store.begin("linearity", settings, force=force, root=experiment.root_attrs(command),
-                           attrs=experiment.group_attrs(command))
+    writer = UnitWriter(store, "linearity", settings, force=force, root=experiment.root_attrs(command),
+                        attrs=experiment.group_attrs(command), on_unit=on_unit)
+    done = writer.done
     positions = np.arange(experiment.settings["skip"], experiment.settings["skip"] + experiment.max_samples)
     sample_positions = {int(index): j for j, index in enumerate(positions)}
     variants_of = {task: [{task: k / steps} for k in range(steps + 1)] for task in tasks}
-    pieces: list[xr.Dataset] = []
-    if store is not None and done:
-        pieces.append(store.dataset("linearity"))
 
     def finish_unit(unit_modules: list[Submodule], scores: dict, unchanged: dict) -> None:
         array = np.full((len(tasks), len(unit_modules), len(positions)), np.nan)
@@ -571,11 +567,7 @@ def nonlinearity(
             {"nonlinearity_score": (("task", "module", "sample"), array), "unchanged": (("task", "module"), flags)},
             coords={"task": np.array(tasks, dtype=object), "sample": positions, **_module_coords(unit_modules)},
         )
-        if store is not None:
-            store.append("linearity", piece)
-        pieces.append(piece)
-        if on_unit:
-            on_unit(unit_modules[-1].name)
+        writer.add(piece, unit_modules[-1].name)
 
     by_layer = _by_layer(modules)
     paths_per_layer = max((len(_units(ms)) for ms in by_layer.values()), default=1)
@@ -635,12 +627,9 @@ def nonlinearity(
                 del outputs
             finish_unit([m for m in modules if m.level == "model"], scores, unchanged)
             bar.advance(job)
-    result = xr.concat(pieces, dim="module") if len(pieces) > 1 else pieces[0]
-    result.attrs.update({"equation": "seed 002 Eq. 19", "steps": steps, "model_output": model_output,
-                         "features": "module output on one sequence, real tokens only, flattened"})
-    if store is not None:
-        store.finish("linearity", {"equation": "seed 002 Eq. 19", "summary": "mean ± std over modules and samples"})
-    return result
+    return writer.finish({"equation": "seed 002 Eq. 19", "summary": "mean ± std over modules and samples"},
+                        result_attrs={"equation": "seed 002 Eq. 19", "steps": steps, "model_output": model_output,
+                                      "features": "module output on one sequence, real tokens only, flattened"})
 
 
 def summarize_nonlinearity(dataset: xr.Dataset):
@@ -690,11 +679,9 @@ def projection(
     subset_names = ["+".join(s) for s in subsets]
     modules = _modules_for(experiment, levels)
     settings = {**experiment.settings, "levels": list(levels), "alphas": None if alphas is None else list(alphas)}
-    done: set[str] = set()
-    if store is not None:
-        done = store.begin("projection", settings, force=force, root=experiment.root_attrs(command),
-                           attrs=experiment.group_attrs(command))
-    pieces: list[xr.Dataset] = [store.dataset("projection")] if store is not None and done else []
+    writer = UnitWriter(store, "projection", settings, force=force, root=experiment.root_attrs(command),
+                        attrs=experiment.group_attrs(command), on_unit=on_unit)
+    done = writer.done
 
     def metrics_for(deltas_by_task, merged_by_combo):
         """deltas_by_task[input_task][t][b]: Δf_t on input task's batches; merged_by_combo[c][input_task][b]."""
@@ -742,11 +729,7 @@ def projection(
                 "combo_alpha": (("combo", "task"), combo_alpha),
             },
         )
-        if store is not None:
-            store.append("projection", piece)
-        pieces.append(piece)
-        if on_unit:
-            on_unit(unit_modules[-1].name)
+        writer.add(piece, unit_modules[-1].name)
 
     by_layer = _by_layer(modules)
     chunks = layer_chunks(experiment.arch.num_layers, _bytes_per_layer(experiment, 3) * len(tasks), capture_budget)
@@ -799,14 +782,9 @@ def projection(
             finish_unit([m for m in modules if m.level == "model"],
                         {"model": metrics_for(deltas_by_task, merged_by_combo)})
             bar.advance(job)
-    result = xr.concat(pieces, dim="module") if len(pieces) > 1 else pieces[0]
-    notes = {"equations": "seed 002 Eq. 8 (PD), Eq. 16 (cosine_merge), Eq. 17 (cosine_base)",
-             "cosine_base": "mean over pairs t<t' (Eq. 17 prints 1/(T(T-1)) over t<t', half a mean)",
-             "data": "x ranges over the union of the subset's task data"}
-    result.attrs.update(notes)
-    if store is not None:
-        store.finish("projection", notes)
-    return result
+    return writer.finish({"equations": "seed 002 Eq. 8 (PD), Eq. 16 (cosine_merge), Eq. 17 (cosine_base)",
+                         "cosine_base": "mean over pairs t<t' (Eq. 17 prints 1/(T(T-1)) over t<t', half a mean)",
+                         "data": "x ranges over the union of the subset's task data"})
 
 
 # ---------------------------------------------------------------- closed-form α
@@ -841,11 +819,9 @@ def alpha(
     modules = _modules_for(experiment, levels)
     group = f"alpha/{granularity}"
     settings = {**experiment.settings, "granularity": granularity, "balance": balance, "max_condition": max_condition}
-    done: set[str] = set()
-    if store is not None:
-        done = store.begin(group, settings, force=force, root=experiment.root_attrs(command),
-                           attrs=experiment.group_attrs(command))
-    pieces: list[xr.Dataset] = [store.dataset(group)] if store is not None and done else []
+    writer = UnitWriter(store, group, settings, force=force, root=experiment.root_attrs(command),
+                        attrs=experiment.group_attrs(command), on_unit=on_unit)
+    done = writer.done
     uniform = np.full(len(tasks), 1.0 / len(tasks))
 
     def solve(module_name, outputs_by_input):
@@ -899,11 +875,7 @@ def alpha(
             coords={"granularity": np.array([granularity], dtype=object), "task": np.array(tasks, dtype=object),
                     **_module_coords(unit_modules)},
         )
-        if store is not None:
-            store.append(group, piece)
-        pieces.append(piece)
-        if on_unit:
-            on_unit(unit_modules[-1].name)
+        writer.add(piece, unit_modules[-1].name)
 
     def record_result(module, grams, solution, obj_alpha, obj_uniform):
         return {"alpha": solution.alpha, "cond": solution.condition_number, "lstsq": solution.used_least_squares,
@@ -977,13 +949,9 @@ def alpha(
             finish_unit([m for m in modules if m.level == "model"],
                         {"model": record_result(None, grams, solution, *objectives)})
             bar.advance(job)
-    result = xr.concat(pieces, dim="module") if len(pieces) > 1 else pieces[0]
     notes = {"equations": "seed 002 Eq. 12-14 (α = A⁻¹b), balanced Eq. 33-34" if balance else "seed 002 Eq. 12-14",
              "b_vector": "b_j = Σ_a B_aja (seed 002 Eq. 13)",
              "objective": "Eq. 10 on replayed module outputs (balanced by Eq. 33's denominator when balance)",
              "uniform": "α_t = 1/T", "head_objective": "NaN: heads are solved on their own outputs only",
              "gqa": "a k/v group shared by heads gets the mean α of its heads when merging (exact for plain MHA)"}
-    result.attrs.update(notes)
-    if store is not None:
-        store.finish(group, notes)
-    return result
+    return writer.finish(notes)

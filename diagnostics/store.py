@@ -246,3 +246,36 @@ def _object_strings(dataset: xr.Dataset) -> xr.Dataset:
             else:
                 dataset[name] = (variable.dims, values)
     return dataset
+
+
+class UnitWriter:
+    """A driver's results, unit by unit: appended to `store` as each finishes, gathered for the return value.
+
+    Starts or resumes `group` (`Store.begin`); `done` holds the labels already written. `add` appends one
+    finished unit and calls `on_unit(label)` (tests use it to simulate a kill). `finish` concatenates the
+    resumed and new units, sets `notes` (or `result_attrs`) on the result and marks the group complete.
+    """
+
+    def __init__(self, store: Store | None, group: str, settings: dict, *, dim: str = "module", force: bool = False,
+                 root: dict | None = None, attrs: dict | None = None, on_unit=None):
+        self.store, self.group, self.dim, self.on_unit = store, group, dim, on_unit
+        self.done: set[str] = set()
+        self.pieces: list[xr.Dataset] = []
+        if store is not None:
+            self.done = store.begin(group, settings, force=force, root=root, attrs=attrs, dim=dim)
+            if self.done:
+                self.pieces.append(store.dataset(group))
+
+    def add(self, piece: xr.Dataset, label: str) -> None:
+        if self.store is not None:
+            self.store.append(self.group, piece, dim=self.dim)
+        self.pieces.append(piece)
+        if self.on_unit:
+            self.on_unit(label)
+
+    def finish(self, notes: dict, *, result_attrs: dict | None = None) -> xr.Dataset:
+        result = xr.concat(self.pieces, dim=self.dim) if len(self.pieces) > 1 else self.pieces[0]
+        result.attrs.update(notes if result_attrs is None else result_attrs)
+        if self.store is not None:
+            self.store.finish(self.group, notes)
+        return result
