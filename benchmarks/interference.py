@@ -75,8 +75,10 @@ class AnonPeak:
 
 def build(directory: Path, layers: int, hidden: int, seed: int = 0) -> dict:
     import torch
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    from diagnostics.toy import perturbed_finetunes
 
     torch.manual_seed(seed)
     config = LlamaConfig(
@@ -86,20 +88,7 @@ def build(directory: Path, layers: int, hidden: int, seed: int = 0) -> dict:
     model = LlamaForCausalLM(config).to(torch.float32)
     model.save_pretrained(directory / "base", safe_serialization=True)
     base = load_file(str(directory / "base" / "model.safetensors"))
-    generator = torch.Generator().manual_seed(seed + 1)
-    for task in TASKS:
-        tuned = {}
-        for name, weight in base.items():
-            scale = float(weight.float().std()) or 1.0
-            delta = 1e-3 * scale * torch.randn(weight.shape, generator=generator)
-            if weight.ndim == 2:
-                left = torch.randn(weight.shape[0], 8, generator=generator)
-                right = torch.randn(8, weight.shape[1], generator=generator)
-                delta += 0.01 * scale * (left @ right) / 8
-            tuned[name] = (weight + delta).contiguous()
-        (directory / task).mkdir()
-        save_file(tuned, str(directory / task / "model.safetensors"), metadata={"format": "pt"})
-        (directory / task / "config.json").write_text((directory / "base" / "config.json").read_text())
+    perturbed_finetunes(directory / "base", TASKS, seed=seed + 1)
     params = {name: t.numel() for name, t in base.items()}
     layer0 = sum(n for name, n in params.items() if ".layers.0." in name)
     matrices = [t for t in base.values() if t.ndim == 2]

@@ -54,11 +54,11 @@ TIES_SCALING = 1.0
 def build(directory: Path, layers: int, hidden: int, intermediate: int, vocab: int, seed: int = 0) -> tuple[int, int]:
     """Base + three synthetic fine-tunes; returns one model's size and its largest tensor's, in bytes."""
     import torch
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
     from transformers import LlamaConfig, LlamaForCausalLM
 
     sys.path.insert(0, str(ROOT))
-    from diagnostics.toy import byte_tokenizer
+    from diagnostics.toy import byte_tokenizer, perturbed_finetunes
 
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
@@ -68,22 +68,7 @@ def build(directory: Path, layers: int, hidden: int, intermediate: int, vocab: i
     LlamaForCausalLM(config).to(torch.float32).save_pretrained(directory / "base")
     byte_tokenizer().save_pretrained(directory / "base")
     base = load_file(str(directory / "base" / "model.safetensors"))
-    generator = torch.Generator().manual_seed(seed + 1)
-    for task in TASKS:
-        tuned = {}
-        for name, weight in base.items():
-            scale = float(weight.std()) or 1.0
-            delta = 1e-3 * scale * torch.randn(weight.shape, generator=generator)
-            if weight.ndim == 2:
-                left = torch.randn(weight.shape[0], 8, generator=generator)
-                right = torch.randn(8, weight.shape[1], generator=generator)
-                delta += 0.01 * scale * (left @ right) / 8
-            tuned[name] = (weight + delta).contiguous()
-        (directory / task).mkdir()
-        save_file(tuned, str(directory / task / "model.safetensors"), metadata={"format": "pt"})
-        for file in ("config.json", "tokenizer.json", "tokenizer_config.json"):
-            shutil.copy2(directory / "base" / file, directory / task / file)
-        del tuned
+    perturbed_finetunes(directory / "base", TASKS, seed=seed + 1)
     sizes = [t.numel() * t.element_size() for t in base.values()]
     return sum(sizes), max(sizes)
 

@@ -130,3 +130,36 @@ def finetune(base_dir: str | Path, out_dir: str | Path, task: str, *, steps: int
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return out_dir
+
+
+def perturbed_finetunes(base_dir: str | Path, tasks, *, seed: int = 1) -> dict[str, Path]:
+    """Fast stand-in fine-tunes for benchmarks (no training): base + 1e-3·σ noise + a rank-8 update per matrix.
+
+    Each task gets `base_dir/../<task>/model.safetensors` plus the base's config and tokenizer files.
+    """
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    base_dir = Path(base_dir)
+    base = load_file(str(base_dir / "model.safetensors"))
+    generator = torch.Generator().manual_seed(seed)
+    folders = {}
+    for task in tasks:
+        tuned = {}
+        for name, weight in base.items():
+            scale = float(weight.float().std()) or 1.0
+            delta = 1e-3 * scale * torch.randn(weight.shape, generator=generator)
+            if weight.ndim == 2:
+                left = torch.randn(weight.shape[0], 8, generator=generator)
+                right = torch.randn(8, weight.shape[1], generator=generator)
+                delta += 0.01 * scale * (left @ right) / 8
+            tuned[name] = (weight + delta).contiguous()
+        folder = base_dir.parent / task
+        folder.mkdir()
+        save_file(tuned, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        for file in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+            if (base_dir / file).exists():
+                shutil.copy2(base_dir / file, folder / file)
+        folders[task] = folder
+    return folders
