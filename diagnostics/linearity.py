@@ -482,20 +482,19 @@ def _finish_chunk(chunk, by_layer, done, finish_unit, bar, job) -> None:
             bar.advance(job, len(layer_modules))
 
 
-def _replay_variants(experiment, path: str, recorded, variants, *, heads: bool = False):
-    """Outputs of the module at `path` for each variant on every recorded batch.
+def _replay_variants(source, arch, path: str, recorded, variants, *, heads: bool = False):
+    """Outputs of the module at `path` for each variant (built by `source`) on every recorded batch.
 
     Returns outputs[v][b] and, with `heads`, (o_proj input, o_proj weight) per [v][b] / [v].
     """
-    source = experiment._source
-    module = get_module(experiment.base.model, path)
+    module = get_module(source.base.model, path)
     outputs, o_inputs, o_weights = [], [], []
     for variant in variants:
         params = source.variant(path, variant)
         per_batch, per_batch_x = [], []
         for rec in recorded:
             if heads:
-                out, x, weight = replay_with_heads(module, experiment.arch, rec, params)
+                out, x, weight = replay_with_heads(module, arch, rec, params)
                 per_batch_x.append(x)
             else:
                 out = replay(module, rec, params)
@@ -546,7 +545,7 @@ def nonlinearity(
     if steps < 1:
         raise ValueError("steps must be at least 1")
     tasks = experiment.tasks
-    experiment._source = experiment.parameter_source()
+    source = experiment.parameter_source()
     modules = _modules_for(experiment, levels)
     settings = {**experiment.settings, "levels": list(levels), "steps": steps, "model_output": model_output}
     writer = UnitWriter(store, "linearity", settings, force=force, root=experiment.root_attrs(command),
@@ -591,13 +590,13 @@ def nonlinearity(
                 for path, served in _units(layer_modules).items():
                     for task in tasks:
                         bar.update(job, description=f"Non-linearity Score · {served[0].name} · {task}")
-                        if not experiment._source.changed(path, task):
+                        if not source.changed(path, task):
                             for module in served:
                                 unchanged[(task, module.name)] = True
                             continue
                         heads = any(m.level == "head" for m in served)
-                        outputs, o_inputs, o_weights = _replay_variants(experiment, path, recorded[task][path],
-                                                                        variants_of[task], heads=heads)
+                        outputs, o_inputs, o_weights = _replay_variants(
+                            source, experiment.arch, path, recorded[task][path], variants_of[task], heads=heads)
                         for module in served:
                             values = np.full(len(positions), np.nan)
                             for position, trajectory in _trajectories(
@@ -607,7 +606,7 @@ def nonlinearity(
                                 values[position] = nonlinearity_score(trajectory)
                             scores[(task, module.name)] = values
                         del outputs, o_inputs
-                    experiment._source.clear()
+                    source.clear()
                 finish_unit(layer_modules, scores, unchanged)
                 bar.advance(job, len(layer_modules))
             del recorded
@@ -615,7 +614,7 @@ def nonlinearity(
             scores, unchanged = {}, {}
             for task in tasks:
                 bar.update(job, description=f"Non-linearity Score · model · {task}")
-                outputs = model_outputs(experiment._source, experiment.arch, experiment.batches[task],
+                outputs = model_outputs(source, experiment.arch, experiment.batches[task],
                                         variants_of[task], output=model_output)
                 values = np.full(len(positions), np.nan)
                 for b, batch in enumerate(experiment.batches[task]):
@@ -669,7 +668,7 @@ def projection(
         raise ValueError("the Projection Distance needs at least two fine-tunes")
     if "head" in levels:
         raise ValueError("projection supports levels model, layer, attn, mlp (head outputs: use `diag linearity`)")
-    experiment._source = experiment.parameter_source()
+    source = experiment.parameter_source()
     subsets = [s for size in range(2, len(tasks) + 1) for s in itertools.combinations(tasks, size)]
     combos = [(subset, alpha) for subset in subsets for alpha in _projection_grid(len(subset), alphas)]
     combo_alpha = np.full((len(combos), len(tasks)), np.nan)
@@ -748,7 +747,7 @@ def projection(
                 deltas_by_task, merged_by_combo, base_out = {}, [dict() for _ in combos], {}
                 for input_task in tasks:
                     rec = recorded[input_task][module.path]
-                    outs, _, _ = _replay_variants(experiment, module.path, rec,
+                    outs, _, _ = _replay_variants(source, experiment.arch, module.path, rec,
                                                   [{}] + [{t: 1.0} for t in tasks])
                     base_out[input_task] = outs[0]
                     deltas_by_task[input_task] = {t: [o - b for o, b in zip(outs[1 + j], outs[0])]
@@ -756,11 +755,11 @@ def projection(
                 for c, (subset, alpha) in enumerate(combos):
                     variant = dict(zip(subset, alpha))
                     for input_task in subset:
-                        outs, _, _ = _replay_variants(experiment, module.path, recorded[input_task][module.path],
-                                                      [variant])
+                        outs, _, _ = _replay_variants(source, experiment.arch, module.path,
+                                                      recorded[input_task][module.path], [variant])
                         merged_by_combo[c][input_task] = [o - b for o, b in zip(outs[0], base_out[input_task])]
                 values[module.name] = metrics_for(deltas_by_task, merged_by_combo)
-                experiment._source.clear()
+                source.clear()
             del recorded
             _finish_chunk(chunk, by_layer, done, lambda ms: finish_unit(ms, values), bar, job)
         if "model" in levels and "model" not in done:
@@ -768,13 +767,13 @@ def projection(
             variants = [{}] + [{t: 1.0} for t in tasks]
             deltas_by_task, merged_by_combo = {}, [dict() for _ in combos]
             for input_task in tasks:
-                outs = model_outputs(experiment._source, experiment.arch, experiment.batches[input_task], variants)
+                outs = model_outputs(source, experiment.arch, experiment.batches[input_task], variants)
                 deltas_by_task[input_task] = {t: [o - b for o, b in zip(outs[1 + j], outs[0])]
                                               for j, t in enumerate(tasks)}
                 wanted = [c for c, (subset, _) in enumerate(combos) if input_task in subset]
                 for start in range(0, len(wanted), 8):
                     group = wanted[start:start + 8]
-                    merged = model_outputs(experiment._source, experiment.arch, experiment.batches[input_task],
+                    merged = model_outputs(source, experiment.arch, experiment.batches[input_task],
                                            [dict(zip(*combos[c])) for c in group])
                     for c, outs_c in zip(group, merged):
                         merged_by_combo[c][input_task] = [o - b for o, b in zip(outs_c, outs[0])]
@@ -814,7 +813,7 @@ def alpha(
     if granularity not in GRANULARITIES:
         raise ValueError(f"unknown granularity '{granularity}' (choose from {list(GRANULARITIES)})")
     tasks = experiment.tasks
-    experiment._source = experiment.parameter_source()
+    source = experiment.parameter_source()
     levels = GRANULARITIES[granularity]
     modules = _modules_for(experiment, levels)
     group = f"alpha/{granularity}"
@@ -900,8 +899,8 @@ def alpha(
             for path, served in units.items():
                 bar.update(job, description=f"Closed-form α · {served[0].name}")
                 heads = any(m.level == "head" for m in served)
-                replays = {task: _replay_variants(experiment, path, recorded[task][path], variants, heads=heads)
-                           for task in tasks}
+                replays = {task: _replay_variants(source, experiment.arch, path, recorded[task][path], variants,
+                                                  heads=heads) for task in tasks}
                 masks = {task: [r.token_mask for r in recorded[task][path]] for task in tasks}
                 for module in served:
                     if module.level == "head":
@@ -920,13 +919,13 @@ def alpha(
                     for weights in (solution.alpha, uniform):
                         merged_by_input = {}
                         for task in tasks:
-                            outs, _, _ = _replay_variants(experiment, path, recorded[task][path],
+                            outs, _, _ = _replay_variants(source, experiment.arch, path, recorded[task][path],
                                                           [dict(zip(tasks, map(float, weights)))])
                             merged_by_input[task] = (masks[task], outs[0])
                         objectives.append(true_objective(weights, merged_by_input, feats, grams))
                     results[module.name] = record_result(module, grams, solution, *objectives)
                 del replays
-                experiment._source.clear()
+                source.clear()
             del recorded
             _finish_chunk(chunk, by_layer, done, lambda ms: finish_unit(ms, results), bar, job)
         if "model" in levels and "model" not in done:
@@ -934,7 +933,7 @@ def alpha(
             outputs_by_input, batches_masks = {}, {}
             for task in tasks:
                 masks = [b.attention_mask.to(experiment.device).bool() for b in experiment.batches[task]]
-                outs = model_outputs(experiment._source, experiment.arch, experiment.batches[task], variants)
+                outs = model_outputs(source, experiment.arch, experiment.batches[task], variants)
                 outputs_by_input[task] = (masks, outs)
                 batches_masks[task] = masks
             grams, solution, feats = solve("model", outputs_by_input)
@@ -942,7 +941,7 @@ def alpha(
             for weights in (solution.alpha, uniform):
                 merged_by_input = {}
                 for task in tasks:
-                    outs = model_outputs(experiment._source, experiment.arch, experiment.batches[task],
+                    outs = model_outputs(source, experiment.arch, experiment.batches[task],
                                          [dict(zip(tasks, map(float, weights)))])
                     merged_by_input[task] = (batches_masks[task], outs[0])
                 objectives.append(true_objective(weights, merged_by_input, feats, grams))

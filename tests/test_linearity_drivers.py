@@ -147,7 +147,7 @@ def every_level(two_tasks):
 
 def test_linear_maps_score_zero_through_replay(two_tasks, every_level):
     experiment = two_tasks
-    experiment._source = experiment.parameter_source()
+    source = experiment.parameter_source()
     linears = find_submodules(experiment.base.model, ("linear",), arch=experiment.arch)
     assert {m.name.rsplit(".", 1)[1] for m in linears} >= {"q_proj", "o_proj", "down_proj"}
     positions = {index: index for index in range(SAMPLES)}
@@ -155,7 +155,7 @@ def test_linear_maps_score_zero_through_replay(two_tasks, every_level):
         recorded = record_inputs(experiment.base.model, experiment.arch, [m.path for m in linears],
                                  experiment.batches[task])
         for module in linears:
-            outputs, _, _ = _replay_variants(experiment, module.path, recorded[module.path],
+            outputs, _, _ = _replay_variants(source, experiment.arch, module.path, recorded[module.path],
                                              [{task: k / STEPS} for k in range(STEPS + 1)])
             seen = 0
             for position, trajectory in _trajectories(outputs, recorded[module.path], positions):
@@ -217,9 +217,8 @@ def squared_scores(base_weight: torch.Tensor, tuned_weight: torch.Tensor, inputs
     tuned_reader = StateDictReader("tuned", Path("tuned"), {"squared.weight": tuned_weight})
     base = BaseModel(model=holder, tokenizer=None, reader=base_reader, spec="base")
     source = ParameterSource(base, {"t": TaskVectorReader("t", base_reader, tuned_reader)})
-    experiment = SimpleNamespace(base=base, arch=None, _source=source)
     recorded = [Recorded((inputs,), {}, mask, list(range(inputs.shape[0])))]
-    outputs, _, _ = _replay_variants(experiment, "squared", recorded, [{"t": k / steps} for k in range(steps + 1)])
+    outputs, _, _ = _replay_variants(source, None, "squared", recorded, [{"t": k / steps} for k in range(steps + 1)])
     positions = {i: i for i in range(inputs.shape[0])}
     return [nonlinearity_score(trajectory) for _, trajectory in _trajectories(outputs, recorded, positions)]
 
