@@ -267,14 +267,10 @@ def interference(
 
 
 def _conv1d_weights(base) -> list[str]:
-    """GPT-2-family checkpoints store their linear maps as Conv1D (in, out)."""
-    import json
-    import re
+    """Weights stored (in, out) (transformers Conv1D, GPT-2 family), from the tensor table."""
+    from diagnostics.tensors import TensorTable
 
-    config = base.path / "config.json" if base.path.is_dir() else base.path.parent / "config.json"
-    if not config.exists() or json.loads(config.read_text()).get("model_type") not in ("gpt2", "openai-gpt"):
-        return []
-    return [n for n in base.names() if re.search(r"\.(c_attn|c_proj|c_fc|q_attn)\.weight$", n)]
+    return [info.name for info in TensorTable.from_reader(base) if info.transposed]
 
 
 @app.command()
@@ -445,7 +441,7 @@ def _regmean_rule(options, linear_names):
 
     regmean = ParameterRule(method="regmean", options=options)
     elsewhere = ParameterRule(method="task-arithmetic", options={})
-    return lambda name, shape: regmean if name in linear_names else elsewhere
+    return lambda info: regmean if info.name in linear_names else elsewhere
 
 
 @app.command("eval")

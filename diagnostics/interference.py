@@ -586,24 +586,20 @@ def _check_strategy(sar_against: str, sar_options: dict | None) -> None:
     STRATEGIES[sar_against].resolve_options(sar_options)  # unknown options fail before any work
 
 
-def _matrix_names(base, names: Sequence[str] | None) -> list[str]:
+def _matrix_names(base, table, names: Sequence[str] | None) -> list[str]:
     if names is not None:
         unknown = [name for name in names if name not in base]
         if unknown:
             raise ValueError(f"matrices not in the base checkpoint {base.spec}: {unknown[:10]}")
         return list(names)
-    from diagnostics.modules import parameter_location
-
     found = [name for name in base.names() if name.endswith(".weight") and len(base.shape(name)) == 2]
-    return sorted(found, key=lambda name: (parameter_location(name).layer, name))  # layer 2 before layer 10
+    return sorted(found, key=lambda name: (table.get(name).layer, name))  # layer 2 before layer 10
 
 
-def _tied_duplicates(base, readers: dict, names: list[str]) -> dict[str, str]:
+def _tied_duplicates(base, table, readers: dict, names: list[str]) -> dict[str, str]:
     """Embedding-level matrices stored twice with equal values (tied lm_head = embed) → {duplicate: kept}."""
-    from diagnostics.modules import parameter_location
-
     # output projections last, so the input embedding is the one kept
-    embed = sorted((name for name in names if parameter_location(name).level == "embed"), key=lambda n: "lm_head" in n)
+    embed = sorted((name for name in names if table.get(name).level == "embed"), key=lambda n: "lm_head" in n)
     duplicates: dict[str, str] = {}
     for i, first in enumerate(embed):
         for second in embed[i + 1 :]:
@@ -616,13 +612,11 @@ def _tied_duplicates(base, readers: dict, names: list[str]) -> dict[str, str]:
     return duplicates
 
 
-def _matrices_dataset(names, shapes, results, task_names, rank_fracs):
+def _matrices_dataset(table, names, shapes, results, task_names, rank_fracs):
     """One Dataset (no attrs) for the given matrices; see :func:`interference`."""
     import xarray as xr
 
-    from diagnostics.modules import parameter_location
-
-    locations = [parameter_location(name) for name in names]
+    locations = [table.get(name) for name in names]
     num_tasks, num_fracs = len(task_names), len(rank_fracs)
 
     def stacked(key, shape, dtype=np.float64):
@@ -674,7 +668,8 @@ def interference(
     device: str = "auto",
     progress: bool = True,
     matrices: Sequence[str] | None = None,
-    transposed: Sequence[str] = (),
+    transposed: Sequence[str] | None = None,
+    table=None,
     store=None,
     force: bool = False,
     command: str | None = None,
@@ -695,8 +690,9 @@ def interference(
     2-D (no size cap), ordered by layer, or the names in ``matrices``.  An
     embedding-level matrix stored twice with equal values in the base and every
     fine-tune (tied ``lm_head`` = embedding) is measured once; the skipped name
-    is listed in ``attrs["tied_duplicates"]``.  Names in ``transposed`` are
-    stored (in, out) (GPT-2 ``Conv1D``) and are transposed to (out, in) first,
+    is listed in ``attrs["tied_duplicates"]``.  Weights stored (in, out) (GPT-2
+    ``Conv1D``; from the tensor table ``table``, built from the base's config when
+    not given, or the names in ``transposed``) are transposed to (out, in) first,
     so U is always the output space and the row space V the input space, as
     CART's I(k) assumes.
 
@@ -711,7 +707,7 @@ def interference(
     (matrix, task, task_other); sti, sti_normalized, sti_k, sar_k (matrix);
     rank (matrix, rank_frac); row_space_interference, reconstruction_error
     (matrix, rank_frac, centered).  Coordinates along matrix: the parameter
-    name, and module, layer, level (from ``diagnostics.modules.parameter_location``),
+    name, and module, layer, level (from the tensor table ``diagnostics.tensors``),
     rows, cols.  The attrs name every rule (k, ε, norms, SVD dtype).
 
     With ``store`` (a :class:`diagnostics.store.Store`) the group
@@ -740,10 +736,14 @@ def interference(
         task: reader if isinstance(reader, TaskVectorReader) else TaskVectorReader(task, base, reader)
         for task, reader in finetuned.items()
     }
-    names = _matrix_names(base, matrices)
-    duplicates = _tied_duplicates(base, {t: r.finetuned for t, r in task_readers.items()}, names)
+    if table is None:
+        from diagnostics.tensors import TensorTable
+
+        table = TensorTable.from_reader(base)
+    names = _matrix_names(base, table, matrices)
+    duplicates = _tied_duplicates(base, table, {t: r.finetuned for t, r in task_readers.items()}, names)
     names = [name for name in names if name not in duplicates]
-    transposed = set(transposed)
+    transposed = set(transposed) if transposed is not None else {info.name for info in table if info.transposed}
     attrs = {
         "task_matrix": "Δ_t = W_t − W_0; centered: Δ̄_t = W_t − mean_s W_s",
         "norm": "Frobenius",
@@ -791,7 +791,7 @@ def interference(
     def flush() -> None:
         if not buffer[0]:
             return
-        piece = _matrices_dataset(*buffer, task_names, rank_fracs)
+        piece = _matrices_dataset(table, *buffer, task_names, rank_fracs)
         if store is not None:
             store.append(GROUP, piece, dim="matrix")
         pieces.append(piece)
@@ -819,7 +819,7 @@ def interference(
         flush()
 
     if not pieces:
-        pieces.append(_matrices_dataset([], [], [], task_names, rank_fracs))
+        pieces.append(_matrices_dataset(table, [], [], [], task_names, rank_fracs))
     dataset = xr.concat(pieces, dim="matrix", data_vars="minimal", coords="minimal") if len(pieces) > 1 else pieces[0]
     dataset.attrs.update(attrs)
     if store is not None:

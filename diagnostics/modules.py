@@ -17,7 +17,6 @@ Mistral, Qwen2/3, Gemma/Gemma3, GPT-2 and BERT (and their relatives) work.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +26,8 @@ from diagnostics.errors import ArchitectureError
 
 LEVELS = ("model", "layer", "attn", "mlp", "head", "linear")
 DEFAULT_LEVELS = ("model", "layer", "attn", "mlp")
+# merge granularity -> the levels whose units get their own α
+GRANULARITIES = {"model": ("model",), "layer": ("layer",), "attn-mlp": ("attn", "mlp"), "head-mlp": ("head", "mlp")}
 
 _ATTN_NAMES = ("self_attn", "attn", "attention", "self_attention", "mixer")
 _MLP_NAMES = ("mlp", "feed_forward", "ffn", "block_sparse_moe")
@@ -41,11 +42,6 @@ class Submodule:
     layer: int
     path: str
     head: int | None = None
-
-    @property
-    def parameter_path(self) -> str:
-        """Dotted path whose parameters belong to this unit (for heads: the attention module)."""
-        return self.path
 
 
 @dataclass(frozen=True)
@@ -86,7 +82,8 @@ class FeedForward(nn.Module):
         return self.output(self.intermediate(hidden_states), hidden_states)
 
 
-def _is_linear(module: nn.Module) -> bool:
+def is_linear(module: nn.Module) -> bool:
+    """A linear map: `nn.Linear`, or transformers' `Conv1D` (GPT-2), which stores its weight (in, out)."""
     return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
 
 
@@ -140,7 +137,7 @@ def find_architecture(model: nn.Module) -> Architecture:
     attn_child = _find_child(block, _ATTN_NAMES, "Attention")
     mlp_children = _mlp_children(block)
     attention = getattr(block, attn_child)
-    linears = [(name, m) for name, m in attention.named_modules() if _is_linear(m)]
+    linears = [(name, m) for name, m in attention.named_modules() if is_linear(m)]
     if not linears:
         raise ArchitectureError(f"{layers_path}.0.{attn_child} ({type(attention).__name__}) has no linear maps")
     o_proj, o_module = linears[-1]
@@ -202,7 +199,7 @@ def find_submodules(
         if "linear" in levels:
             block = model.get_submodule(arch.layer_path(layer))
             for name, module in block.named_modules():
-                if not _is_linear(module):
+                if not is_linear(module):
                     continue
                 part, _, rest = name.partition(".")
                 kind = "attn" if part == arch.attn_child else "mlp" if part in arch.mlp_children else None
@@ -241,46 +238,3 @@ def module_parameter_names(model: nn.Module, path: str) -> dict[str, str]:
     else:
         prefix = f"{path}." if path else ""
     return {local: prefix + local for local, _ in module.named_parameters(remove_duplicate=False)}
-
-
-# --------------------------------------------------------------------------- names without a model
-
-
-@dataclass(frozen=True)
-class ParameterLocation:
-    """Where a checkpoint tensor sits in the naming scheme (no model needed)."""
-
-    module: str
-    layer: int
-    level: str  # attn | mlp | norm | embed | other
-
-
-_LAYER_RE = re.compile(r"(?:^|\.)(?:layers|h|layer|blocks|block|decoder\.layers|encoder\.layer)\.(\d+)\.(.+)$")
-
-
-def parameter_location(name: str) -> ParameterLocation:
-    """Locate a tensor name, e.g. ``model.layers.3.self_attn.q_proj.weight`` → (``layers.3.attn.q_proj``, 3, ``attn``)."""
-    stem = re.sub(r"\.(weight|bias)$", "", name)
-    match = _LAYER_RE.search(stem)
-    if match:
-        layer, rest = int(match.group(1)), match.group(2)
-        first, _, remainder = rest.partition(".")
-        if first in _ATTN_NAMES:
-            return ParameterLocation(f"layers.{layer}.attn.{remainder}".rstrip("."), layer, "attn")
-        if first in _MLP_NAMES:
-            return ParameterLocation(f"layers.{layer}.mlp.{remainder}".rstrip("."), layer, "mlp")
-        if first in ("intermediate", "output"):
-            if "layernorm" in rest.lower():
-                return ParameterLocation(f"layers.{layer}.{rest}", layer, "norm")
-            return ParameterLocation(f"layers.{layer}.mlp.{rest}", layer, "mlp")
-        if "norm" in first.lower() or first.startswith("ln"):
-            return ParameterLocation(f"layers.{layer}.{rest}", layer, "norm")
-        return ParameterLocation(f"layers.{layer}.{rest}", layer, "other")
-    parts = stem.split(".")
-    short = ".".join(p for p in parts if p not in ("model", "transformer", "bert", "embeddings", "encoder", "decoder")) or stem
-    lowered = stem.lower()
-    if "embed" in lowered or "wte" in parts or "wpe" in parts or "lm_head" in parts:
-        return ParameterLocation(short, -1, "embed")
-    if "norm" in lowered or parts[-1].startswith("ln"):
-        return ParameterLocation(short, -1, "norm")
-    return ParameterLocation(short, -1, "other")

@@ -20,7 +20,6 @@ mean of the task vectors (θ0 + Σ_t τ_t / T).
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -29,14 +28,15 @@ import torch
 import yaml
 
 from diagnostics.errors import SubmergeError
-from diagnostics.modules import parameter_location
+from diagnostics.modules import GRANULARITIES
 from diagnostics.store import Store, provenance
+from diagnostics.tensors import TensorInfo
 from merge.writer import ParameterRule
 
 DEFAULT_NL_MAX = 0.5
 DEFAULT_PD_MAX = 0.2
 AUTO_ORDER = ("attn-mlp", "layer", "model")
-LEVELS_OF = {"model": ("model",), "layer": ("layer",), "attn-mlp": ("attn", "mlp"), "head-mlp": ("head", "mlp")}
+LEVELS_OF = GRANULARITIES
 
 
 class PlanError(SubmergeError):
@@ -75,23 +75,14 @@ class Plan:
 
     # -------------------------------------------------------------- per-tensor rules
 
-    def rule_for(self, name: str, shape: tuple[int, ...]) -> ParameterRule:
-        """The merge rule of one checkpoint tensor under this plan."""
+    def rule_for(self, info: TensorInfo) -> ParameterRule:
+        """The merge rule of one checkpoint tensor under this plan (its unit from the tensor table)."""
         tasks = list(self.finetuned)
-        location = parameter_location(name)
-        if self.granularity == "model" and "model" in self.alpha:
-            return ParameterRule(weights=self.alpha["model"])
-        if location.layer >= 0:
-            if self.granularity == "layer" and f"layers.{location.layer}" in self.alpha:
-                return ParameterRule(weights=self.alpha[f"layers.{location.layer}"])
-            key = f"layers.{location.layer}.{location.level}"
-            if location.level == "mlp" and key in self.alpha:
-                return ParameterRule(weights=self.alpha[key])
-            if location.level == "attn":
-                if self.granularity == "attn-mlp" and key in self.alpha:
-                    return ParameterRule(weights=self.alpha[key])
-                if self.granularity == "head-mlp":
-                    return self._head_rule(name, shape, location.layer, tasks)
+        unit = info.unit(self.granularity)
+        if unit is not None and self.granularity == "head-mlp" and info.level == "attn":
+            return self._head_rule(info, tasks)
+        if unit is not None and unit in self.alpha:
+            return ParameterRule(weights=self.alpha[unit])
         return self._rest_rule(tasks)
 
     def _rest_rule(self, tasks: list[str]) -> ParameterRule:
@@ -102,31 +93,32 @@ class Plan:
             return ParameterRule(weights=dict(self.rest["weights"]))
         return ParameterRule(method=method, options=self.rest.get("options") or {})
 
-    def _head_rule(self, name: str, shape, layer: int, tasks: list[str]) -> ParameterRule:
+    def _head_rule(self, info: TensorInfo, tasks: list[str]) -> ParameterRule:
         heads, kv_heads, dim = (self.attention.get(k) for k in ("num_heads", "num_kv_heads", "head_dim"))
         if not heads:
             raise PlanError("a head-mlp plan needs attention.num_heads / num_kv_heads / head_dim")
-        alphas = np.array([[self.alpha[f"layers.{layer}.attn.head.{h}"][t] for t in tasks] for h in range(heads)])
+        alphas = np.array([[self.alpha[f"layers.{info.layer}.attn.head.{h}"][t] for t in tasks] for h in range(heads)])
         group = heads // kv_heads
         kv_alphas = alphas.reshape(kv_heads, group, len(tasks)).mean(axis=1)
-        projection = re.sub(r"\.(weight|bias)$", "", name).rsplit(".", 1)[-1]
-        is_bias = name.endswith(".bias")
-        if projection in ("q_proj", "query"):
+        is_bias = len(info.shape) == 1
+        if info.head_split == "q":
             per_row = np.repeat(alphas, dim, axis=0)
-        elif projection in ("k_proj", "v_proj", "key", "value"):
-            per_row = np.repeat(kv_alphas if projection in ("k_proj", "v_proj") else alphas, dim, axis=0)
-        elif projection in ("o_proj", "dense", "out_proj"):
+        elif info.head_split == "kv":
+            per_row = np.repeat(kv_alphas, dim, axis=0)
+        elif info.head_split == "o":
             if is_bias:
                 return ParameterRule(weights={t: float(alphas[:, i].mean()) for i, t in enumerate(tasks)})
             per_column = np.repeat(alphas, dim, axis=0)  # (in,) along columns
             return ParameterRule(
                 weights={t: torch.tensor(per_column[:, i], dtype=torch.float32)[None, :] for i, t in enumerate(tasks)}
             )
+        elif info.head_split == "fused":
+            raise PlanError(f"head-mlp plan: '{info.name}' is a fused q/k/v projection; heads cannot be merged apart")
         else:  # q/k norms and anything else inside attention: mean α of the layer's heads
             return ParameterRule(weights={t: float(alphas[:, i].mean()) for i, t in enumerate(tasks)})
-        if per_row.shape[0] != shape[0]:
+        if per_row.shape[0] != info.shape[0]:
             raise PlanError(
-                f"head-mlp plan: '{name}' has {shape[0]} rows, heads give {per_row.shape[0]} "
+                f"head-mlp plan: '{info.name}' has {info.shape[0]} rows, heads give {per_row.shape[0]} "
                 "(fused q/k/v projections are not supported at head level)"
             )
         column = (lambda v: v) if is_bias else (lambda v: v[:, None])

@@ -24,6 +24,7 @@ from diagnostics.errors import SubmergeError
 from diagnostics.models import local_path, open_checkpoint, open_finetunes
 from diagnostics.progress import progress_bar
 from diagnostics.store import provenance
+from diagnostics.tensors import TensorInfo, TensorTable
 from merge.strategies import merge_parameter
 
 _COPIED_FILES = (
@@ -39,8 +40,6 @@ _COPIED_FILES = (
     "added_tokens.json",
     "chat_template.jinja",
 )
-
-_CONV1D_MODEL_TYPES = ("gpt2", "openai-gpt", "imagegpt", "decision_transformer")
 
 
 class MergeError(SubmergeError):
@@ -87,7 +86,7 @@ def write_merge(
     base: str,
     finetuned: dict[str, str],
     out_dir: str | Path,
-    rule_for: Callable[[str, tuple[int, ...]], ParameterRule],
+    rule_for: Callable[[TensorInfo], ParameterRule],
     *,
     record: dict | None = None,
     force: bool = False,
@@ -99,7 +98,7 @@ def write_merge(
     gram_matrices: Callable[[str], list[torch.Tensor] | None] | None = None,
     progress: bool = True,
 ) -> Path:
-    """Merge `finetuned` into `base` tensor by tensor with the rule `rule_for(name, shape)` gives.
+    """Merge `finetuned` into `base` tensor by tensor with the rule `rule_for(info)` gives (info: the tensor table's).
 
     Returns the output directory, loadable with `AutoModelForCausalLM.from_pretrained`.
     """
@@ -115,7 +114,7 @@ def write_merge(
     used: dict[str, str] = {}
     names = base_reader.names()
     temporary: list[Path] = []
-    conv1d = gram_matrices is not None and _conv1d_layout(base, allow_pickle)  # square (in, out) weights too
+    table = TensorTable.from_reader(base_reader)
 
     def flush():
         nonlocal shard_bytes
@@ -134,18 +133,19 @@ def write_merge(
             if not base_tensor.is_floating_point():
                 merged = base_tensor
             else:
-                rule = rule_for(name, tuple(base_tensor.shape))
+                info = table.get(name, tuple(base_tensor.shape))
+                rule = rule_for(info)
                 vectors = [tv.get(name, torch.float32, device) for tv in task_vectors.values()]
                 if rule.weights is not None:
                     delta = sum(rule.weights.get(task, 0.0) * vector for task, vector in zip(task_vectors, vectors))
                 else:
                     grams = gram_matrices(name) if (gram_matrices and rule.method == "regmean") else None
-                    transposed = bool(grams) and vectors[0].dim() == 2 and (
-                        conv1d or vectors[0].shape[1] != grams[0].shape[0])
+                    transposed = bool(grams) and info.transposed
                     if transposed:  # GPT-2 Conv1D stores (in, out)
                         vectors = [v.T for v in vectors]
                     try:
-                        delta = merge_parameter(name, vectors, rule.method, rule.options, gram_matrices=grams)
+                        delta = merge_parameter(name, vectors, rule.method, rule.options, kind=info.kind,
+                                                gram_matrices=grams)
                     except ValueError as exc:
                         raise MergeError(f"merging '{name}' {tuple(base_tensor.shape)}: {exc}") from exc
                     if transposed:
@@ -204,13 +204,6 @@ def _rule_summary(used: dict[str, str]) -> dict[str, list[str]]:
     }
 
 
-def _conv1d_layout(base: str, allow_pickle: bool) -> bool:
-    """Whether the base's linear maps are transformers `Conv1D`s, stored (in, out) (GPT-2 family)."""
-    source = local_path(base, allow_pickle=allow_pickle)
-    config = (source if source.is_dir() else source.parent) / "config.json"
-    return config.exists() and json.loads(config.read_text()).get("model_type") in _CONV1D_MODEL_TYPES
-
-
 def _copy_model_files(base: str, out_dir: Path, allow_pickle: bool) -> None:
     source = local_path(base, allow_pickle=allow_pickle)
     directory = source if source.is_dir() else source.parent
@@ -224,7 +217,7 @@ def _copy_model_files(base: str, out_dir: Path, allow_pickle: bool) -> None:
         config.write_text(json.dumps(content, indent=2))
 
 
-def method_rule(method: str, options: dict | None = None) -> Callable[[str, tuple[int, ...]], ParameterRule]:
+def method_rule(method: str, options: dict | None = None) -> Callable[[TensorInfo], ParameterRule]:
     """The same registered method for every tensor."""
     from merge.strategies import STRATEGIES
 
@@ -235,4 +228,4 @@ def method_rule(method: str, options: dict | None = None) -> Callable[[str, tupl
     except ValueError as exc:
         raise MergeError(str(exc)) from exc
     rule = ParameterRule(method=method, options=options or {})
-    return lambda name, shape: rule
+    return lambda info: rule

@@ -31,7 +31,7 @@ def _eval_group(base_dir: Path, finetuned: dict[str, Path], store, *, texts_per_
     import xarray as xr
 
     from diagnostics import toy
-    from diagnostics.modules import parameter_location
+    from diagnostics.tensors import TensorTable
     from diagnostics.store import provenance
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(base_dir)
@@ -48,6 +48,7 @@ def _eval_group(base_dir: Path, finetuned: dict[str, Path], store, *, texts_per_
                 for name in base}
 
     mean = [1.0 / len(tasks)] * len(tasks)
+    table = TensorTable.from_model(model)
     variants = {"base": base, **{t: tuned[t] for t in tasks}, "average": merged(lambda name: mean)}
     for granularity in ("layer", "attn-mlp"):
         if not store.has(f"alpha/{granularity}"):
@@ -56,9 +57,7 @@ def _eval_group(base_dir: Path, finetuned: dict[str, Path], store, *, texts_per_
         modules = set(alpha.module.values.tolist())
 
         def weights_of(name, alpha=alpha, modules=modules, granularity=granularity):
-            location = parameter_location(name)
-            module = f"layers.{location.layer}" if granularity == "layer" else \
-                f"layers.{location.layer}.{location.level}"
+            module = table.get(name).unit(granularity)
             if module in modules:
                 return [float(alpha.sel(module=module, task=t)) for t in tasks]
             return mean  # outside every module: mean of the task vectors (the plan's default)

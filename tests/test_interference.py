@@ -331,11 +331,17 @@ def test_sar_in_unit_interval(seed, shape, eps):
 # ---------------------------------------------------------------- streaming driver
 
 
-def write_checkpoint(directory, tensors):
+def write_checkpoint(directory, tensors, config=None):
+    """Save `tensors` as model.safetensors with a config (default: the Llama of `tiny_llama_tensors`)."""
+    import transformers
     from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
     save_file({name: t.contiguous() for name, t in tensors.items()}, str(directory / "model.safetensors"))
+    config = config or transformers.LlamaConfig(
+        vocab_size=10, hidden_size=8, intermediate_size=12, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
+    config.save_pretrained(directory)
     return directory
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +31,7 @@ from diagnostics.linearity import alpha as solve_alpha_per_module
 from diagnostics.linearity import balance_denominator, merge_objective, nonlinearity, task_gram
 from diagnostics.modules import find_submodules, get_module
 from diagnostics.store import Store
+from diagnostics.tensors import TensorTable
 from merge import strategies
 from merge.plan import AUTO_ORDER, Plan, PlanError, choose_granularity, make_plan, plan_from_alpha
 from merge.writer import MergeError, ParameterRule, method_rule, write_merge
@@ -354,9 +355,10 @@ def test_head_mlp_rule_splits_q_o_by_head_and_averages_k_v_over_the_gqa_group(ki
                                     for t, v in zip(TASKS, _task_vectors(kit, name)))
         assert (merged[name] - expected).abs().max().item() <= 1e-6
     # the rule objects themselves: q rows and o columns per head, k rows per group
-    q_rule = plan.rule_for(_layer(0, "self_attn.q_proj"), (HEADS * HEAD_DIM, HIDDEN))
-    o_rule = plan.rule_for(_layer(0, "self_attn.o_proj"), (HIDDEN, HEADS * HEAD_DIM))
-    k_rule = plan.rule_for(_layer(0, "self_attn.k_proj"), (KV_HEADS * HEAD_DIM, HIDDEN))
+    table = TensorTable.from_checkpoint(kit.base)
+    q_rule = plan.rule_for(table[_layer(0, "self_attn.q_proj")])
+    o_rule = plan.rule_for(table[_layer(0, "self_attn.o_proj")])
+    k_rule = plan.rule_for(table[_layer(0, "self_attn.k_proj")])
     assert q_rule.weights["code"].shape == (HEADS * HEAD_DIM, 1)
     assert o_rule.weights["code"].shape == (1, HEADS * HEAD_DIM)
     assert k_rule.weights["code"].shape == (KV_HEADS * HEAD_DIM, 1)
@@ -364,7 +366,7 @@ def test_head_mlp_rule_splits_q_o_by_head_and_averages_k_v_over_the_gqa_group(ki
     assert k_rule.weights["code"][HEAD_DIM, 0].item() == pytest.approx(
         (values["layers.0.attn.head.2"]["code"] + values["layers.0.attn.head.3"]["code"]) / 2)
     with pytest.raises(PlanError, match="rows"):
-        plan.rule_for(_layer(0, "self_attn.q_proj"), (HEADS * HEAD_DIM + 1, HIDDEN))
+        plan.rule_for(replace(table[_layer(0, "self_attn.q_proj")], shape=(HEADS * HEAD_DIM + 1, HIDDEN)))
 
 
 def test_plan_save_load_round_trip(kit, tmp_path):
@@ -375,7 +377,8 @@ def test_plan_save_load_round_trip(kit, tmp_path):
     assert set(plan.decision["level_stats"]) == {"attn", "mlp"}
     loaded = Plan.load(plan.save(tmp_path / "plan.yaml"))
     assert loaded == plan
-    assert loaded.rule_for("model.norm.weight", (HIDDEN,)) == ParameterRule(method="ties", options={"top_k": 0.5})
+    norm = TensorTable.from_checkpoint(kit.base)["model.norm.weight"]
+    assert loaded.rule_for(norm) == ParameterRule(method="ties", options={"top_k": 0.5})
     (tmp_path / "other.yaml").write_text("a: 1\n")
     with pytest.raises(PlanError, match="not a submerge plan"):
         Plan.load(tmp_path / "other.yaml")
@@ -446,7 +449,7 @@ def test_regmean_through_the_writer_equals_regmean_on_one_linear_map(kit, tmp_pa
     regmean = ParameterRule(method="regmean", options={"off_diagonal_scale": 0.9})
     elsewhere = ParameterRule(method="task-arithmetic")
     out = write_merge(kit.base, kit.finetuned, tmp_path / "regmean",
-                      lambda name, shape: regmean if name in linear else elsewhere,
+                      lambda info: regmean if info.name in linear else elsewhere,
                       gram_matrices=lambda name: [grams[t][name] for t in TASKS] if name in linear else None,
                       progress=False)
     _load_and_generate(out)
@@ -476,7 +479,7 @@ def test_regmean_transposes_conv1d_weights_even_when_square(tmp_path):
         inputs = [torch.randn(20, size, generator=generator) * torch.linspace(0.2, 3.0, size) for _ in range(2)]
         grams[name] = [x.T @ x for x in inputs]
     out = write_merge(str(base), finetuned, tmp_path / "merged",
-                      lambda name, shape: ParameterRule("regmean") if name in grams else ParameterRule(),
+                      lambda info: ParameterRule("regmean") if info.name in grams else ParameterRule(),
                       gram_matrices=grams.get, progress=False)
     merged = _tensors(out)
     base_tensors = load_file(str(Path(base) / "model.safetensors"))

@@ -7,14 +7,13 @@ import torch
 
 from diagnostics.modules import (
     FeedForward,
-    ParameterLocation,
     find_architecture,
     find_submodules,
     get_module,
     input_module_path,
     module_parameter_names,
-    parameter_location,
 )
+from diagnostics.tensors import TensorTable
 
 ALL_LEVELS = ("layer", "attn", "head", "mlp", "linear", "model")
 
@@ -92,8 +91,8 @@ def test_submodule_names_follow_one_scheme(base_models, name):
         if submodule.level == "linear":
             module = model.get_submodule(submodule.path)
             assert isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"
-            # a linear map's checkpoint name locates back to the same submodule name
-            assert parameter_location(f"{submodule.path}.weight").module == submodule.name
+            # a linear map's tensor is named like the same submodule in the tensor table
+            assert TensorTable.from_model(model)[f"{submodule.path}.weight"].module == submodule.name
 
 
 def test_default_levels_and_layer_order(base_models):
@@ -128,48 +127,92 @@ def test_module_parameter_names_are_full_model_names(base_models):
     assert all(full in parameters for full in module_parameter_names(model, "model").values())
 
 
-@pytest.mark.parametrize("name, expected", [
-    # llama / mistral / qwen
-    ("model.layers.3.self_attn.q_proj.weight", ("layers.3.attn.q_proj", 3, "attn")),
-    ("model.layers.3.self_attn.q_proj.bias", ("layers.3.attn.q_proj", 3, "attn")),
-    ("model.layers.12.mlp.down_proj.weight", ("layers.12.mlp.down_proj", 12, "mlp")),
-    ("model.layers.0.input_layernorm.weight", ("layers.0.input_layernorm", 0, "norm")),
-    ("model.layers.0.post_attention_layernorm.weight", ("layers.0.post_attention_layernorm", 0, "norm")),
-    ("model.embed_tokens.weight", ("embed_tokens", -1, "embed")),
-    ("model.norm.weight", ("norm", -1, "norm")),
-    ("lm_head.weight", ("lm_head", -1, "embed")),
-    # gpt2
-    ("transformer.h.2.attn.c_attn.weight", ("layers.2.attn.c_attn", 2, "attn")),
-    ("transformer.h.2.attn.c_proj.bias", ("layers.2.attn.c_proj", 2, "attn")),
-    ("transformer.h.2.mlp.c_fc.weight", ("layers.2.mlp.c_fc", 2, "mlp")),
-    ("transformer.h.2.ln_1.weight", ("layers.2.ln_1", 2, "norm")),
-    ("transformer.wte.weight", ("wte", -1, "embed")),
-    ("transformer.wpe.weight", ("wpe", -1, "embed")),
-    ("transformer.ln_f.bias", ("ln_f", -1, "norm")),
-    # bert (with or without the `bert.` prefix)
-    ("bert.encoder.layer.1.attention.self.query.weight", ("layers.1.attn.self.query", 1, "attn")),
-    ("encoder.layer.1.attention.output.dense.weight", ("layers.1.attn.output.dense", 1, "attn")),
-    ("encoder.layer.1.intermediate.dense.weight", ("layers.1.mlp.intermediate.dense", 1, "mlp")),
-    ("encoder.layer.1.output.dense.bias", ("layers.1.mlp.output.dense", 1, "mlp")),
-    ("encoder.layer.1.output.LayerNorm.weight", ("layers.1.output.LayerNorm", 1, "norm")),
-    ("bert.embeddings.word_embeddings.weight", ("word_embeddings", -1, "embed")),
-    ("pooler.dense.weight", ("pooler.dense", -1, "other")),
-])
-def test_parameter_location(name, expected):
-    assert parameter_location(name) == ParameterLocation(*expected)
-
-
-@pytest.mark.parametrize("name", ["llama", "gpt2", "gemma3"])
-def test_every_block_parameter_is_located_in_its_layer_and_part(base_models, name):
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", "gemma3", "gpt2", "bert"])
+def test_every_block_parameter_is_located_in_its_layer_and_replay_unit(base_models, name):
+    """The table's level is the replay unit that runs the tensor (BERT's output.LayerNorm is in the MLP unit)."""
     model = base_models(name)
     arch = find_architecture(model)
+    table = TensorTable.from_model(model)
     for layer in range(arch.num_layers):
-        attn_prefix = arch.attn_path(layer) + "."
-        mlp_prefix = arch.mlp_path(layer) + "."
-        for parameter_name, _ in model.get_submodule(arch.layer_path(layer)).named_parameters(
+        units = {"attn": get_module(model, arch.attn_path(layer)), "mlp": get_module(model, arch.mlp_path(layer))}
+        inside = {level: {id(p) for p in unit.parameters()} for level, unit in units.items()}
+        for parameter_name, parameter in model.get_submodule(arch.layer_path(layer)).named_parameters(
                 prefix=arch.layer_path(layer)):
-            location = parameter_location(parameter_name)
-            assert location.layer == layer, parameter_name
-            expected = "attn" if parameter_name.startswith(attn_prefix) else (
-                "mlp" if parameter_name.startswith(mlp_prefix) else "norm")
-            assert location.level == expected, parameter_name
+            info = table[parameter_name]
+            assert info.layer == layer, parameter_name
+            expected = next((level for level, ids in inside.items() if id(parameter) in ids), "norm")
+            assert info.level == expected, parameter_name
+
+
+EXPECTED_INFO = {
+    # name -> (module, layer, level, kind, head_split, transposed)
+    "llama": {
+        "model.layers.1.self_attn.q_proj.weight": ("layers.1.attn.q_proj", 1, "attn", "matrix", "q", False),
+        "model.layers.1.self_attn.k_proj.weight": ("layers.1.attn.k_proj", 1, "attn", "matrix", "kv", False),
+        "model.layers.1.self_attn.o_proj.weight": ("layers.1.attn.o_proj", 1, "attn", "matrix", "o", False),
+        "model.layers.1.mlp.down_proj.weight": ("layers.1.mlp.down_proj", 1, "mlp", "matrix", None, False),
+        "model.layers.0.input_layernorm.weight": ("layers.0.input_layernorm", 0, "norm", "norm", None, False),
+        "model.embed_tokens.weight": ("embed_tokens", -1, "embed", "embedding", None, False),
+        "model.norm.weight": ("norm", -1, "final", "norm", None, False),
+    },
+    "qwen2": {
+        "model.layers.0.self_attn.q_proj.bias": ("layers.0.attn.q_proj", 0, "attn", "bias", "q", False),
+        "model.layers.0.self_attn.v_proj.bias": ("layers.0.attn.v_proj", 0, "attn", "bias", "kv", False),
+    },
+    "gemma3": {
+        "model.layers.0.self_attn.q_norm.weight": ("layers.0.attn.q_norm", 0, "attn", "norm", None, False),
+        "model.layers.0.pre_feedforward_layernorm.weight":
+            ("layers.0.pre_feedforward_layernorm", 0, "norm", "norm", None, False),
+    },
+    "gpt2": {
+        "transformer.h.1.attn.c_attn.weight": ("layers.1.attn.c_attn", 1, "attn", "matrix", "fused", True),
+        "transformer.h.1.attn.c_proj.bias": ("layers.1.attn.c_proj", 1, "attn", "bias", "o", False),
+        "transformer.h.1.mlp.c_fc.weight": ("layers.1.mlp.c_fc", 1, "mlp", "matrix", None, True),
+        "transformer.h.1.ln_1.bias": ("layers.1.ln_1", 1, "norm", "norm", None, False),
+        "transformer.wte.weight": ("wte", -1, "embed", "embedding", None, False),
+        "transformer.wpe.weight": ("wpe", -1, "embed", "embedding", None, False),
+        "transformer.ln_f.weight": ("ln_f", -1, "final", "norm", None, False),
+    },
+    "bert": {
+        "encoder.layer.1.attention.self.query.weight": ("layers.1.attn.self.query", 1, "attn", "matrix", "q", False),
+        "encoder.layer.1.attention.output.dense.weight":
+            ("layers.1.attn.output.dense", 1, "attn", "matrix", "o", False),
+        "encoder.layer.1.attention.output.LayerNorm.weight":
+            ("layers.1.attn.output.LayerNorm", 1, "attn", "norm", None, False),
+        "encoder.layer.1.intermediate.dense.weight":
+            ("layers.1.mlp.intermediate.dense", 1, "mlp", "matrix", None, False),
+        "encoder.layer.1.output.LayerNorm.weight": ("layers.1.mlp.output.LayerNorm", 1, "mlp", "norm", None, False),
+        "embeddings.word_embeddings.weight": ("embeddings.word_embeddings", -1, "embed", "embedding", None, False),
+        "embeddings.LayerNorm.weight": ("embeddings.LayerNorm", -1, "final", "norm", None, False),
+        "pooler.dense.weight": ("pooler.dense", -1, "final", "matrix", None, False),
+    },
+}
+
+
+@pytest.mark.parametrize("name", list(EXPECTED_INFO))
+def test_tensor_table_entries(base_models, name):
+    table = TensorTable.from_model(base_models(name))
+    for tensor, expected in EXPECTED_INFO[name].items():
+        info = table[tensor]
+        assert (info.module, info.layer, info.level, info.kind, info.head_split, info.transposed) == expected, tensor
+
+
+def test_tensor_table_units_and_ties(base_models):
+    model = base_models("gpt2")  # GPT-2 ties lm_head to wte
+    table = TensorTable.from_model(model)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert table["lm_head.weight"].tied_to == "transformer.wte.weight" and table["lm_head.weight"].kind == "embedding"
+    assert table["transformer.wte.weight"].tied_to is None
+    # a checkpoint that stores the tied tensor once has one entry for it
+    stored_once = TensorTable.from_model(model, {"lm_head.weight": "transformer.wte.weight"})
+    assert "lm_head.weight" not in stored_once.names() and "transformer.wte.weight" in stored_once.names()
+    q = table["transformer.h.1.attn.c_attn.weight"]
+    assert [q.unit(g) for g in ("model", "layer", "attn-mlp", "head-mlp")] == [
+        "model", "layers.1", "layers.1.attn", "layers.1.attn"]
+    norm = table["transformer.h.1.ln_1.weight"]
+    assert [norm.unit(g) for g in ("model", "layer", "attn-mlp")] == ["model", "layers.1", None]
+    assert table["transformer.wte.weight"].unit("layer") is None
+    with pytest.raises(ValueError, match="unknown granularity"):
+        q.unit("neuron")
+    with pytest.raises(KeyError, match="not a parameter"):
+        table["transformer.h.9.attn.c_attn.weight"]
