@@ -2,7 +2,7 @@
 
 A fine-tuned model is never loaded whole: `open_checkpoint` returns a
 `CheckpointReader` that reads one tensor at a time (safetensors memory map), and
-`task_vector` gives τ_t = θ_t − θ0 for one parameter. Only the base model is
+`TaskVectorReader.get` gives τ_t = θ_t − θ0 for one tensor. Only the base model is
 instantiated as a `torch.nn.Module` (`load_base_model`).
 
 Supported specs (base and fine-tunes alike):
@@ -115,7 +115,7 @@ class CheckpointReader:
         return set(self.names())
 
     def fingerprint(self) -> dict:
-        """Where these weights came from: spec, path, and a hash of the file headers and sizes."""
+        """Where these weights came from: spec and resolved path (readers of files add content hashes)."""
         return {"spec": self.spec, "path": str(Path(self.path).resolve())}
 
     def _missing(self, name: str) -> ModelInputError:
@@ -543,7 +543,7 @@ class TaskVectorReader:
         return delta.to(dtype)
 
     def _fit_vocab(self, name: str, tuned: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
-        if tuned.dim() >= 1 and tuned.shape[1:] == base.shape[1:] and tuned.shape[0] > base.shape[0] and self.vocab == "base":
+        if self.vocab == "base" and has_added_vocabulary(base.shape, tuned.shape):
             if name in self.cropped:
                 return tuned[: base.shape[0]]
             self.cropped[name] = (base.shape[0], tuned.shape[0])
@@ -556,6 +556,16 @@ class TaskVectorReader:
         raise CheckpointMismatch(
             f"fine-tune '{self.name}': tensor '{name}' has shape {tuple(tuned.shape)}, base has {tuple(base.shape)}"
         )
+
+
+def has_added_vocabulary(base_shape, other_shape) -> bool:
+    """Whether `other_shape` is `base_shape` with extra leading rows (a fine-tune's added tokens).
+
+    The one test of the vocabulary policy 'base' (pre-flight, task vectors, evaluation load): such a
+    tensor is cropped to the base's first rows.
+    """
+    base_shape, other_shape = tuple(base_shape), tuple(other_shape)
+    return len(base_shape) >= 1 and other_shape[1:] == base_shape[1:] and other_shape[0] > base_shape[0]
 
 
 def preflight(base: CheckpointReader, finetuned: dict[str, CheckpointReader], *, vocab: str = "base") -> dict:
@@ -582,7 +592,7 @@ def preflight(base: CheckpointReader, finetuned: dict[str, CheckpointReader], *,
             mine, theirs = base.shape(name), reader.shape(name)
             if mine == theirs:
                 continue
-            if len(mine) >= 1 and mine[1:] == theirs[1:] and theirs[0] > mine[0] and vocab == "base":
+            if vocab == "base" and has_added_vocabulary(mine, theirs):
                 report[task]["vocab_rows"][name] = [mine[0], theirs[0]]
                 continue
             problems.append(f"  {task}: '{name}' has shape {theirs}, base {mine}")
