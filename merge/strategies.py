@@ -790,7 +790,7 @@ STRATEGIES: dict[str, MergeMethod] = {
 PARAMETER_KINDS = ("matrix", "embedding", "bias", "norm")
 
 DEFAULT_FALLBACK: dict[str, tuple[str, dict[str, object]]] = {
-    # SFTM Alg. 2 lines 9–16 / DESIGN.md: biases and embeddings by task arithmetic,
+    # SFTM Alg. 2 lines 9–16 / docs/ARCHITECTURE.md: biases and embeddings by task arithmetic,
     # normalisation parameters by the mean.
     "embedding": ("task-arithmetic", {}),
     "bias": ("task-arithmetic", {}),

@@ -1,0 +1,307 @@
+"""Benchmark: every command on Llama-2-7B-shaped slices, peak memory against depth, projected to the full 7B.
+
+Builds (offline, float16 safetensors, in a scratch directory) checkpoints with the exact Llama-2-7B block shape —
+hidden 4096, MLP 11008, 32 heads, the demo kit's 49,152-token tokenizer — with L = 1, 2, 4 random blocks, and for
+each L three dense fine-tunes (base + Gaussian noise of relative RMS 1e-3 per tensor, a realistic update size,
+stored in float16 like real checkpoints) plus one set of three rank-16 LoRA adapters. Then runs, each in its own
+process, with peak RSS (wait4 ru_maxrss), peak anonymous RSS (sampled) and wall time:
+
+    diag linearity   (levels model, layer, attn, mlp, head)     diag alpha --granularity attn-mlp
+    diag interference                                          diag merge --method task-arithmetic | ties | plan
+    diag eval (base, fine-tunes, the TA merge)
+
+Per command it fits peak RSS = a + b·L and wall = c + d·L over the slices (b ≈ 0 means memory does not grow with
+depth), and projects Llama-2-7B (32 blocks) + 3 fine-tunes: peak a + 32·b, wall c + 32·d on this machine. FLOPs per
+block are counted from the shapes (matrix products only: 2·params·tokens per replayed block, as a GPU-time basis).
+With ``--mergekit-python`` (a venv with mergekit 0.1.5), mergekit runs task_arithmetic and ties on the same slices
+and the ratios ours/mergekit (wall, peak RSS) and the largest |ours − mergekit| are printed.
+
+    python benchmarks/scale.py [--layers 1,2,4] [--samples 2] [--max-tokens 64] [--mergekit-python /work/mkvenv/bin/python]
+        [--commands linearity,alpha,interference,merge-ta,merge-ties,merge-plan,eval] [--keep DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def _merge_benchmark():
+    """benchmarks/merge.py (its process meter and tensor comparison), loaded under its own name."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("merge_benchmark", Path(__file__).with_name("merge.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_METER = _merge_benchmark()
+measure, max_difference = _METER.measure, _METER.max_difference
+
+HIDDEN, INTERMEDIATE, HEADS = 4096, 11008, 32
+TASKS = ("math", "code", "trivia")
+FULL_LAYERS = 32
+RELATIVE_UPDATE = 1e-3
+LORA_RANK = 16
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def block_shapes(layer: int) -> dict[str, tuple[int, ...]]:
+    prefix = f"model.layers.{layer}."
+    shapes = {prefix + f"self_attn.{p}.weight": (HIDDEN, HIDDEN) for p in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    shapes[prefix + "mlp.gate_proj.weight"] = (INTERMEDIATE, HIDDEN)
+    shapes[prefix + "mlp.up_proj.weight"] = (INTERMEDIATE, HIDDEN)
+    shapes[prefix + "mlp.down_proj.weight"] = (HIDDEN, INTERMEDIATE)
+    shapes[prefix + "input_layernorm.weight"] = (HIDDEN,)
+    shapes[prefix + "post_attention_layernorm.weight"] = (HIDDEN,)
+    return shapes
+
+
+def _save_sharded(directory: Path, shards: list[dict]) -> None:
+    from safetensors.torch import save_file
+
+    weight_map = {}
+    for index, shard in enumerate(shards, start=1):
+        file = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(directory / file), metadata={"format": "pt"})
+        weight_map.update({name: file for name in shard})
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def build_slice(directory: Path, layers: int, tokenizer_dir: Path, seed: int = 0) -> dict[str, Path]:
+    """Base, three dense fine-tunes and three LoRA adapters of an L-block Llama-2-7B slice (float16)."""
+    import torch
+    from transformers import LlamaConfig
+
+    vocab = json.loads((tokenizer_dir / "config.json").read_text())["vocab_size"]
+    config = LlamaConfig(vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
+                         num_hidden_layers=layers, num_attention_heads=HEADS, num_key_value_heads=HEADS,
+                         max_position_embeddings=4096, tie_word_embeddings=False, torch_dtype="float16",
+                         architectures=["LlamaForCausalLM"])
+    paths = {"base": directory / "base", **{t: directory / t for t in TASKS}}
+    for path in paths.values():
+        path.mkdir(parents=True, exist_ok=True)
+        config.save_pretrained(path)
+        for file in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            if (tokenizer_dir / file).exists():
+                shutil.copy2(tokenizer_dir / file, path / file)
+    generator = torch.Generator().manual_seed(seed)
+    groups = [{"model.embed_tokens.weight": (vocab, HIDDEN)}] + [block_shapes(j) for j in range(layers)] + [
+        {"model.norm.weight": (HIDDEN,), "lm_head.weight": (vocab, HIDDEN)}]
+    shards = {name: [] for name in paths}
+    for group in groups:
+        pieces = {name: {} for name in paths}
+        for tensor_name, shape in group.items():
+            base = torch.ones(shape) if len(shape) == 1 else torch.randn(shape, generator=generator) * 0.02
+            base16 = base.to(torch.float16)
+            pieces["base"][tensor_name] = base16
+            scale = RELATIVE_UPDATE * float(base16.float().pow(2).mean().sqrt())
+            for task in TASKS:
+                noise = torch.randn(shape, generator=generator) * scale
+                pieces[task][tensor_name] = (base16.float() + noise).to(torch.float16)
+        for name in paths:
+            shards[name].append(pieces[name])
+    for name, path in paths.items():
+        _save_sharded(path, shards[name])
+    paths.update(build_lora(directory, layers, generator))
+    return paths
+
+
+def build_lora(directory: Path, layers: int, generator) -> dict[str, Path]:
+    """Rank-16 LoRA adapters on every projection, ΔW of relative RMS ≈ 1e-3 of a 0.02-std weight."""
+    import torch
+    from safetensors.torch import save_file
+
+    adapters = {}
+    for t, task in enumerate(TASKS):
+        path = directory / f"lora_{task}"
+        path.mkdir(parents=True, exist_ok=True)
+        tensors = {}
+        for layer in range(layers):
+            for shape_name, shape in block_shapes(layer).items():
+                if len(shape) != 2:
+                    continue
+                stem = shape_name.removesuffix(".weight")
+                a = torch.randn(LORA_RANK, shape[1], generator=generator) / shape[1] ** 0.5
+                b = torch.randn(shape[0], LORA_RANK, generator=generator) * (RELATIVE_UPDATE * 0.02 / LORA_RANK ** 0.5)
+                tensors[f"base_model.model.{stem}.lora_A.weight"] = a.to(torch.float16)
+                tensors[f"base_model.model.{stem}.lora_B.weight"] = b.to(torch.float16)
+        save_file(tensors, str(path / "adapter_model.safetensors"))
+        (path / "adapter_config.json").write_text(json.dumps({
+            "peft_type": "LORA", "r": LORA_RANK, "lora_alpha": LORA_RANK, "target_modules": list(PROJECTIONS),
+            "base_model_name_or_path": str(directory / "base"), "fan_in_fan_out": False, "bias": "none",
+            "task_type": "CAUSAL_LM"}))
+        adapters[f"lora_{task}"] = path
+    return adapters
+
+
+# --------------------------------------------------------------------------- commands
+
+
+def flops_per_block(tokens: int, command: str, steps: int = 10) -> float:
+    """Matrix-product FLOPs per block: 2 · parameters · tokens for each block-sized replay of the command."""
+    attn, mlp = 4 * HIDDEN * HIDDEN, 3 * HIDDEN * INTERMEDIATE
+    variants = steps + 1
+    tasks = len(TASKS)
+    replays = {
+        # capture (1 forward) + N+1 replays of layer, attn, mlp (heads come from the attn replay) + model level
+        "linearity": tasks * (attn + mlp + variants * ((attn + mlp) + attn + mlp + (attn + mlp))),
+        # base + T fine-tunes + 2 merges (α, uniform) per unit, on every task's inputs
+        "alpha": tasks * (attn + mlp + (1 + tasks + 2) * (attn + mlp)),
+        "eval": (1 + tasks + 1) * tasks * (attn + mlp),
+    }
+    return 2.0 * tokens * replays.get(command, 0)
+
+
+def commands(paths: dict[str, Path], data: dict[str, Path], work: Path, samples: int, max_tokens: int) -> dict:
+    diag = [sys.executable, "-m", "cli.main"]
+    dense = [arg for t in TASKS for arg in ("-f", f"{t}={paths[t]}")]
+    lora = [arg for t in TASKS for arg in ("-f", f"{t}={paths['lora_' + t]}")]
+    tasks_data = [arg for t in TASKS for arg in ("-d", f"{t}={data[t]}")]
+    common = ["--model", str(paths["base"]), "--samples", str(samples), "--max-tokens", str(max_tokens),
+              "--no-progress", "--dtype", "float16"]
+    store = str(work / "scale.zarr")
+    return {
+        "linearity": diag + ["linearity", *common, *dense, *tasks_data, "--levels", "model,layer,attn,mlp,head",
+                             "--out", store],
+        "alpha": diag + ["alpha", *common, *dense, *tasks_data, "--granularity", "attn-mlp", "--out", store],
+        "interference": diag + ["interference", "--model", str(paths["base"]), *dense, "--out", store,
+                                "--no-progress"],
+        "interference-lora": diag + ["interference", "--model", str(paths["base"]), *lora,
+                                     "--out", str(work / "lora.zarr"), "--no-progress"],
+        "merge-ta": diag + ["merge", "--model", str(paths["base"]), *dense, "--method", "task-arithmetic",
+                            "--out", str(work / "ta"), "--no-progress"],
+        "merge-ties": diag + ["merge", "--model", str(paths["base"]), *dense, "--method", "ties",
+                              "--option", "top_k=0.2", "--out", str(work / "ties"), "--no-progress"],
+        "merge-plan": diag + ["merge", str(work / "plan.yaml"), "--out", str(work / "planned"), "--no-progress"],
+        "eval": diag + ["eval", "--model", str(paths["base"]), *dense, "--merged", f"ta={work / 'ta'}",
+                        *tasks_data, "--skip", "0", "--samples", str(samples), "--max-tokens", str(max_tokens),
+                        "--dtype", "float16", "--out", str(work / "eval.zarr"), "--no-progress"],
+    }
+
+
+def mergekit_runs(python: str, paths: dict[str, Path], work: Path) -> dict:
+    import yaml
+
+    binary = str(Path(python).parent / "mergekit-yaml")
+    models = [{"model": str(paths[t]), "parameters": {"weight": 1.0}} for t in TASKS]
+    configs = {
+        "merge-ta": {"merge_method": "task_arithmetic", "base_model": str(paths["base"]), "models": models,
+                     "parameters": {"normalize": False, "lambda": 1.0}, "dtype": "float16"},
+        "merge-ties": {"merge_method": "ties", "base_model": str(paths["base"]),
+                       "models": [{**m, "parameters": {"weight": 1.0, "density": 0.2}} for m in models],
+                       "parameters": {"normalize": True, "lambda": 1.0}, "dtype": "float16"},
+    }
+    results = {}
+    for name, config in configs.items():
+        path = work / f"{name}.mergekit.yaml"
+        path.write_text(yaml.safe_dump(config, sort_keys=False))
+        out = work / f"{name}.mergekit"
+        results[name] = measure([binary, str(path), str(out), "--quiet", "--no-write-model-card",
+                                 "--no-copy-tokenizer"])
+        results[name]["out"] = out
+    return results
+
+
+# --------------------------------------------------------------------------- main
+
+
+def run_slice(layers: int, directory: Path, args, tokenizer_dir: Path, data: dict) -> dict:
+    import os
+
+    work = directory / f"L{layers}"
+    start = time.perf_counter()
+    paths = build_slice(work, layers, tokenizer_dir)
+    print(f"L = {layers}: built base + 3 dense fine-tunes + 3 LoRA adapters in {time.perf_counter() - start:.0f} s",
+          flush=True)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    runs = commands(paths, data, work, args.samples, args.max_tokens)
+    results = {}
+    for name in args.commands:
+        if name == "merge-plan":
+            plan = [sys.executable, "-m", "cli.main", "plan", str(work / "scale.zarr"), "--granularity", "attn-mlp",
+                    "--out", str(work / "plan.yaml")]
+            measure(plan, env=env)
+        results[name] = measure(runs[name], env=env)
+        r = results[name]
+        print(f"  {name:<18} wall {r['wall_s']:8.1f} s   peak RSS {r['peak_rss_mib']:8.0f} MiB   "
+              f"peak anon {r['peak_anon_mib']:8.0f} MiB", flush=True)
+    if args.mergekit_python:
+        for name, r in mergekit_runs(args.mergekit_python, paths, work).items():
+            ours = results.get(name)
+            difference = max_difference(work / ("ta" if name == "merge-ta" else "ties"), r["out"])[0] if ours else None
+            results[f"{name}:mergekit"] = {**r, "max_abs_diff": difference}
+            print(f"  {name + ' mergekit':<18} wall {r['wall_s']:8.1f} s   peak RSS {r['peak_rss_mib']:8.0f} MiB"
+                  + (f"   max |ours − mergekit| {difference:.3g}" if difference is not None else ""), flush=True)
+    if not args.keep:
+        shutil.rmtree(work, ignore_errors=True)
+    return results
+
+
+def report(by_layers: dict[int, dict], tokens: int) -> None:
+    layers = np.array(sorted(by_layers), dtype=float)
+    names = [n for n in by_layers[int(layers[0])] if all(n in by_layers[int(L)] for L in layers)]
+    print(f"\n{'command':<24}{'RSS slope MiB/block':>20}{'7B peak GiB':>13}{'7B wall min':>13}{'GFLOP/block':>13}")
+    for name in names:
+        rss = np.array([by_layers[int(L)][name]["peak_rss_mib"] for L in layers])
+        wall = np.array([by_layers[int(L)][name]["wall_s"] for L in layers])
+        (rss_slope, rss_at0), (wall_slope, wall_at0) = np.polyfit(layers, rss, 1), np.polyfit(layers, wall, 1)
+        peak = (rss_at0 + FULL_LAYERS * rss_slope) / 1024
+        minutes = (wall_at0 + FULL_LAYERS * wall_slope) / 60
+        flops = flops_per_block(tokens, name.split(":")[0]) / 1e9
+        print(f"{name:<24}{rss_slope:>20.0f}{peak:>13.1f}{minutes:>13.1f}{flops:>13.1f}")
+    for name in ("merge-ta", "merge-ties"):
+        theirs = f"{name}:mergekit"
+        if name in names and theirs in names:
+            for L in layers:
+                ours, other = by_layers[int(L)][name], by_layers[int(L)][theirs]
+                print(f"L={int(L)} {name}: wall ours/mergekit {ours['wall_s'] / other['wall_s']:.2f}, peak RSS "
+                      f"ours/mergekit {ours['peak_rss_mib'] / other['peak_rss_mib']:.2f}, max |ours − mergekit| "
+                      f"{other['max_abs_diff']:.3g}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", default="1,2,4")
+    parser.add_argument("--samples", type=int, default=2, help="Records per task (linearity, alpha, eval).")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--commands", default="linearity,alpha,interference,interference-lora,merge-ta,merge-ties,"
+                        "merge-plan,eval")
+    parser.add_argument("--mergekit-python", help="Python of a venv with mergekit 0.1.5 (task_arithmetic, ties).")
+    parser.add_argument("--keep", type=Path, help="Build here and keep the checkpoints (default: a temp dir).")
+    args = parser.parse_args()
+    args.commands = args.commands.split(",")
+    from diagnostics.demo import ensure_demo_base, ensure_demo_data
+
+    tokenizer_dir = Path(ensure_demo_base())
+    data = {task: Path(path) for task, path in ensure_demo_data().items()}
+    directory = args.keep or Path(tempfile.mkdtemp(prefix="scale_bench_", dir=str(Path.home())))
+    directory.mkdir(parents=True, exist_ok=True)
+    print(f"Llama-2-7B block shape (hidden {HIDDEN}, MLP {INTERMEDIATE}, {HEADS} heads), float16; "
+          f"{args.samples} records × ≤ {args.max_tokens} tokens per task; scratch {directory}\n", flush=True)
+    by_layers = {}
+    try:
+        for layers in (int(v) for v in args.layers.split(",")):
+            by_layers[layers] = run_slice(layers, directory, args, tokenizer_dir, data)
+    finally:
+        if not args.keep:
+            shutil.rmtree(directory, ignore_errors=True)
+    report(by_layers, tokens=len(TASKS) * args.samples * args.max_tokens)
+
+
+if __name__ == "__main__":
+    main()
