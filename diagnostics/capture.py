@@ -18,8 +18,9 @@ from the base block and lazily read task vectors.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable, Iterable
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterable
 
 import torch
 from torch import nn
@@ -59,6 +60,29 @@ def _clean_kwargs(kwargs: dict) -> dict:
     return {k: v for k, v in kwargs.items() if k not in _DROPPED_KWARGS}
 
 
+@contextmanager
+def hooks():
+    """Collect hook handles in the yielded list; every one is removed on exit, also on an error."""
+    handles: list = []
+    try:
+        yield handles
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _stop_forward(*_args) -> None:
+    raise _StopForward
+
+
+def _until_stop(call: Callable[[], object]) -> None:
+    """Run `call`, treating `_StopForward` (raised by a stop hook) as its normal end."""
+    try:
+        call()
+    except _StopForward:
+        pass
+
+
 @torch.no_grad()
 def record_inputs(
     model: nn.Module,
@@ -78,22 +102,15 @@ def record_inputs(
     deepest = max((_layer_of(arch, p) for p in paths), default=-1)
     for batch in batches:
         mask = batch.attention_mask.to(device).bool()
-        handles = []
-        for path in paths:
-            def hook(module, args, kwargs, path=path):
-                recorded[path].append(Recorded(tuple(args), _clean_kwargs(kwargs), mask, batch.sample_index))
-            handles.append(model.get_submodule(input_module_path(path)).register_forward_pre_hook(hook, with_kwargs=True))
-        if 0 <= deepest < arch.num_layers - 1:
-            def stop(module, args, output):
-                raise _StopForward
-            handles.append(model.get_submodule(arch.layer_path(deepest)).register_forward_hook(stop))
-        try:
-            _call_backbone(backbone, batch, device)
-        except _StopForward:
-            pass
-        finally:
-            for handle in handles:
-                handle.remove()
+        with hooks() as handles:
+            for path in paths:
+                def hook(module, args, kwargs, path=path, mask=mask, index=batch.sample_index):
+                    recorded[path].append(Recorded(tuple(args), _clean_kwargs(kwargs), mask, index))
+                handles.append(model.get_submodule(input_module_path(path)).register_forward_pre_hook(
+                    hook, with_kwargs=True))
+            if 0 <= deepest < arch.num_layers - 1:
+                handles.append(model.get_submodule(arch.layer_path(deepest)).register_forward_hook(_stop_forward))
+            _until_stop(lambda batch=batch: _call_backbone(backbone, batch, device))
     return recorded
 
 
@@ -148,11 +165,9 @@ def replay_with_heads(
     def hook(module, args):
         seen["x"] = args[0]
 
-    handle = o_proj.register_forward_pre_hook(hook)
-    try:
+    with hooks() as handles:
+        handles.append(o_proj.register_forward_pre_hook(hook))
         output = replay(attention, recorded, parameters)
-    finally:
-        handle.remove()
     weight = (parameters or {}).get(f"{arch.o_proj}.weight", o_proj.weight)
     return output, seen["x"], weight
 
@@ -350,14 +365,10 @@ def _embed_with(backbone, params, model, first_layer_path, batch, device) -> tor
         seen["hidden"] = args[0] if args else kwargs["hidden_states"]
         raise _StopForward
 
-    handle = model.get_submodule(first_layer_path).register_forward_pre_hook(hook, with_kwargs=True)
-    try:
-        kwargs = {"input_ids": batch.input_ids.to(device), "attention_mask": batch.attention_mask.to(device)}
-        functional_call(backbone, params, (), kwargs, strict=False)
-    except _StopForward:
-        pass
-    finally:
-        handle.remove()
+    kwargs = {"input_ids": batch.input_ids.to(device), "attention_mask": batch.attention_mask.to(device)}
+    with hooks() as handles:
+        handles.append(model.get_submodule(first_layer_path).register_forward_pre_hook(hook, with_kwargs=True))
+        _until_stop(lambda: functional_call(backbone, params, (), kwargs, strict=False))
     return seen["hidden"]
 
 
@@ -376,24 +387,20 @@ def input_gram_matrices(model: nn.Module, arch: Architecture, batches: list[Toke
     device = device or next(model.parameters()).device
     grams: dict[str, torch.Tensor] = {}
     current_mask: dict[str, torch.Tensor] = {}
-    handles = []
     layers = model.get_submodule(arch.layers_path)
-    for name, module in layers.named_modules():
-        if isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D":
-            key = f"{arch.layers_path}.{name}.weight"
-
-            def hook(module, args, key=key):
-                x = args[0][current_mask["mask"]].to(torch.float32)
-                gram = x.T @ x
-                grams[key] = gram.cpu() if key not in grams else grams[key] + gram.cpu()
-
-            handles.append(module.register_forward_pre_hook(hook))
     backbone = get_module(model, arch.backbone_path)
-    try:
+    with hooks() as handles:
+        for name, module in layers.named_modules():
+            if isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D":
+                key = f"{arch.layers_path}.{name}.weight"
+
+                def hook(module, args, key=key):
+                    x = args[0][current_mask["mask"]].to(torch.float32)
+                    gram = x.T @ x
+                    grams[key] = gram.cpu() if key not in grams else grams[key] + gram.cpu()
+
+                handles.append(module.register_forward_pre_hook(hook))
         for batch in batches:
             current_mask["mask"] = batch.attention_mask.to(device).bool()
             _call_backbone(backbone, batch, device)
-    finally:
-        for handle in handles:
-            handle.remove()
     return grams

@@ -44,9 +44,6 @@ class Experiment:
     def parameter_source(self) -> ParameterSource:
         return ParameterSource(self.base, self.task_vectors)
 
-    def tokens(self, task: str) -> int:
-        return int(sum(b.attention_mask.sum() for b in self.batches[task]))
-
     @classmethod
     def load(
         cls,
@@ -65,7 +62,7 @@ class Experiment:
         trust_remote_code: bool = False,
         vocab: str = "base",
         need_data_for_every_task: bool = True,
-    ) -> "Experiment":
+    ) -> Experiment:
         if not data:
             raise DataInputError("no task data given (use --data NAME=PATH, one per fine-tune)")
         if need_data_for_every_task:

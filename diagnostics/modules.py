@@ -27,6 +27,7 @@ from diagnostics.errors import ArchitectureError
 
 LEVELS = ("model", "layer", "attn", "mlp", "head", "linear")
 DEFAULT_LEVELS = ("model", "layer", "attn", "mlp")
+GRANULARITIES = {"model": ("model",), "layer": ("layer",), "attn-mlp": ("attn", "mlp"), "head-mlp": ("head", "mlp")}
 
 _ATTN_NAMES = ("self_attn", "attn", "attention", "self_attention", "mixer")
 _MLP_NAMES = ("mlp", "feed_forward", "ffn", "block_sparse_moe")
