@@ -18,9 +18,9 @@ from the base block and lazily read task vectors.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -83,6 +83,59 @@ def _until_stop(call: Callable[[], object]) -> None:
         pass
 
 
+@dataclass
+class CaptureState:
+    """Where the last partial forward over some batches stopped: block `layer`'s output for each batch.
+
+    A later capture of deeper blocks starts from there instead of re-running the prefix: the blocks up to
+    `layer` return their saved output without computing (the backbone still embeds the tokens and builds
+    the masks and position embeddings each block needs, which is cheap), so capture over consecutive
+    chunks costs about one forward per batch in all.
+    """
+
+    layer: int = -1
+    outputs: list = field(default_factory=list)
+
+
+@contextmanager
+def _skipped_blocks(model: nn.Module, arch: Architecture, state: CaptureState | None, batch_index: int, first: int):
+    """Blocks 0..state.layer return their saved output instead of running, if none of them is needed (< first)."""
+    skipped = []
+    if state is not None and 0 <= state.layer < first and batch_index < len(state.outputs):
+        saved = state.outputs[batch_index]
+        skipped = [model.get_submodule(arch.layer_path(i)) for i in range(state.layer + 1)]
+    try:
+        for block in skipped:
+            block.forward = lambda *args, saved=saved, **kwargs: saved
+        yield
+    finally:
+        for block in skipped:
+            del block.forward
+
+
+def _partial_forward(model, arch, batches, device, deepest: int, first: int, register, state) -> None:
+    """Run the backbone on each batch with `register(handles, b, batch, mask)`'s hooks, stopping after `deepest`.
+
+    With a `state`, starts from where the previous partial forward stopped (when that is before `first`, the
+    shallowest block needed) and leaves `deepest`'s output per batch in it.
+    """
+    backbone = get_module(model, arch.backbone_path)
+    stops = 0 <= deepest < arch.num_layers - 1
+    outputs = []
+    for b, batch in enumerate(batches):
+        mask = batch.attention_mask.to(device).bool()
+        with hooks() as handles, _skipped_blocks(model, arch, state, b, first):
+            register(handles, b, batch, mask)
+            if stops:
+                def stop(module, args, output):
+                    outputs.append(output)
+                    raise _StopForward
+                handles.append(model.get_submodule(arch.layer_path(deepest)).register_forward_hook(stop))
+            _until_stop(lambda batch=batch: _call_backbone(backbone, batch, device))
+    if state is not None and stops:
+        state.layer, state.outputs = deepest, outputs
+
+
 @torch.no_grad()
 def record_inputs(
     model: nn.Module,
@@ -91,26 +144,25 @@ def record_inputs(
     batches: list[TokenBatch],
     *,
     device: torch.device | str = "cpu",
+    state: CaptureState | None = None,
 ) -> dict[str, list[Recorded]]:
     """Record the inputs of the modules at `paths` on every batch (one partial forward per batch).
 
-    The forward stops after the last block that holds a requested module.
+    The forward stops after the last block that holds a requested module. With a `state` (one per list of
+    batches), consecutive calls over deeper and deeper blocks continue from where the previous one stopped.
     """
     paths = list(dict.fromkeys(paths))
     recorded: dict[str, list[Recorded]] = {path: [] for path in paths}
-    backbone = get_module(model, arch.backbone_path)
-    deepest = max((_layer_of(arch, p) for p in paths), default=-1)
-    for batch in batches:
-        mask = batch.attention_mask.to(device).bool()
-        with hooks() as handles:
-            for path in paths:
-                def hook(module, args, kwargs, path=path, mask=mask, index=batch.sample_index):
-                    recorded[path].append(Recorded(tuple(args), _clean_kwargs(kwargs), mask, index))
-                handles.append(model.get_submodule(input_module_path(path)).register_forward_pre_hook(
-                    hook, with_kwargs=True))
-            if 0 <= deepest < arch.num_layers - 1:
-                handles.append(model.get_submodule(arch.layer_path(deepest)).register_forward_hook(_stop_forward))
-            _until_stop(lambda batch=batch: _call_backbone(backbone, batch, device))
+    layers = [_layer_of(arch, p) for p in paths]
+
+    def register(handles, b, batch, mask):
+        for path in paths:
+            def hook(module, args, kwargs, path=path):
+                recorded[path].append(Recorded(tuple(args), _clean_kwargs(kwargs), mask, batch.sample_index))
+            handles.append(model.get_submodule(input_module_path(path)).register_forward_pre_hook(
+                hook, with_kwargs=True))
+
+    _partial_forward(model, arch, batches, device, max(layers, default=-1), min(layers, default=-1), register, state)
     return recorded
 
 
@@ -376,31 +428,41 @@ def _embed_with(backbone, params, model, first_layer_path, batch, device) -> tor
 
 
 @torch.no_grad()
-def input_gram_matrices(model: nn.Module, arch: Architecture, batches: list[TokenBatch],
-                        *, device=None) -> dict[str, torch.Tensor]:
-    """Σ_x x xᵀ over real tokens of the input of every linear map inside the blocks (float32, CPU).
+def input_gram_matrices(model: nn.Module, arch: Architecture, batches: list[TokenBatch], *, device=None,
+                        layers: Iterable[int] | None = None, dtype: torch.dtype = torch.float32,
+                        state: CaptureState | None = None) -> dict[str, torch.Tensor]:
+    """Σ_x x xᵀ over real tokens of the input of every linear map inside the blocks (`dtype`, CPU).
 
     Keys are the linear maps' weight names (e.g. ``model.layers.0.self_attn.q_proj.weight``). Recorded on
     the base model θ0, as the capture engine does; RegMean's paper uses each fine-tune's own activations.
-    Memory: one in×in matrix per linear map (for a 7B model ≈ 14 GB in float32).
+    `layers` restricts it to some blocks (the forward stops after the deepest; a `state` continues where
+    the previous call stopped). Memory: one in×in matrix per linear map of the chosen blocks (all blocks
+    of a 7B model ≈ 14 GB in float32: use `input_grams_by_layer` to hold one block's at a time).
     """
     device = device or next(model.parameters()).device
+    chosen = sorted(set(range(arch.num_layers) if layers is None else layers))
     grams: dict[str, torch.Tensor] = {}
-    current_mask: dict[str, torch.Tensor] = {}
-    layers = model.get_submodule(arch.layers_path)
-    backbone = get_module(model, arch.backbone_path)
-    with hooks() as handles:
-        for name, module in layers.named_modules():
-            if isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D":
-                key = f"{arch.layers_path}.{name}.weight"
 
-                def hook(module, args, key=key):
-                    x = args[0][current_mask["mask"]].to(torch.float32)
-                    gram = x.T @ x
-                    grams[key] = gram.cpu() if key not in grams else grams[key] + gram.cpu()
+    def register(handles, b, batch, mask):
+        for layer in chosen:
+            for name, module in model.get_submodule(arch.layer_path(layer)).named_modules():
+                if isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D":
+                    key = f"{arch.layer_path(layer)}.{name}.weight"
 
-                handles.append(module.register_forward_pre_hook(hook))
-        for batch in batches:
-            current_mask["mask"] = batch.attention_mask.to(device).bool()
-            _call_backbone(backbone, batch, device)
+                    def hook(module, args, key=key):
+                        x = args[0][mask].to(dtype)
+                        gram = x.T @ x
+                        grams[key] = gram.cpu() if key not in grams else grams[key] + gram.cpu()
+
+                    handles.append(module.register_forward_pre_hook(hook))
+
+    _partial_forward(model, arch, batches, device, max(chosen, default=-1), min(chosen, default=-1), register, state)
     return grams
+
+
+def input_grams_by_layer(model: nn.Module, arch: Architecture, batches: list[TokenBatch], *, device=None,
+                         dtype: torch.dtype = torch.float32) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+    """(layer, `input_gram_matrices` of that block) block after block, about one forward per batch in all."""
+    state = CaptureState()
+    for layer in range(arch.num_layers):
+        yield layer, input_gram_matrices(model, arch, batches, device=device, layers=[layer], dtype=dtype, state=state)

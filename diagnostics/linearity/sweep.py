@@ -20,6 +20,7 @@ import torch
 import xarray as xr
 
 from diagnostics.capture import (
+    CaptureState,
     Variant,
     head_output,
     layer_chunks,
@@ -203,13 +204,14 @@ class Sweep:
         paths_per_layer = max((len(units_of(ms)) for ms in by_layer.values()), default=1)
         chunks = layer_chunks(experiment.arch.num_layers,
                               _bytes_per_layer(experiment, paths_per_layer) * len(self.tasks), self.capture_budget)
+        states = {task: CaptureState() for task in self.tasks}  # each chunk starts where the previous one stopped
         for chunk in chunks:
             chunk_modules = [m for layer in chunk for m in by_layer.get(layer, []) if m.name not in done]
             if not chunk_modules:
                 continue
             describe(f"capturing layers {chunk[0]}–{chunk[-1]}")
             recorded = {task: record_inputs(experiment.base.model, experiment.arch, list(units_of(chunk_modules)),
-                                            experiment.batches[task], device=experiment.device)
+                                            experiment.batches[task], device=experiment.device, state=states[task])
                         for task in self.tasks}
             for layer in chunk:
                 layer_modules = [m for m in by_layer.get(layer, []) if m.name not in done]
