@@ -43,6 +43,36 @@ class Recorded:
     token_mask: torch.Tensor  # (batch, seq) bool, real tokens
     sample_index: list[int]
 
+    def upcast(self, dtype: torch.dtype) -> Recorded:
+        """These inputs with every floating tensor of lower precision than `dtype` in `dtype` (never rounded down)."""
+        return Recorded(upcast(self.args, dtype), upcast(self.kwargs, dtype), self.token_mask, self.sample_index)
+
+
+def upcast(value, dtype: torch.dtype):
+    """`value` (a tensor, or tuples, lists and dicts of them) with floating tensors below `dtype` in `dtype`.
+
+    Tensors already in `dtype` (or wider), integer and boolean tensors and other objects come back as they are.
+    """
+    if isinstance(value, torch.Tensor):
+        wider = value.is_floating_point() and value.dtype != dtype and torch.promote_types(value.dtype, dtype) == dtype
+        return value.to(dtype) if wider else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(upcast(item, dtype) for item in value)
+    if isinstance(value, dict):
+        return {key: upcast(item, dtype) for key, item in value.items()}
+    return value
+
+
+@contextmanager
+def no_tf32():
+    """TF32 matmuls and convolutions off (CUDA) inside the block, restored after: replays compute in full float32."""
+    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
+
 
 class _StopForward(Exception):
     pass
@@ -251,43 +281,65 @@ def sample_features(output: torch.Tensor, token_mask: torch.Tensor) -> list[torc
 
 
 class ParameterSource:
-    """Base parameters of modules and their task vectors, read lazily, combined into variants."""
+    """Base parameters of modules and their task vectors, read lazily, combined into variants.
 
-    def __init__(self, base: BaseModel, task_vectors: dict[str, TaskVectorReader]):
+    Variants are built and returned in the compute dtype: each parameter's storage dtype promoted to
+    `compute_dtype` (float32 by default; a float64 model stays float64), never rounded back to storage.
+    """
+
+    def __init__(self, base: BaseModel, task_vectors: dict[str, TaskVectorReader],
+                 compute_dtype: torch.dtype = torch.float32):
         self.base = base
         self.task_vectors = task_vectors
+        self.compute_dtype = compute_dtype
         self._cache: dict[tuple[str, str], torch.Tensor] = {}
 
     def base_parameters(self, path: str) -> dict[str, torch.Tensor]:
         module = get_module(self.base.model, path)
         return dict(module.named_parameters(remove_duplicate=False))
 
-    def deltas(self, path: str, task: str) -> dict[str, torch.Tensor]:
-        """τ_task of every parameter of the module at `path` (local names), float32, on the model's device."""
+    def dtype_for(self, path: str) -> torch.dtype:
+        """The dtype the module at `path` is computed in: its storage dtype promoted to the compute dtype."""
+        storage = next((p.dtype for p in get_module(self.base.model, path).parameters() if p.is_floating_point()),
+                       self.compute_dtype)
+        return torch.promote_types(storage, self.compute_dtype)
+
+    def deltas(self, path: str, task: str, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+        """τ_task of the parameters of the module at `path` (local names; all or `names`), float32, on its device."""
         reader = self.task_vectors[task]
         device = next(self.base.model.parameters()).device
+        full_names = module_parameter_names(self.base.model, path)
         out = {}
-        for local, full in module_parameter_names(self.base.model, path).items():
-            key = (task, full)
+        for local in full_names if names is None else names:
+            key = (task, full_names[local])
             if key not in self._cache:
-                self._cache[key] = reader.get(self.base.checkpoint_name(full), torch.float32, device)
+                self._cache[key] = reader.get(self.base.checkpoint_name(full_names[local]), torch.float32, device)
             out[local] = self._cache[key]
         return out
 
-    def variant(self, path: str, coefficients: Variant) -> dict[str, torch.Tensor] | None:
-        """θ0 + Σ_t c_t τ_t for the module at `path`, in the module's dtype (None = the base itself)."""
+    def variant(self, path: str, coefficients: Variant, names: Iterable[str] | None = None):
+        """θ0 + Σ_t c_t τ_t for the module at `path` (all its parameters, or the local `names`) in the compute dtype.
+
+        None means: run the module as it is (no coefficient, and storage is already the compute dtype).
+        Floating buffers stored in a narrower dtype come upcast too.
+        """
         active = {t: c for t, c in coefficients.items() if c != 0}
-        if not active:
+        own = self.base_parameters(path)
+        names = list(own) if names is None else list(names)
+        compute = {local: torch.promote_types(own[local].dtype, self.compute_dtype) for local in names}
+        if not active and all(own[local].dtype == compute[local] for local in names):
             return None
+        deltas = {t: self.deltas(path, t, names) for t in active}
         params = {}
-        base_params = self.base_parameters(path)
-        deltas = {t: self.deltas(path, t) for t in active}
-        for local, weight in base_params.items():
-            compute = torch.promote_types(weight.dtype, torch.float32)  # float64 models stay float64
-            value = weight.to(compute)
+        for local in names:
+            value = own[local].to(compute[local])
             for task, coefficient in active.items():
-                value = value + coefficient * deltas[task][local].to(compute)
-            params[local] = value.to(weight.dtype)
+                value = value + coefficient * deltas[task][local].to(compute[local])
+            params[local] = value
+        module = get_module(self.base.model, path)
+        for local, buffer in module.named_buffers(remove_duplicate=False):
+            if upcast(buffer, self.compute_dtype) is not buffer:
+                params[local] = upcast(buffer, self.compute_dtype)
         return params
 
     def changed(self, path: str, task: str) -> bool:
@@ -312,60 +364,59 @@ def model_outputs(
 ) -> list[list[torch.Tensor]]:
     """Final hidden states (after the final norm) or logits of every variant, block by block.
 
-    Returns outputs[variant][batch] of shape (batch, seq, hidden | vocab). Only one block's
-    parameters per variant exist at a time, never a second model.
+    Returns outputs[variant][batch] of shape (batch, seq, hidden | vocab), in the compute dtype
+    (`source.dtype_for`). Only one block's parameters per variant exist at a time, never a second model.
     """
     model = source.base.model
     device = next(model.parameters()).device
-    backbone = get_module(model, arch.backbone_path)
     layer_paths = [arch.layer_path(i) for i in range(arch.num_layers)]
     # 1. the inputs of every block on the base (kwargs: masks, positions do not depend on weights)
     block_inputs = record_inputs(model, arch, layer_paths, batches, device=device)
-    # 2. the embedding stage per variant: backbone parameters outside blocks and final norm
-    prefix = f"{arch.backbone_path}." if arch.backbone_path else ""
-    embed_locals = [n for n, _ in backbone.named_parameters(remove_duplicate=False)
-                    if not (prefix + n).startswith(arch.layers_path + ".")
-                    and not (arch.final_norm_path and (prefix + n).startswith(arch.final_norm_path + "."))]
-    hidden: list[list[torch.Tensor]] = []
-    for variant in variants:
-        params = _subset_variant(source, arch.backbone_path, variant, embed_locals)
-        per_batch = []
-        for b, batch in enumerate(batches):
-            first = block_inputs[layer_paths[0]][b]
-            if params is None:
-                per_batch.append(_hidden_of(first))
-                continue
-            per_batch.append(_embed_with(backbone, params, model, layer_paths[0], batch, device))
-        hidden.append(per_batch)
-    # 3. the blocks
+    # 2. the embedding stage per variant, 3. the blocks, 4. the final norm and, on request, the output head
+    hidden = [_embedded(source, arch, batches, variant, block_inputs[layer_paths[0]]) for variant in variants]
     for i, path in enumerate(layer_paths):
-        block = model.get_submodule(path)
+        block, compute = model.get_submodule(path), source.dtype_for(path)
         for v, variant in enumerate(variants):
             params = source.variant(path, variant)
             for b in range(len(batches)):
-                rec = block_inputs[path][b]
-                args, kwargs = _with_hidden(rec, hidden[v][b])
+                args, kwargs = _with_hidden(block_inputs[path][b].upcast(compute), hidden[v][b])
                 out = functional_call(block, params, args, kwargs, strict=False) if params else block(*args, **kwargs)
                 hidden[v][b] = first_output(out)
         source.clear()
         if on_layer:
             on_layer(i)
     del block_inputs
-    # 4. final norm and, on request, the output head
-    heads = []
-    if arch.final_norm_path:
-        heads.append(arch.final_norm_path)
+    heads = [arch.final_norm_path] if arch.final_norm_path else []
     if output == "logits":
-        head_path = _output_head_path(model)
-        heads.append(head_path)
+        heads.append(_output_head_path(model))
     for path in heads:
         module = model.get_submodule(path)
         for v, variant in enumerate(variants):
             params = source.variant(path, variant)
             for b in range(len(batches)):
-                x = hidden[v][b]
+                x = upcast(hidden[v][b], source.dtype_for(path))
                 hidden[v][b] = functional_call(module, params, (x,), strict=False) if params else module(x)
         source.clear()
+    return hidden
+
+
+def _embedded(source: ParameterSource, arch: Architecture, batches, variant: Variant, first_inputs) -> list:
+    """Block 0's input hidden state per batch under `variant`'s embedding stage (backbone parameters
+    outside the blocks and the final norm), in the compute dtype; the recorded base input when unchanged."""
+    model = source.base.model
+    device = next(model.parameters()).device
+    backbone = get_module(model, arch.backbone_path)
+    prefix = f"{arch.backbone_path}." if arch.backbone_path else ""
+    embed_locals = [n for n, _ in backbone.named_parameters(remove_duplicate=False)
+                    if not (prefix + n).startswith(arch.layers_path + ".")
+                    and not (arch.final_norm_path and (prefix + n).startswith(arch.final_norm_path + "."))]
+    params = source.variant(arch.backbone_path, variant, embed_locals) if embed_locals else None
+    compute = source.dtype_for(arch.layer_path(0))
+    if params is None:
+        return [upcast(_hidden_of(first), compute) for first in first_inputs]
+    hidden = [upcast(_embed_with(backbone, params, model, arch.layer_path(0), batch, device), compute)
+              for batch in batches]
+    source.clear()
     return hidden
 
 
@@ -387,27 +438,6 @@ def _with_hidden(recorded: Recorded, hidden: torch.Tensor) -> tuple[tuple, dict]
     if recorded.args:
         return (hidden, *recorded.args[1:]), recorded.kwargs
     return recorded.args, {**recorded.kwargs, "hidden_states": hidden}
-
-
-def _subset_variant(source: ParameterSource, path: str, variant: Variant, locals_: list[str]):
-    """θ0 + Σ c τ restricted to some parameters of the module at `path`; None when they do not change."""
-    if not locals_ or not any(variant.values()):
-        return None
-    device = next(source.base.model.parameters()).device
-    module = get_module(source.base.model, path)
-    names = module_parameter_names(source.base.model, path)
-    own = dict(module.named_parameters(remove_duplicate=False))
-    params, changed = {}, False
-    for local in locals_:
-        compute = torch.promote_types(own[local].dtype, torch.float32)  # float64 models stay float64
-        value = own[local].to(compute)
-        for task, coefficient in variant.items():
-            if coefficient:
-                delta = source.task_vectors[task].get(source.base.checkpoint_name(names[local]), torch.float32, device)
-                changed = changed or bool(delta.abs().max() > 0)
-                value = value + coefficient * delta.to(compute)
-        params[local] = value.to(own[local].dtype)
-    return params if changed else None
 
 
 def _embed_with(backbone, params, model, first_layer_path, batch, device) -> torch.Tensor:

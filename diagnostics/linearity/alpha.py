@@ -64,6 +64,7 @@ def alpha(
     max_condition: float = 1e12,
     command: str | None = None,
     on_unit: Callable[[str], None] | None = None,
+    compute_dtype: str | None = None,
 ) -> xr.Dataset:
     """Closed-form merge coefficients α per submodule (seed 002 Eq. 12–14; balanced Eq. 33–34).
 
@@ -79,7 +80,8 @@ def alpha(
     uniform = np.full(len(tasks), 1.0 / len(tasks))
     sweep = Sweep(experiment, GRANULARITIES[granularity], f"alpha/{granularity}",
                   {"granularity": granularity, "balance": balance, "max_condition": max_condition},
-                  store=store, force=force, command=command, on_unit=on_unit, capture_budget=capture_budget)
+                  store=store, force=force, command=command, on_unit=on_unit, capture_budget=capture_budget,
+                  compute_dtype=compute_dtype)
 
     def measure(unit: Unit) -> dict:
         replays = {task: unit.run(task, [{}] + [{t: 1.0} for t in tasks]) for task in tasks}

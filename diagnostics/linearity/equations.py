@@ -1,8 +1,9 @@
 """The pure equations of the linearity diagnostics (no model, no store).
 
 The equations of seed 002 (Dai et al., *Leveraging submodule linearity
-enhances task arithmetic performance in LLMs*) take feature vectors that were already computed (a module's output on one sequence,
-real tokens only, flattened to 1-D) and return numbers. All arithmetic is in
+enhances task arithmetic performance in LLMs*) take feature vectors that
+were already computed (a module's output on one sequence, real tokens only,
+flattened to 1-D) and return numbers. All arithmetic is in
 float64. Different samples may have different lengths; vectors compared within
 one sample must have the same length.
 

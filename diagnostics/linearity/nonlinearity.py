@@ -32,6 +32,7 @@ def nonlinearity(
     capture_budget: int = DEFAULT_CAPTURE_BUDGET,
     command: str | None = None,
     on_unit: Callable[[str], None] | None = None,
+    compute_dtype: str | None = None,
 ) -> xr.Dataset:
     """Non-linearity Score (seed 002 Eq. 19) of every fine-tune on its own task, per module and sample.
 
@@ -44,8 +45,9 @@ def nonlinearity(
     if steps < 1:
         raise ValueError("steps must be at least 1")
     tasks = experiment.tasks
-    sweep = Sweep(experiment, levels, "linearity", {"levels": list(levels), "steps": steps, "model_output": model_output},
-                  store=store, force=force, command=command, on_unit=on_unit, capture_budget=capture_budget,
+    settings = {"levels": list(levels), "steps": steps, "model_output": model_output}
+    sweep = Sweep(experiment, levels, "linearity", settings, store=store, force=force, command=command,
+                  on_unit=on_unit, capture_budget=capture_budget, compute_dtype=compute_dtype,
                   model_output=model_output)
     positions = np.arange(experiment.settings["skip"], experiment.settings["skip"] + experiment.max_samples)
     position_of = {int(index): j for j, index in enumerate(positions)}

@@ -57,6 +57,7 @@ def projection(
     capture_budget: int = DEFAULT_CAPTURE_BUDGET,
     command: str | None = None,
     on_unit: Callable[[str], None] | None = None,
+    compute_dtype: str | None = None,
 ) -> xr.Dataset:
     """Projection Distance (Eq. 8), cosine_merge (Eq. 16) and cosine_base (Eq. 17) per module.
 
@@ -77,7 +78,8 @@ def projection(
             combo_alpha[c, tasks.index(task)] = value
     sweep = Sweep(experiment, levels, "projection", {"levels": list(levels),
                                                      "alphas": None if alphas is None else list(alphas)},
-                  store=store, force=force, command=command, on_unit=on_unit, capture_budget=capture_budget)
+                  store=store, force=force, command=command, on_unit=on_unit, capture_budget=capture_budget,
+                  compute_dtype=compute_dtype)
 
     def measure(unit: Unit) -> dict:
         results = {}

@@ -25,6 +25,7 @@ from diagnostics.capture import (
     head_output,
     layer_chunks,
     model_outputs,
+    no_tf32,
     record_inputs,
     replay,
     replay_with_heads,
@@ -35,6 +36,12 @@ from diagnostics.progress import progress_bar
 from diagnostics.store import Store, UnitWriter
 
 DEFAULT_CAPTURE_BUDGET = 2 * 1024**3  # bytes of recorded inputs held at once
+PRECISION_NOTE = {
+    "storage": "settings.dtype: the dtype the base is loaded and its recorded inputs are kept in",
+    "compute": "settings.compute_dtype: τ, every θ0 + Σ c_t τ_t, the replayed module or block and its inputs are "
+               "upcast to it per unit and never rounded back; metrics in float64",
+    "tf32": False,
+}
 
 
 @dataclass
@@ -60,7 +67,8 @@ class Outputs:
 
     def minus(self, base: list[torch.Tensor]) -> Outputs:
         """Every variant minus per-batch ``base`` outputs, in the outputs' own dtype (Δf = f(x; θ) − f(x; θ0))."""
-        return Outputs([[o - b for o, b in zip(per_batch, base)] for per_batch in self.values], self.masks, self.indices)
+        values = [[o - b for o, b in zip(per_batch, base)] for per_batch in self.values]
+        return Outputs(values, self.masks, self.indices)
 
 
 @dataclass
@@ -86,8 +94,10 @@ def replay_variants(source, arch, path: str, recorded, variants: Sequence[Varian
     """The module at `path` replayed on every recorded batch for each variant (parameters built by `source`).
 
     With `heads`, also keeps the output projection's input and weight of each variant for head outputs.
+    Inputs and parameters are upcast to the compute dtype (`source.dtype_for`) and the outputs stay in it.
     """
     module = get_module(source.base.model, path)
+    recorded = [rec.upcast(source.dtype_for(path)) for rec in recorded]  # the compute dtype, per unit
     result = Replayed([], [rec.token_mask for rec in recorded], [rec.sample_index for rec in recorded], arch=arch)
     for variant in variants:
         params = source.variant(path, variant)
@@ -162,22 +172,24 @@ class Sweep:
     """One driver's pass over the modules of `levels`, writing store group `group` one layer at a time."""
 
     def __init__(self, experiment, levels: Sequence[str], group: str, settings: dict, *, store: Store | None,
-                 force: bool, command: str | None, on_unit, capture_budget: int, model_output: str = "hidden"):
+                 force: bool, command: str | None, on_unit, capture_budget: int, model_output: str = "hidden",
+                 compute_dtype: str | None = None):
         self.experiment = experiment
         self.tasks = experiment.tasks
-        self.source = experiment.parameter_source()
+        self.source = experiment.parameter_source(compute_dtype)
+        compute = {"compute_dtype": str(self.source.compute_dtype).removeprefix("torch.")}
         self.modules = modules_for(experiment, levels)
         self.capture_budget = capture_budget
         self.model_output = model_output
-        self.writer = UnitWriter(store, group, {**experiment.settings, **settings}, force=force,
-                                 root=experiment.root_attrs(command), attrs=experiment.group_attrs(command),
-                                 on_unit=on_unit)
+        self.writer = UnitWriter(store, group, {**experiment.settings, **compute, **settings}, force=force,
+                                 root=experiment.root_attrs(command),
+                                 attrs=experiment.group_attrs(command, precision=PRECISION_NOTE), on_unit=on_unit)
 
     def run(self, title: str, measure: Callable[[Unit], dict], piece: Callable[[list[Submodule], dict], xr.Dataset],
             progress: bool) -> None:
         """``measure(unit)`` → {module name: result}; ``piece(modules, results)`` → one store unit."""
         done = self.writer.done
-        with progress_bar(progress) as bar:
+        with progress_bar(progress) as bar, no_tf32():
             job = bar.add_task(title, total=len(self.modules))
             bar.advance(job, sum(1 for m in self.modules if m.name in done))
             for layer_modules, recorded in self._layers(lambda text: bar.update(job, description=f"{title} · {text}")):
