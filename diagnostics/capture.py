@@ -137,24 +137,69 @@ def _skipped_blocks(model: nn.Module, arch: Architecture, state: CaptureState | 
     try:
         for block in skipped:
             block.forward = lambda *args, saved=saved, **kwargs: saved
-        yield
+        yield skipped
     finally:
         for block in skipped:
             del block.forward
 
 
-def _partial_forward(model, arch, batches, device, deepest: int, first: int, register, state) -> None:
+def _compute_stages(model: nn.Module, arch: Architecture) -> list[nn.Module]:
+    """The modules a forward runs: the backbone's children (embedding stage, final norm …) and every block."""
+    backbone = get_module(model, arch.backbone_path)
+    prefix = f"{arch.backbone_path}." if arch.backbone_path else ""
+    layers = model.get_submodule(arch.layers_path)
+    stages = [child for name, child in backbone.named_children()
+              if not (arch.layers_path + ".").startswith(prefix + name + ".")]
+    return stages + [layers[i] for i in range(arch.num_layers)]
+
+
+def _in_compute_dtype(handles: list, model: nn.Module, arch: Architecture, compute: torch.dtype | None,
+                      skipped: list[nn.Module]) -> None:
+    """Hooks that run each stage of the forward in `compute` (its tensors upcast on entry, restored on exit).
+
+    The weights go back to their own dtype bit for bit (a value of the narrow dtype survives the round trip);
+    the stage's floating inputs are upcast and its outputs stay in `compute`, so a base stored in bfloat16 is
+    captured as the float32 forward of the same weights. Nothing is hooked when nothing would change, nor
+    on the `skipped` blocks.
+    """
+    if compute is None:
+        return
+    for stage in _compute_stages(model, arch):
+        if any(stage is block for block in skipped):
+            continue
+        tensors = [t for t in (*stage.parameters(), *stage.buffers()) if upcast(t, compute) is not t]
+        if not tensors:
+            continue
+        stored = [t.dtype for t in tensors]
+
+        def enter(module, args, kwargs, tensors=tensors):
+            for tensor in tensors:
+                tensor.data = tensor.data.to(compute)
+            return upcast(args, compute), upcast(kwargs, compute)
+
+        def leave(module, args, output, tensors=tensors, stored=stored):
+            for tensor, dtype in zip(tensors, stored):
+                tensor.data = tensor.data.to(dtype)
+
+        handles.append(stage.register_forward_pre_hook(enter, with_kwargs=True, prepend=True))
+        handles.append(stage.register_forward_hook(leave, prepend=True, always_call=True))
+
+
+def _partial_forward(model, arch, batches, device, deepest: int, first: int, register, state,
+                     compute: torch.dtype | None = None) -> None:
     """Run the backbone on each batch with `register(handles, b, batch, mask)`'s hooks, stopping after `deepest`.
 
     With a `state`, starts from where the previous partial forward stopped (when that is before `first`, the
-    shallowest block needed) and leaves `deepest`'s output per batch in it.
+    shallowest block needed) and leaves `deepest`'s output per batch in it. With `compute`, every stage runs
+    in that dtype (see `_in_compute_dtype`).
     """
     backbone = get_module(model, arch.backbone_path)
     stops = 0 <= deepest < arch.num_layers - 1
     outputs = []
     for b, batch in enumerate(batches):
         mask = batch.attention_mask.to(device).bool()
-        with hooks() as handles, _skipped_blocks(model, arch, state, b, first):
+        with hooks() as handles, _skipped_blocks(model, arch, state, b, first) as skipped:
+            _in_compute_dtype(handles, model, arch, compute, skipped)
             register(handles, b, batch, mask)
             if stops:
                 def stop(module, args, output):
@@ -175,11 +220,14 @@ def record_inputs(
     *,
     device: torch.device | str = "cpu",
     state: CaptureState | None = None,
+    compute: torch.dtype | None = None,
 ) -> dict[str, list[Recorded]]:
     """Record the inputs of the modules at `paths` on every batch (one partial forward per batch).
 
     The forward stops after the last block that holds a requested module. With a `state` (one per list of
     batches), consecutive calls over deeper and deeper blocks continue from where the previous one stopped.
+    With `compute` (e.g. float32 for a bfloat16 base), the forward runs in that dtype stage by stage and the
+    inputs are recorded in it.
     """
     paths = list(dict.fromkeys(paths))
     recorded: dict[str, list[Recorded]] = {path: [] for path in paths}
@@ -192,7 +240,8 @@ def record_inputs(
             handles.append(model.get_submodule(input_module_path(path)).register_forward_pre_hook(
                 hook, with_kwargs=True))
 
-    _partial_forward(model, arch, batches, device, max(layers, default=-1), min(layers, default=-1), register, state)
+    _partial_forward(model, arch, batches, device, max(layers, default=-1), min(layers, default=-1), register, state,
+                     compute)
     return recorded
 
 
@@ -371,7 +420,7 @@ def model_outputs(
     device = next(model.parameters()).device
     layer_paths = [arch.layer_path(i) for i in range(arch.num_layers)]
     # 1. the inputs of every block on the base (kwargs: masks, positions do not depend on weights)
-    block_inputs = record_inputs(model, arch, layer_paths, batches, device=device)
+    block_inputs = record_inputs(model, arch, layer_paths, batches, device=device, compute=source.compute_dtype)
     # 2. the embedding stage per variant, 3. the blocks, 4. the final norm and, on request, the output head
     hidden = [_embedded(source, arch, batches, variant, block_inputs[layer_paths[0]]) for variant in variants]
     for i, path in enumerate(layer_paths):
@@ -486,7 +535,8 @@ def input_gram_matrices(model: nn.Module, arch: Architecture, batches: list[Toke
 
                     handles.append(module.register_forward_pre_hook(hook))
 
-    _partial_forward(model, arch, batches, device, max(chosen, default=-1), min(chosen, default=-1), register, state)
+    _partial_forward(model, arch, batches, device, max(chosen, default=-1), min(chosen, default=-1), register, state,
+                     dtype)
     return grams
 
 

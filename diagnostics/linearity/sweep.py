@@ -223,7 +223,8 @@ class Sweep:
                 continue
             describe(f"capturing layers {chunk[0]}–{chunk[-1]}")
             recorded = {task: record_inputs(experiment.base.model, experiment.arch, list(units_of(chunk_modules)),
-                                            experiment.batches[task], device=experiment.device, state=states[task])
+                                            experiment.batches[task], device=experiment.device, state=states[task],
+                                            compute=self.source.compute_dtype)
                         for task in self.tasks}
             for layer in chunk:
                 layer_modules = [m for m in by_layer.get(layer, []) if m.name not in done]
