@@ -144,13 +144,14 @@ def _skipped_blocks(model: nn.Module, arch: Architecture, state: CaptureState | 
 
 
 def _compute_stages(model: nn.Module, arch: Architecture) -> list[nn.Module]:
-    """The modules a forward runs: the backbone's children (embedding stage, final norm …) and every block."""
+    """The modules a forward runs: the backbone's children (embedding stage, final norm …), every block, the head."""
     backbone = get_module(model, arch.backbone_path)
     prefix = f"{arch.backbone_path}." if arch.backbone_path else ""
     layers = model.get_submodule(arch.layers_path)
     stages = [child for name, child in backbone.named_children()
               if not (arch.layers_path + ".").startswith(prefix + name + ".")]
-    return stages + [layers[i] for i in range(arch.num_layers)]
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return stages + [layers[i] for i in range(arch.num_layers)] + ([head] if head is not None else [])
 
 
 def _in_compute_dtype(handles: list, model: nn.Module, arch: Architecture, compute: torch.dtype | None,
@@ -183,6 +184,14 @@ def _in_compute_dtype(handles: list, model: nn.Module, arch: Architecture, compu
 
         handles.append(stage.register_forward_pre_hook(enter, with_kwargs=True, prepend=True))
         handles.append(stage.register_forward_hook(leave, prepend=True, always_call=True))
+
+
+@contextmanager
+def computing_in(model: nn.Module, arch: Architecture, compute: torch.dtype):
+    """Full forwards of `model` inside the block run stage by stage in `compute` (see `_in_compute_dtype`)."""
+    with hooks() as handles:
+        _in_compute_dtype(handles, model, arch, compute, [])
+        yield
 
 
 def _partial_forward(model, arch, batches, device, deepest: int, first: int, register, state,

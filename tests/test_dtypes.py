@@ -85,3 +85,56 @@ def test_half_precision_checkpoints_score_as_their_float32_values(kits, arch, ro
         np.testing.assert_allclose(half[name], expected, rtol=RTOL, atol=0, err_msg=f"{arch} {rounding}: {name}")
     # the scores are not trivially equal: the fine-tunes move every level
     assert np.nanmin(reference["nonlinearity_score"]) > 0
+
+
+@pytest.fixture(scope="module")
+def llama(kits):
+    built, data = kits
+    folder, base, tuned = built["llama"]
+    return str(base), {t: str(p) for t, p in tuned.items()}, data
+
+
+def test_compute_dtype_is_recorded_and_float64_computes_in_float64(llama, tmp_path):
+    from diagnostics.store import Store
+
+    base, tuned, data = llama
+    experiment = Experiment.load(base, tuned, data, samples=2, max_tokens=24, batch_size=2, dtype="float32",
+                                 device="cpu", compute_dtype="float64")
+    assert experiment.parameter_source().variant(experiment.arch.attn_path(0), {"math": 0.5})[
+        "q_proj.weight"].dtype == torch.float64
+    store = Store(tmp_path / "run.zarr")
+    nonlinearity(experiment, levels=("layer",), steps=2, store=store, progress=False)
+    group = store.dataset("linearity")
+    assert group.attrs["settings"]["dtype"] == "float32"
+    assert group.attrs["settings"]["compute_dtype"] == "float64"
+    assert group.attrs["precision"]["tf32"] is False
+
+
+def test_unknown_compute_dtype_and_missing_cuda_are_clear_errors(llama):
+    from diagnostics.errors import ModelInputError
+
+    base, tuned, data = llama
+    with pytest.raises(ModelInputError, match="--compute-dtype must be one of float32, float64"):
+        Experiment.load(base, tuned, data, samples=2, dtype="float32", device="cpu", compute_dtype="bfloat16")
+    if not torch.cuda.is_available():
+        with pytest.raises(ModelInputError, match="CUDA is not available"):
+            Experiment.load(base, tuned, data, samples=2, dtype="float32", device="cuda")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("device", ["cuda", "auto"])
+def test_cuda_scores_match_cpu_and_tf32_is_restored(llama, device):
+    base, tuned, data = llama
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        on_gpu = Experiment.load(base, tuned, data, samples=2, max_tokens=24, batch_size=2, dtype="bfloat16",
+                                 device=device)
+        assert on_gpu.device.type == "cuda"
+        gpu = nonlinearity(on_gpu, levels=("model", "layer", "attn", "mlp"), steps=4, progress=False)
+        assert torch.backends.cuda.matmul.allow_tf32  # restored after the sweep
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = False
+    on_cpu = Experiment.load(base, tuned, data, samples=2, max_tokens=24, batch_size=2, dtype="bfloat16",
+                             device="cpu")
+    cpu = nonlinearity(on_cpu, levels=("model", "layer", "attn", "mlp"), steps=4, progress=False)
+    np.testing.assert_allclose(gpu.nonlinearity_score.values, cpu.nonlinearity_score.values, rtol=1e-3)
