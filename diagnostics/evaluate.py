@@ -61,6 +61,19 @@ def load_weights(base: BaseModel, spec: str | None, *, allow_pickle: bool = Fals
         parameter.copy_(tensor)
 
 
+def _piece(label: str, spec: str, tasks: list[str], losses: list[float], counts: list[int]) -> xr.Dataset:
+    """One store unit of `eval`: one model's loss, perplexity and token count per task."""
+    return xr.Dataset(
+        {
+            "loss": (("model", "task"), np.array([losses])),
+            "perplexity": (("model", "task"), np.exp(np.array([losses]))),
+            "tokens": (("model", "task"), np.array([counts])),
+        },
+        coords={"model": np.array([label], dtype=object), "task": np.array(tasks, dtype=object),
+                "spec": ("model", np.array([spec], dtype=object))},
+    )
+
+
 def evaluate(
     base_spec: str,
     models: dict[str, str],
@@ -127,19 +140,7 @@ def evaluate(
                 losses.append(loss)
                 counts.append(count)
                 bar.advance(job)
-            piece = xr.Dataset(
-                {
-                    "loss": (("model", "task"), np.array([losses])),
-                    "perplexity": (("model", "task"), np.exp(np.array([losses]))),
-                    "tokens": (("model", "task"), np.array([counts])),
-                },
-                coords={
-                    "model": np.array([label], dtype=object),
-                    "task": np.array(tasks, dtype=object),
-                    "spec": ("model", np.array([base_spec if label == "base" else models[label]], dtype=object)),
-                },
-            )
-            writer.add(piece, label)
+            writer.add(_piece(label, base_spec if label == "base" else models[label], tasks, losses, counts), label)
     load_weights(base, None)
     notes = {
         "loss": "mean next-token cross-entropy over real tokens, nats",

@@ -16,6 +16,8 @@ from diagnostics.capture import (
     CaptureState,
     ParameterSource,
     head_output,
+    input_gram_matrices,
+    input_grams_by_layer,
     model_outputs,
     record_inputs,
     replay,
@@ -145,6 +147,18 @@ def test_chunked_capture_continues_where_the_previous_chunk_stopped(engine):
         handle.remove()
     assert len(calls) == len(engine.batches)  # the prefix is never re-run
     assert state.layer == arch.num_layers - 2  # the last chunk runs to the end: nothing left to resume
+
+
+def test_grams_streamed_by_layer_equal_the_grams_of_one_pass(engine):
+    model, arch = engine.base.model, engine.arch
+    whole = input_gram_matrices(model, arch, engine.batches)
+    streamed = {}
+    for layer, grams in input_grams_by_layer(model, arch, engine.batches):
+        assert all(key.startswith(arch.layer_path(layer) + ".") for key in grams)
+        streamed.update(grams)
+    assert streamed.keys() == whole.keys() and len(whole) >= 4 * arch.num_layers
+    for key, gram in whole.items():
+        assert torch.equal(streamed[key], gram), key
 
 
 def test_variant_is_base_plus_scaled_task_vector(engine):

@@ -67,6 +67,11 @@ def _measure(folder: Path, base: Path, tuned: dict, data: dict, dtype: str, save
     scores = nonlinearity(experiment, levels=("model", "layer", "attn", "mlp"), steps=4, progress=False)
     solved = alpha(experiment, granularity="attn-mlp", progress=False)
     distances = projection(experiment, levels=("model", "layer"), alphas=(0.5, 1.0), progress=False)
+    stored = load_file(base_copy / "model.safetensors")  # the base is back in its storage dtype, bit for bit
+    for name, parameter in experiment.base.model.named_parameters():
+        checkpoint = experiment.base.checkpoint_name(name)
+        if checkpoint in stored:
+            assert parameter.dtype == getattr(torch, dtype) and torch.equal(parameter, stored[checkpoint]), name
     return {"nonlinearity_score": scores.nonlinearity_score.values, "alpha": solved.alpha.values,
             "objective_alpha": solved.objective_alpha.values,
             "projection_distance": distances.projection_distance.values,
