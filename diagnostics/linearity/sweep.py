@@ -161,9 +161,10 @@ def modules_for(experiment, levels: Sequence[str]) -> list[Submodule]:
     return modules
 
 
-def _bytes_per_layer(experiment, paths_per_layer: int) -> int:
+def _bytes_per_layer(experiment, paths_per_layer: int, compute: torch.dtype) -> int:
+    """Bytes of one layer's recorded inputs (kept in the storage dtype promoted to `compute`)."""
     hidden = experiment.base.model.config.get_text_config().hidden_size
-    element = next(experiment.base.model.parameters()).element_size()
+    element = torch.finfo(torch.promote_types(next(experiment.base.model.parameters()).dtype, compute)).bits // 8
     padded = max(sum(b.input_ids.numel() for b in batches) for batches in experiment.batches.values())
     return padded * hidden * element * max(1, paths_per_layer)
 
@@ -214,8 +215,8 @@ class Sweep:
             if module.level != "model":
                 by_layer.setdefault(module.layer, []).append(module)
         paths_per_layer = max((len(units_of(ms)) for ms in by_layer.values()), default=1)
-        chunks = layer_chunks(experiment.arch.num_layers,
-                              _bytes_per_layer(experiment, paths_per_layer) * len(self.tasks), self.capture_budget)
+        layer_bytes = _bytes_per_layer(experiment, paths_per_layer, self.source.compute_dtype) * len(self.tasks)
+        chunks = layer_chunks(experiment.arch.num_layers, layer_bytes, self.capture_budget)
         states = {task: CaptureState() for task in self.tasks}  # each chunk starts where the previous one stopped
         for chunk in chunks:
             chunk_modules = [m for layer in chunk for m in by_layer.get(layer, []) if m.name not in done]
