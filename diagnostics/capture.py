@@ -10,9 +10,15 @@ no forward per variant, no second model.
 
 Memory: `record_inputs` records only the modules it is given and stops the
 forward after the deepest of them, so callers capture and consume a few layers
-at a time (`layer_chunks`). The model level (`model_outputs`) runs the network
-block by block for all variants together, building each block's θ0 + Σ c_t τ_t
-from the base block and lazily read task vectors.
+at a time (`layer_chunks`); with a `CaptureState` each chunk starts from the
+hidden state where the previous one stopped, so capture stays about one forward
+per batch whatever the budget. The model level (`model_outputs`) runs the
+network block by block for all variants together, building each block's
+θ0 + Σ c_t τ_t from the base block and lazily read task vectors.
+
+Precision: the base is kept in its storage dtype (`--dtype`); capture forwards,
+task vectors, variants and replays run in the compute dtype (the storage dtype
+promoted to `--compute-dtype`, float32 by default) and are never rounded back.
 """
 
 from __future__ import annotations
