@@ -44,6 +44,8 @@ app = typer.Typer(
 )
 
 LevelsOption = Annotated[str, typer.Option("--levels", help="Comma-separated: model, layer, attn, mlp, head.")]
+ComputeDtypeOption = Annotated[str, typer.Option("--compute-dtype", help="float32 or float64: the dtype replays "
+                                                 "and forwards compute in (--dtype is the storage dtype).")]
 
 
 def _levels(value: str) -> tuple[str, ...]:
@@ -57,14 +59,14 @@ def _levels(value: str) -> tuple[str, ...]:
 
 
 def _experiment(model, finetuned, data, *, samples, max_tokens, batch_size, dtype, device, allow_pickle,
-                trust_remote_code, vocab, skip=0):
+                trust_remote_code, vocab, skip=0, compute_dtype="float32"):
     from diagnostics.experiment import Experiment
 
     model, named_finetuned, named_data = resolve_inputs(model, finetuned, data)
     with console.status("Loading the base model and opening the fine-tunes ..."):
         return Experiment.load(model, named_finetuned, named_data, samples=samples, skip=skip, max_tokens=max_tokens,
                                batch_size=batch_size, dtype=dtype, device=device, allow_pickle=allow_pickle,
-                               trust_remote_code=trust_remote_code, vocab=vocab)
+                               trust_remote_code=trust_remote_code, vocab=vocab, compute_dtype=compute_dtype)
 
 
 def _print_frame(frame, title: str) -> None:
@@ -102,6 +104,7 @@ def linearity(
                                                                      "state after the final norm) or logits.")] = "hidden",
     device: DeviceOption = "auto",
     dtype: DtypeOption = "auto",
+    compute_dtype: ComputeDtypeOption = "float32",
     allow_pickle: PickleOption = False,
     trust_remote_code: RemoteCodeOption = False,
     vocab: VocabOption = "base",
@@ -121,7 +124,7 @@ def linearity(
         raise typer.BadParameter("--model-output must be hidden or logits")
     experiment = _experiment(model, finetuned, data, samples=samples, max_tokens=max_tokens, batch_size=batch_size,
                              dtype=dtype, device=device, allow_pickle=allow_pickle,
-                             trust_remote_code=trust_remote_code, vocab=vocab)
+                             trust_remote_code=trust_remote_code, vocab=vocab, compute_dtype=compute_dtype)
     dataset = nonlinearity(experiment, levels=_levels(levels), steps=steps, store=Store(out_path), force=force,
                            progress=progress, model_output=model_output, command=command_line(),
                            capture_budget=int(capture_budget * 2**30))
@@ -145,6 +148,7 @@ def projection(
     capture_budget: CaptureBudgetOption = 2.0,
     device: DeviceOption = "auto",
     dtype: DtypeOption = "auto",
+    compute_dtype: ComputeDtypeOption = "float32",
     allow_pickle: PickleOption = False,
     trust_remote_code: RemoteCodeOption = False,
     vocab: VocabOption = "base",
@@ -165,7 +169,7 @@ def projection(
             raise typer.BadParameter(f"--alpha expects numbers separated by commas, got '{alpha_values}'") from None
     experiment = _experiment(model, finetuned, data, samples=samples, max_tokens=max_tokens, batch_size=batch_size,
                              dtype=dtype, device=device, allow_pickle=allow_pickle,
-                             trust_remote_code=trust_remote_code, vocab=vocab)
+                             trust_remote_code=trust_remote_code, vocab=vocab, compute_dtype=compute_dtype)
     dataset = run_projection(experiment, levels=_levels(levels), alphas=alphas, store=Store(out_path), force=force,
                              progress=progress, command=command_line(), capture_budget=int(capture_budget * 2**30))
     frame = dataset.projection_distance.mean("combo").to_dataframe().groupby("level")["projection_distance"].agg(
@@ -190,6 +194,7 @@ def alpha(
     capture_budget: CaptureBudgetOption = 2.0,
     device: DeviceOption = "auto",
     dtype: DtypeOption = "auto",
+    compute_dtype: ComputeDtypeOption = "float32",
     allow_pickle: PickleOption = False,
     trust_remote_code: RemoteCodeOption = False,
     vocab: VocabOption = "base",
@@ -209,7 +214,7 @@ def alpha(
         raise typer.BadParameter(f"--granularity must be one of {', '.join(GRANULARITIES)}")
     experiment = _experiment(model, finetuned, data, samples=samples, max_tokens=max_tokens, batch_size=batch_size,
                              dtype=dtype, device=device, allow_pickle=allow_pickle,
-                             trust_remote_code=trust_remote_code, vocab=vocab)
+                             trust_remote_code=trust_remote_code, vocab=vocab, compute_dtype=compute_dtype)
     dataset = run_alpha(experiment, granularity=granularity, balance=balance, store=Store(out_path), force=force,
                         progress=progress, command=command_line(), capture_budget=int(capture_budget * 2**30))
     frame = dataset.alpha.isel(granularity=0).to_pandas()
@@ -460,6 +465,7 @@ def evaluate_command(
     batch_size: BatchOption = 8,
     device: DeviceOption = "auto",
     dtype: DtypeOption = "auto",
+    compute_dtype: ComputeDtypeOption = "float32",
     allow_pickle: PickleOption = False,
     trust_remote_code: RemoteCodeOption = False,
     force: ForceOption = False,
@@ -475,8 +481,9 @@ def evaluate_command(
     base, named_finetuned, named_data = resolve_inputs(model, finetuned, data)
     models = {**named_finetuned, **parse_named(merged, "merged")}
     dataset = evaluate(base, models, named_data, skip=skip, samples=samples, max_tokens=max_tokens,
-                       batch_size=batch_size, dtype=dtype, device=device, allow_pickle=allow_pickle,
-                       trust_remote_code=trust_remote_code, store=Store(out_path), force=force, progress=progress,
+                       batch_size=batch_size, dtype=dtype, compute_dtype=compute_dtype, device=device,
+                       allow_pickle=allow_pickle, trust_remote_code=trust_remote_code, store=Store(out_path),
+                       force=force, progress=progress,
                        command=command_line())
     frame = dataset.loss.to_pandas()
     frame.columns = [f"loss {c}" for c in frame.columns]

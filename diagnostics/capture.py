@@ -10,16 +10,23 @@ no forward per variant, no second model.
 
 Memory: `record_inputs` records only the modules it is given and stops the
 forward after the deepest of them, so callers capture and consume a few layers
-at a time (`layer_chunks`). The model level (`model_outputs`) runs the network
-block by block for all variants together, building each block's θ0 + Σ c_t τ_t
-from the base block and lazily read task vectors.
+at a time (`layer_chunks`); with a `CaptureState` each chunk starts from the
+hidden state where the previous one stopped, so capture stays about one forward
+per batch whatever the budget. The model level (`model_outputs`) runs the
+network block by block for all variants together, building each block's
+θ0 + Σ c_t τ_t from the base block and lazily read task vectors.
+
+Precision: the base is kept in its storage dtype (`--dtype`); capture forwards,
+task vectors, variants and replays run in the compute dtype (the storage dtype
+promoted to `--compute-dtype`, float32 by default) and are never rounded back.
 """
 
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -42,6 +49,36 @@ class Recorded:
     token_mask: torch.Tensor  # (batch, seq) bool, real tokens
     sample_index: list[int]
 
+    def upcast(self, dtype: torch.dtype) -> Recorded:
+        """These inputs with every floating tensor of lower precision than `dtype` in `dtype` (never rounded down)."""
+        return Recorded(upcast(self.args, dtype), upcast(self.kwargs, dtype), self.token_mask, self.sample_index)
+
+
+def upcast(value, dtype: torch.dtype):
+    """`value` (a tensor, or tuples, lists and dicts of them) with floating tensors below `dtype` in `dtype`.
+
+    Tensors already in `dtype` (or wider), integer and boolean tensors and other objects come back as they are.
+    """
+    if isinstance(value, torch.Tensor):
+        wider = value.is_floating_point() and value.dtype != dtype and torch.promote_types(value.dtype, dtype) == dtype
+        return value.to(dtype) if wider else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(upcast(item, dtype) for item in value)
+    if isinstance(value, dict):
+        return {key: upcast(item, dtype) for key, item in value.items()}
+    return value
+
+
+@contextmanager
+def no_tf32():
+    """TF32 matmuls and convolutions off (CUDA) inside the block, restored after: replays compute in full float32."""
+    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
+
 
 class _StopForward(Exception):
     pass
@@ -59,6 +96,136 @@ def _clean_kwargs(kwargs: dict) -> dict:
     return {k: v for k, v in kwargs.items() if k not in _DROPPED_KWARGS}
 
 
+@contextmanager
+def hooks():
+    """Collect hook handles in the yielded list; every one is removed on exit, also on an error."""
+    handles: list = []
+    try:
+        yield handles
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _stop_forward(*_args) -> None:
+    raise _StopForward
+
+
+def _until_stop(call: Callable[[], object]) -> None:
+    """Run `call`, treating `_StopForward` (raised by a stop hook) as its normal end."""
+    try:
+        call()
+    except _StopForward:
+        pass
+
+
+@dataclass
+class CaptureState:
+    """Where the last partial forward over some batches stopped: block `layer`'s output for each batch.
+
+    A later capture of deeper blocks starts from there instead of re-running the prefix: the blocks up to
+    `layer` return their saved output without computing (the backbone still embeds the tokens and builds
+    the masks and position embeddings each block needs, which is cheap), so capture over consecutive
+    chunks costs about one forward per batch in all.
+    """
+
+    layer: int = -1
+    outputs: list = field(default_factory=list)
+
+
+@contextmanager
+def _skipped_blocks(model: nn.Module, arch: Architecture, state: CaptureState | None, batch_index: int, first: int):
+    """Blocks 0..state.layer return their saved output instead of running, if none of them is needed (< first)."""
+    skipped = []
+    if state is not None and 0 <= state.layer < first and batch_index < len(state.outputs):
+        saved = state.outputs[batch_index]
+        skipped = [model.get_submodule(arch.layer_path(i)) for i in range(state.layer + 1)]
+    try:
+        for block in skipped:
+            block.forward = lambda *args, saved=saved, **kwargs: saved
+        yield skipped
+    finally:
+        for block in skipped:
+            del block.forward
+
+
+def _compute_stages(model: nn.Module, arch: Architecture) -> list[nn.Module]:
+    """The modules a forward runs: the backbone's children (embedding stage, final norm …), every block, the head."""
+    backbone = get_module(model, arch.backbone_path)
+    prefix = f"{arch.backbone_path}." if arch.backbone_path else ""
+    layers = model.get_submodule(arch.layers_path)
+    stages = [child for name, child in backbone.named_children()
+              if not (arch.layers_path + ".").startswith(prefix + name + ".")]
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return stages + [layers[i] for i in range(arch.num_layers)] + ([head] if head is not None else [])
+
+
+def _in_compute_dtype(handles: list, model: nn.Module, arch: Architecture, compute: torch.dtype | None,
+                      skipped: list[nn.Module]) -> None:
+    """Hooks that run each stage of the forward in `compute` (its tensors upcast on entry, restored on exit).
+
+    The weights go back to their own dtype bit for bit (a value of the narrow dtype survives the round trip);
+    the stage's floating inputs are upcast and its outputs stay in `compute`, so a base stored in bfloat16 is
+    captured as the float32 forward of the same weights. Nothing is hooked when nothing would change, nor
+    on the `skipped` blocks.
+    """
+    if compute is None:
+        return
+    for stage in _compute_stages(model, arch):
+        if any(stage is block for block in skipped):
+            continue
+        tensors = [t for t in (*stage.parameters(), *stage.buffers()) if upcast(t, compute) is not t]
+        if not tensors:
+            continue
+        stored = [t.dtype for t in tensors]
+
+        def enter(module, args, kwargs, tensors=tensors):
+            for tensor in tensors:
+                tensor.data = tensor.data.to(compute)
+            return upcast(args, compute), upcast(kwargs, compute)
+
+        def leave(module, args, output, tensors=tensors, stored=stored):
+            for tensor, dtype in zip(tensors, stored):
+                tensor.data = tensor.data.to(dtype)
+
+        handles.append(stage.register_forward_pre_hook(enter, with_kwargs=True, prepend=True))
+        handles.append(stage.register_forward_hook(leave, prepend=True, always_call=True))
+
+
+@contextmanager
+def computing_in(model: nn.Module, arch: Architecture, compute: torch.dtype):
+    """Full forwards of `model` inside the block run stage by stage in `compute` (see `_in_compute_dtype`)."""
+    with hooks() as handles:
+        _in_compute_dtype(handles, model, arch, compute, [])
+        yield
+
+
+def _partial_forward(model, arch, batches, device, deepest: int, first: int, register, state,
+                     compute: torch.dtype | None = None) -> None:
+    """Run the backbone on each batch with `register(handles, b, batch, mask)`'s hooks, stopping after `deepest`.
+
+    With a `state`, starts from where the previous partial forward stopped (when that is before `first`, the
+    shallowest block needed) and leaves `deepest`'s output per batch in it. With `compute`, every stage runs
+    in that dtype (see `_in_compute_dtype`).
+    """
+    backbone = get_module(model, arch.backbone_path)
+    stops = 0 <= deepest < arch.num_layers - 1
+    outputs = []
+    for b, batch in enumerate(batches):
+        mask = batch.attention_mask.to(device).bool()
+        with hooks() as handles, _skipped_blocks(model, arch, state, b, first) as skipped:
+            _in_compute_dtype(handles, model, arch, compute, skipped)
+            register(handles, b, batch, mask)
+            if stops:
+                def stop(module, args, output):
+                    outputs.append(output)
+                    raise _StopForward
+                handles.append(model.get_submodule(arch.layer_path(deepest)).register_forward_hook(stop))
+            _until_stop(lambda batch=batch: _call_backbone(backbone, batch, device))
+    if state is not None and stops:
+        state.layer, state.outputs = deepest, outputs
+
+
 @torch.no_grad()
 def record_inputs(
     model: nn.Module,
@@ -67,33 +234,29 @@ def record_inputs(
     batches: list[TokenBatch],
     *,
     device: torch.device | str = "cpu",
+    state: CaptureState | None = None,
+    compute: torch.dtype | None = None,
 ) -> dict[str, list[Recorded]]:
     """Record the inputs of the modules at `paths` on every batch (one partial forward per batch).
 
-    The forward stops after the last block that holds a requested module.
+    The forward stops after the last block that holds a requested module. With a `state` (one per list of
+    batches), consecutive calls over deeper and deeper blocks continue from where the previous one stopped.
+    With `compute` (e.g. float32 for a bfloat16 base), the forward runs in that dtype stage by stage and the
+    inputs are recorded in it.
     """
     paths = list(dict.fromkeys(paths))
     recorded: dict[str, list[Recorded]] = {path: [] for path in paths}
-    backbone = get_module(model, arch.backbone_path)
-    deepest = max((_layer_of(arch, p) for p in paths), default=-1)
-    for batch in batches:
-        mask = batch.attention_mask.to(device).bool()
-        handles = []
+    layers = [_layer_of(arch, p) for p in paths]
+
+    def register(handles, b, batch, mask):
         for path in paths:
             def hook(module, args, kwargs, path=path):
                 recorded[path].append(Recorded(tuple(args), _clean_kwargs(kwargs), mask, batch.sample_index))
-            handles.append(model.get_submodule(input_module_path(path)).register_forward_pre_hook(hook, with_kwargs=True))
-        if 0 <= deepest < arch.num_layers - 1:
-            def stop(module, args, output):
-                raise _StopForward
-            handles.append(model.get_submodule(arch.layer_path(deepest)).register_forward_hook(stop))
-        try:
-            _call_backbone(backbone, batch, device)
-        except _StopForward:
-            pass
-        finally:
-            for handle in handles:
-                handle.remove()
+            handles.append(model.get_submodule(input_module_path(path)).register_forward_pre_hook(
+                hook, with_kwargs=True))
+
+    _partial_forward(model, arch, batches, device, max(layers, default=-1), min(layers, default=-1), register, state,
+                     compute)
     return recorded
 
 
@@ -148,11 +311,9 @@ def replay_with_heads(
     def hook(module, args):
         seen["x"] = args[0]
 
-    handle = o_proj.register_forward_pre_hook(hook)
-    try:
+    with hooks() as handles:
+        handles.append(o_proj.register_forward_pre_hook(hook))
         output = replay(attention, recorded, parameters)
-    finally:
-        handle.remove()
     weight = (parameters or {}).get(f"{arch.o_proj}.weight", o_proj.weight)
     return output, seen["x"], weight
 
@@ -184,43 +345,65 @@ def sample_features(output: torch.Tensor, token_mask: torch.Tensor) -> list[torc
 
 
 class ParameterSource:
-    """Base parameters of modules and their task vectors, read lazily, combined into variants."""
+    """Base parameters of modules and their task vectors, read lazily, combined into variants.
 
-    def __init__(self, base: BaseModel, task_vectors: dict[str, TaskVectorReader]):
+    Variants are built and returned in the compute dtype: each parameter's storage dtype promoted to
+    `compute_dtype` (float32 by default; a float64 model stays float64), never rounded back to storage.
+    """
+
+    def __init__(self, base: BaseModel, task_vectors: dict[str, TaskVectorReader],
+                 compute_dtype: torch.dtype = torch.float32):
         self.base = base
         self.task_vectors = task_vectors
+        self.compute_dtype = compute_dtype
         self._cache: dict[tuple[str, str], torch.Tensor] = {}
 
     def base_parameters(self, path: str) -> dict[str, torch.Tensor]:
         module = get_module(self.base.model, path)
         return dict(module.named_parameters(remove_duplicate=False))
 
-    def deltas(self, path: str, task: str) -> dict[str, torch.Tensor]:
-        """τ_task of every parameter of the module at `path` (local names), float32, on the model's device."""
+    def dtype_for(self, path: str) -> torch.dtype:
+        """The dtype the module at `path` is computed in: its storage dtype promoted to the compute dtype."""
+        storage = next((p.dtype for p in get_module(self.base.model, path).parameters() if p.is_floating_point()),
+                       self.compute_dtype)
+        return torch.promote_types(storage, self.compute_dtype)
+
+    def deltas(self, path: str, task: str, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+        """τ_task of the parameters of the module at `path` (local names; all or `names`), float32, on its device."""
         reader = self.task_vectors[task]
         device = next(self.base.model.parameters()).device
+        full_names = module_parameter_names(self.base.model, path)
         out = {}
-        for local, full in module_parameter_names(self.base.model, path).items():
-            key = (task, full)
+        for local in full_names if names is None else names:
+            key = (task, full_names[local])
             if key not in self._cache:
-                self._cache[key] = reader.get(self.base.checkpoint_name(full), torch.float32, device)
+                self._cache[key] = reader.get(self.base.checkpoint_name(full_names[local]), torch.float32, device)
             out[local] = self._cache[key]
         return out
 
-    def variant(self, path: str, coefficients: Variant) -> dict[str, torch.Tensor] | None:
-        """θ0 + Σ_t c_t τ_t for the module at `path`, in the module's dtype (None = the base itself)."""
+    def variant(self, path: str, coefficients: Variant, names: Iterable[str] | None = None):
+        """θ0 + Σ_t c_t τ_t for the module at `path` (all its parameters, or the local `names`) in the compute dtype.
+
+        None means: run the module as it is (no coefficient, and storage is already the compute dtype).
+        Floating buffers stored in a narrower dtype come upcast too.
+        """
         active = {t: c for t, c in coefficients.items() if c != 0}
-        if not active:
+        own = self.base_parameters(path)
+        names = list(own) if names is None else list(names)
+        compute = {local: torch.promote_types(own[local].dtype, self.compute_dtype) for local in names}
+        if not active and all(own[local].dtype == compute[local] for local in names):
             return None
+        deltas = {t: self.deltas(path, t, names) for t in active}
         params = {}
-        base_params = self.base_parameters(path)
-        deltas = {t: self.deltas(path, t) for t in active}
-        for local, weight in base_params.items():
-            compute = torch.promote_types(weight.dtype, torch.float32)  # float64 models stay float64
-            value = weight.to(compute)
+        for local in names:
+            value = own[local].to(compute[local])
             for task, coefficient in active.items():
-                value = value + coefficient * deltas[task][local].to(compute)
-            params[local] = value.to(weight.dtype)
+                value = value + coefficient * deltas[task][local].to(compute[local])
+            params[local] = value
+        module = get_module(self.base.model, path)
+        for local, buffer in module.named_buffers(remove_duplicate=False):
+            if upcast(buffer, self.compute_dtype) is not buffer:
+                params[local] = upcast(buffer, self.compute_dtype)
         return params
 
     def changed(self, path: str, task: str) -> bool:
@@ -245,60 +428,59 @@ def model_outputs(
 ) -> list[list[torch.Tensor]]:
     """Final hidden states (after the final norm) or logits of every variant, block by block.
 
-    Returns outputs[variant][batch] of shape (batch, seq, hidden | vocab). Only one block's
-    parameters per variant exist at a time, never a second model.
+    Returns outputs[variant][batch] of shape (batch, seq, hidden | vocab), in the compute dtype
+    (`source.dtype_for`). Only one block's parameters per variant exist at a time, never a second model.
     """
     model = source.base.model
     device = next(model.parameters()).device
-    backbone = get_module(model, arch.backbone_path)
     layer_paths = [arch.layer_path(i) for i in range(arch.num_layers)]
     # 1. the inputs of every block on the base (kwargs: masks, positions do not depend on weights)
-    block_inputs = record_inputs(model, arch, layer_paths, batches, device=device)
-    # 2. the embedding stage per variant: backbone parameters outside blocks and final norm
-    prefix = f"{arch.backbone_path}." if arch.backbone_path else ""
-    embed_locals = [n for n, _ in backbone.named_parameters(remove_duplicate=False)
-                    if not (prefix + n).startswith(arch.layers_path + ".")
-                    and not (arch.final_norm_path and (prefix + n).startswith(arch.final_norm_path + "."))]
-    hidden: list[list[torch.Tensor]] = []
-    for variant in variants:
-        params = _subset_variant(source, arch.backbone_path, variant, embed_locals)
-        per_batch = []
-        for b, batch in enumerate(batches):
-            first = block_inputs[layer_paths[0]][b]
-            if params is None:
-                per_batch.append(_hidden_of(first))
-                continue
-            per_batch.append(_embed_with(backbone, params, model, layer_paths[0], batch, device))
-        hidden.append(per_batch)
-    # 3. the blocks
+    block_inputs = record_inputs(model, arch, layer_paths, batches, device=device, compute=source.compute_dtype)
+    # 2. the embedding stage per variant, 3. the blocks, 4. the final norm and, on request, the output head
+    hidden = [_embedded(source, arch, batches, variant, block_inputs[layer_paths[0]]) for variant in variants]
     for i, path in enumerate(layer_paths):
-        block = model.get_submodule(path)
+        block, compute = model.get_submodule(path), source.dtype_for(path)
         for v, variant in enumerate(variants):
             params = source.variant(path, variant)
             for b in range(len(batches)):
-                rec = block_inputs[path][b]
-                args, kwargs = _with_hidden(rec, hidden[v][b])
+                args, kwargs = _with_hidden(block_inputs[path][b].upcast(compute), hidden[v][b])
                 out = functional_call(block, params, args, kwargs, strict=False) if params else block(*args, **kwargs)
                 hidden[v][b] = first_output(out)
         source.clear()
         if on_layer:
             on_layer(i)
     del block_inputs
-    # 4. final norm and, on request, the output head
-    heads = []
-    if arch.final_norm_path:
-        heads.append(arch.final_norm_path)
+    heads = [arch.final_norm_path] if arch.final_norm_path else []
     if output == "logits":
-        head_path = _output_head_path(model)
-        heads.append(head_path)
+        heads.append(_output_head_path(model))
     for path in heads:
         module = model.get_submodule(path)
         for v, variant in enumerate(variants):
             params = source.variant(path, variant)
             for b in range(len(batches)):
-                x = hidden[v][b]
+                x = upcast(hidden[v][b], source.dtype_for(path))
                 hidden[v][b] = functional_call(module, params, (x,), strict=False) if params else module(x)
         source.clear()
+    return hidden
+
+
+def _embedded(source: ParameterSource, arch: Architecture, batches, variant: Variant, first_inputs) -> list:
+    """Block 0's input hidden state per batch under `variant`'s embedding stage (backbone parameters
+    outside the blocks and the final norm), in the compute dtype; the recorded base input when unchanged."""
+    model = source.base.model
+    device = next(model.parameters()).device
+    backbone = get_module(model, arch.backbone_path)
+    prefix = f"{arch.backbone_path}." if arch.backbone_path else ""
+    embed_locals = [n for n, _ in backbone.named_parameters(remove_duplicate=False)
+                    if not (prefix + n).startswith(arch.layers_path + ".")
+                    and not (arch.final_norm_path and (prefix + n).startswith(arch.final_norm_path + "."))]
+    params = source.variant(arch.backbone_path, variant, embed_locals) if embed_locals else None
+    compute = source.dtype_for(arch.layer_path(0))
+    if params is None:
+        return [upcast(_hidden_of(first), compute) for first in first_inputs]
+    hidden = [upcast(_embed_with(backbone, params, model, arch.layer_path(0), batch, device), compute)
+              for batch in batches]
+    source.clear()
     return hidden
 
 
@@ -322,27 +504,6 @@ def _with_hidden(recorded: Recorded, hidden: torch.Tensor) -> tuple[tuple, dict]
     return recorded.args, {**recorded.kwargs, "hidden_states": hidden}
 
 
-def _subset_variant(source: ParameterSource, path: str, variant: Variant, locals_: list[str]):
-    """θ0 + Σ c τ restricted to some parameters of the module at `path`; None when they do not change."""
-    if not locals_ or not any(variant.values()):
-        return None
-    device = next(source.base.model.parameters()).device
-    module = get_module(source.base.model, path)
-    names = module_parameter_names(source.base.model, path)
-    own = dict(module.named_parameters(remove_duplicate=False))
-    params, changed = {}, False
-    for local in locals_:
-        compute = torch.promote_types(own[local].dtype, torch.float32)  # float64 models stay float64
-        value = own[local].to(compute)
-        for task, coefficient in variant.items():
-            if coefficient:
-                delta = source.task_vectors[task].get(source.base.checkpoint_name(names[local]), torch.float32, device)
-                changed = changed or bool(delta.abs().max() > 0)
-                value = value + coefficient * delta.to(compute)
-        params[local] = value.to(own[local].dtype)
-    return params if changed else None
-
-
 def _embed_with(backbone, params, model, first_layer_path, batch, device) -> torch.Tensor:
     seen = {}
 
@@ -350,14 +511,10 @@ def _embed_with(backbone, params, model, first_layer_path, batch, device) -> tor
         seen["hidden"] = args[0] if args else kwargs["hidden_states"]
         raise _StopForward
 
-    handle = model.get_submodule(first_layer_path).register_forward_pre_hook(hook, with_kwargs=True)
-    try:
-        kwargs = {"input_ids": batch.input_ids.to(device), "attention_mask": batch.attention_mask.to(device)}
-        functional_call(backbone, params, (), kwargs, strict=False)
-    except _StopForward:
-        pass
-    finally:
-        handle.remove()
+    kwargs = {"input_ids": batch.input_ids.to(device), "attention_mask": batch.attention_mask.to(device)}
+    with hooks() as handles:
+        handles.append(model.get_submodule(first_layer_path).register_forward_pre_hook(hook, with_kwargs=True))
+        _until_stop(lambda: functional_call(backbone, params, (), kwargs, strict=False))
     return seen["hidden"]
 
 
@@ -365,35 +522,42 @@ def _embed_with(backbone, params, model, first_layer_path, batch, device) -> tor
 
 
 @torch.no_grad()
-def input_gram_matrices(model: nn.Module, arch: Architecture, batches: list[TokenBatch],
-                        *, device=None) -> dict[str, torch.Tensor]:
-    """Σ_x x xᵀ over real tokens of the input of every linear map inside the blocks (float32, CPU).
+def input_gram_matrices(model: nn.Module, arch: Architecture, batches: list[TokenBatch], *, device=None,
+                        layers: Iterable[int] | None = None, dtype: torch.dtype = torch.float32,
+                        state: CaptureState | None = None) -> dict[str, torch.Tensor]:
+    """Σ_x x xᵀ over real tokens of the input of every linear map inside the blocks (`dtype`, CPU).
 
     Keys are the linear maps' weight names (e.g. ``model.layers.0.self_attn.q_proj.weight``). Recorded on
     the base model θ0, as the capture engine does; RegMean's paper uses each fine-tune's own activations.
-    Memory: one in×in matrix per linear map (for a 7B model ≈ 14 GB in float32).
+    `layers` restricts it to some blocks (the forward stops after the deepest; a `state` continues where
+    the previous call stopped). Memory: one in×in matrix per linear map of the chosen blocks (all blocks
+    of a 7B model ≈ 14 GB in float32: use `input_grams_by_layer` to hold one block's at a time).
     """
     device = device or next(model.parameters()).device
+    chosen = sorted(set(range(arch.num_layers) if layers is None else layers))
     grams: dict[str, torch.Tensor] = {}
-    current_mask: dict[str, torch.Tensor] = {}
-    handles = []
-    layers = model.get_submodule(arch.layers_path)
-    for name, module in layers.named_modules():
-        if isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D":
-            key = f"{arch.layers_path}.{name}.weight"
 
-            def hook(module, args, key=key):
-                x = args[0][current_mask["mask"]].to(torch.float32)
-                gram = x.T @ x
-                grams[key] = gram.cpu() if key not in grams else grams[key] + gram.cpu()
+    def register(handles, b, batch, mask):
+        for layer in chosen:
+            for name, module in model.get_submodule(arch.layer_path(layer)).named_modules():
+                if isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D":
+                    key = f"{arch.layer_path(layer)}.{name}.weight"
 
-            handles.append(module.register_forward_pre_hook(hook))
-    backbone = get_module(model, arch.backbone_path)
-    try:
-        for batch in batches:
-            current_mask["mask"] = batch.attention_mask.to(device).bool()
-            _call_backbone(backbone, batch, device)
-    finally:
-        for handle in handles:
-            handle.remove()
+                    def hook(module, args, key=key):
+                        x = args[0][mask].to(dtype)
+                        gram = x.T @ x
+                        grams[key] = gram.cpu() if key not in grams else grams[key] + gram.cpu()
+
+                    handles.append(module.register_forward_pre_hook(hook))
+
+    _partial_forward(model, arch, batches, device, max(chosen, default=-1), min(chosen, default=-1), register, state,
+                     dtype)
     return grams
+
+
+def input_grams_by_layer(model: nn.Module, arch: Architecture, batches: list[TokenBatch], *, device=None,
+                         dtype: torch.dtype = torch.float32) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+    """(layer, `input_gram_matrices` of that block) block after block, about one forward per batch in all."""
+    state = CaptureState()
+    for layer in range(arch.num_layers):
+        yield layer, input_gram_matrices(model, arch, batches, device=device, layers=[layer], dtype=dtype, state=state)

@@ -46,9 +46,6 @@ class TokenBatch:
     attention_mask: torch.Tensor
     sample_index: list[int]
 
-    def to(self, device) -> "TokenBatch":
-        return TokenBatch(self.input_ids.to(device), self.attention_mask.to(device), self.sample_index)
-
 
 def record_text(record, *, where: str) -> str:
     """The text of one record (see module docstring for the fields understood)."""

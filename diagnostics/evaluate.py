@@ -15,9 +15,12 @@ import numpy as np
 import torch
 import xarray as xr
 
+from diagnostics.capture import computing_in, no_tf32
 from diagnostics.data import read_task_file, tokenize
 from diagnostics.errors import ModelInputError
+from diagnostics.experiment import check_device, pick_compute_dtype
 from diagnostics.models import BaseModel, load_base_model, open_checkpoint
+from diagnostics.modules import find_architecture
 from diagnostics.progress import progress_bar
 from diagnostics.store import Store, UnitWriter, provenance
 
@@ -58,6 +61,19 @@ def load_weights(base: BaseModel, spec: str | None, *, allow_pickle: bool = Fals
         parameter.copy_(tensor)
 
 
+def _piece(label: str, spec: str, tasks: list[str], losses: list[float], counts: list[int]) -> xr.Dataset:
+    """One store unit of `eval`: one model's loss, perplexity and token count per task."""
+    return xr.Dataset(
+        {
+            "loss": (("model", "task"), np.array([losses])),
+            "perplexity": (("model", "task"), np.exp(np.array([losses]))),
+            "tokens": (("model", "task"), np.array([counts])),
+        },
+        coords={"model": np.array([label], dtype=object), "task": np.array(tasks, dtype=object),
+                "spec": ("model", np.array([spec], dtype=object))},
+    )
+
+
 def evaluate(
     base_spec: str,
     models: dict[str, str],
@@ -68,6 +84,7 @@ def evaluate(
     max_tokens: int = 512,
     batch_size: int = 8,
     dtype: str = "auto",
+    compute_dtype: str = "float32",
     device: str = "auto",
     allow_pickle: bool = False,
     trust_remote_code: bool = False,
@@ -77,7 +94,12 @@ def evaluate(
     command: str | None = None,
     on_unit: Callable[[str], None] | None = None,
 ) -> xr.Dataset:
-    """Loss and perplexity of 'base' and every model in `models` (label → spec) on each task's held-out records."""
+    """Loss and perplexity of 'base' and every model in `models` (label → spec) on each task's held-out records.
+
+    Weights are kept in `dtype` (storage); the forwards run in `compute_dtype` stage by stage, TF32 off.
+    """
+    compute = pick_compute_dtype(compute_dtype)
+    check_device(device)
     base = load_base_model(
         base_spec, dtype=dtype, device=device, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code
     )
@@ -91,7 +113,10 @@ def evaluate(
     if len(set(labels)) != len(labels):
         raise ModelInputError(f"model labels must be unique (got {labels}); 'base' is reserved")
     tasks = list(task_data)
-    settings = {"skip": skip, "samples": samples, "max_tokens": max_tokens, "tasks": tasks}
+    storage = str(next(base.model.parameters()).dtype).removeprefix("torch.")
+    settings = {"skip": skip, "samples": samples, "max_tokens": max_tokens, "tasks": tasks, "dtype": storage,
+                "compute_dtype": compute_dtype}
+    arch = find_architecture(base.model)
     inputs = {
         "base_model": base.reader.fingerprint() | {"spec": base_spec},
         "models": models,
@@ -110,23 +135,12 @@ def evaluate(
             losses, counts = [], []
             for task in tasks:
                 bar.update(job, description=f"Evaluating {label} on {task}")
-                loss, count = task_loss(base.model, batches[task])
+                with computing_in(base.model, arch, compute), no_tf32():
+                    loss, count = task_loss(base.model, batches[task])
                 losses.append(loss)
                 counts.append(count)
                 bar.advance(job)
-            piece = xr.Dataset(
-                {
-                    "loss": (("model", "task"), np.array([losses])),
-                    "perplexity": (("model", "task"), np.exp(np.array([losses]))),
-                    "tokens": (("model", "task"), np.array([counts])),
-                },
-                coords={
-                    "model": np.array([label], dtype=object),
-                    "task": np.array(tasks, dtype=object),
-                    "spec": ("model", np.array([base_spec if label == "base" else models[label]], dtype=object)),
-                },
-            )
-            writer.add(piece, label)
+            writer.add(_piece(label, base_spec if label == "base" else models[label], tasks, losses, counts), label)
     load_weights(base, None)
     notes = {
         "loss": "mean next-token cross-entropy over real tokens, nats",

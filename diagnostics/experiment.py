@@ -13,10 +13,37 @@ import torch
 
 from diagnostics.capture import ParameterSource
 from diagnostics.data import TaskData, TokenBatch, read_task_file, tokenize
-from diagnostics.errors import DataInputError
+from diagnostics.errors import DataInputError, ModelInputError
 from diagnostics.models import BaseModel, TaskVectorReader, load_base_model, open_finetunes
 from diagnostics.modules import Architecture, find_architecture
 from diagnostics.store import provenance
+
+COMPUTE_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+def pick_compute_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """`--compute-dtype`: float32 or float64 (replays never compute below float32)."""
+    if isinstance(dtype, torch.dtype) and dtype in COMPUTE_DTYPES.values():
+        return dtype
+    if dtype in COMPUTE_DTYPES:
+        return COMPUTE_DTYPES[dtype]
+    raise ModelInputError(f"--compute-dtype must be one of {', '.join(COMPUTE_DTYPES)}, got '{dtype}'")
+
+
+def check_device(device: str) -> None:
+    """Fail clearly when `--device` names a device this machine does not have (before any model is loaded)."""
+    try:
+        kind = torch.device(device).type if device != "auto" else "auto"
+    except (RuntimeError, TypeError):
+        raise ModelInputError(f"--device '{device}' is not a device torch knows (use auto, cpu, cuda or cuda:N)"
+                              ) from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ModelInputError(f"--device {device}: CUDA is not available on this machine (torch {torch.__version__}, "
+                              f"built with CUDA {torch.version.cuda}); use --device cpu or auto")
+    if kind == "cuda" and ":" in device and int(device.split(":", 1)[1]) >= torch.cuda.device_count():
+        raise ModelInputError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if kind == "mps" and not torch.backends.mps.is_available():
+        raise ModelInputError(f"--device {device}: MPS is not available on this machine; use --device cpu or auto")
 
 
 @dataclass
@@ -28,6 +55,7 @@ class Experiment:
     batches: dict[str, list[TokenBatch]]
     settings: dict
     inputs: dict = field(default_factory=dict)
+    compute_dtype: torch.dtype = torch.float32  # replays run in the storage dtype promoted to this
 
     @property
     def tasks(self) -> list[str]:
@@ -41,11 +69,10 @@ class Experiment:
     def max_samples(self) -> int:
         return max(len(d.texts) for d in self.data.values())
 
-    def parameter_source(self) -> ParameterSource:
-        return ParameterSource(self.base, self.task_vectors)
-
-    def tokens(self, task: str) -> int:
-        return int(sum(b.attention_mask.sum() for b in self.batches[task]))
+    def parameter_source(self, compute_dtype: str | torch.dtype | None = None) -> ParameterSource:
+        """Variants of this base and its task vectors, computed in `compute_dtype` (default: the experiment's)."""
+        dtype = self.compute_dtype if compute_dtype is None else pick_compute_dtype(compute_dtype)
+        return ParameterSource(self.base, self.task_vectors, compute_dtype=dtype)
 
     @classmethod
     def load(
@@ -59,13 +86,14 @@ class Experiment:
         max_tokens: int = 512,
         batch_size: int = 8,
         dtype: str = "auto",
+        compute_dtype: str = "float32",
         device: str = "auto",
         revision: str | None = None,
         allow_pickle: bool = False,
         trust_remote_code: bool = False,
         vocab: str = "base",
         need_data_for_every_task: bool = True,
-    ) -> "Experiment":
+    ) -> Experiment:
         if not data:
             raise DataInputError("no task data given (use --data NAME=PATH, one per fine-tune)")
         if need_data_for_every_task:
@@ -77,6 +105,8 @@ class Experiment:
                 )
         if samples < 1:
             raise DataInputError("--samples must be at least 1")
+        compute = pick_compute_dtype(compute_dtype)
+        check_device(device)
         task_data = {task: read_task_file(task, path, samples=samples, skip=skip) for task, path in data.items()}
         base = load_base_model(model, dtype=dtype, device=device, revision=revision, allow_pickle=allow_pickle,
                                trust_remote_code=trust_remote_code)
@@ -86,7 +116,7 @@ class Experiment:
                    for task, d in task_data.items()}
         dtype_used = str(next(base.model.parameters()).dtype).removeprefix("torch.")
         settings = {"samples": samples, "skip": skip, "max_tokens": max_tokens, "dtype": dtype_used,
-                    "vocab": vocab, "tasks": list(finetuned)}
+                    "compute_dtype": compute_dtype, "vocab": vocab, "tasks": list(finetuned)}
         inputs = {
             "base_model": base.reader.fingerprint() | {"spec": model, "architecture": type(base.model).__name__},
             "finetuned": {t: tv.finetuned.fingerprint() for t, tv in task_vectors.items()},
@@ -96,7 +126,7 @@ class Experiment:
             "trust_remote_code": trust_remote_code,
             "allow_pickle": allow_pickle,
         }
-        return cls(base, arch, task_vectors, task_data, batches, settings, inputs)
+        return cls(base, arch, task_vectors, task_data, batches, settings, inputs, compute)
 
     def root_attrs(self, command: str | None = None) -> dict:
         return provenance(command, base_model=self.inputs["base_model"])

@@ -13,8 +13,11 @@ import pytest
 import torch
 
 from diagnostics.capture import (
+    CaptureState,
     ParameterSource,
     head_output,
+    input_gram_matrices,
+    input_grams_by_layer,
     model_outputs,
     record_inputs,
     replay,
@@ -113,6 +116,49 @@ def test_replay_with_finetuned_parameters_reproduces_the_finetuned_modules(engin
             assert _max_error(base_output, expected, mask) > 100 * TOLERANCE, submodule.name
             checked += 1
     assert checked == len(engine.batches) * len(engine.submodules)
+
+
+def _same(first, second) -> bool:
+    """Recorded inputs (tensors, tuples, dicts, None, numbers) equal bit for bit."""
+    if isinstance(first, torch.Tensor):
+        return isinstance(second, torch.Tensor) and first.dtype == second.dtype and torch.equal(first, second)
+    if isinstance(first, (tuple, list)):
+        return type(first) is type(second) and len(first) == len(second) and all(map(_same, first, second))
+    if isinstance(first, dict):
+        return first.keys() == second.keys() and all(_same(first[k], second[k]) for k in first)
+    return first == second
+
+
+def test_chunked_capture_continues_where_the_previous_chunk_stopped(engine):
+    """One layer per chunk with a CaptureState: the same inputs bit for bit as one pass, and block 0 runs once."""
+    model, arch = engine.base.model, engine.arch
+    calls = []
+    first_attention = model.get_submodule(arch.attn_path(0))
+    handle = first_attention.register_forward_pre_hook(lambda module, args: calls.append(1))
+    state = CaptureState()
+    try:
+        for layer in range(arch.num_layers):
+            paths = [s.path for s in engine.submodules if s.layer == layer]
+            chunk = record_inputs(model, arch, paths, engine.batches, state=state)
+            for path in paths:
+                for got, want in zip(chunk[path], engine.recorded[path], strict=True):
+                    assert _same(got.args, want.args) and _same(got.kwargs, want.kwargs), path
+    finally:
+        handle.remove()
+    assert len(calls) == len(engine.batches)  # the prefix is never re-run
+    assert state.layer == arch.num_layers - 2  # the last chunk runs to the end: nothing left to resume
+
+
+def test_grams_streamed_by_layer_equal_the_grams_of_one_pass(engine):
+    model, arch = engine.base.model, engine.arch
+    whole = input_gram_matrices(model, arch, engine.batches)
+    streamed = {}
+    for layer, grams in input_grams_by_layer(model, arch, engine.batches):
+        assert all(key.startswith(arch.layer_path(layer) + ".") for key in grams)
+        streamed.update(grams)
+    assert streamed.keys() == whole.keys() and len(whole) >= 4 * arch.num_layers
+    for key, gram in whole.items():
+        assert torch.equal(streamed[key], gram), key
 
 
 def test_variant_is_base_plus_scaled_task_vector(engine):

@@ -26,16 +26,16 @@ from diagnostics import toy
 from diagnostics.capture import ParameterSource, Recorded, record_inputs, replay
 from diagnostics.experiment import Experiment
 from diagnostics.linearity import (
-    _replay_variants,
-    _trajectories,
     alpha,
     nonlinearity,
     nonlinearity_score,
     projection,
     summarize_nonlinearity,
 )
+from diagnostics.linearity.nonlinearity import trajectories
+from diagnostics.linearity.sweep import replay_variants
 from diagnostics.models import BaseModel, StateDictReader, TaskVectorReader
-from diagnostics.modules import find_submodules, get_module
+from diagnostics.modules import Submodule, find_submodules, get_module
 from diagnostics.store import Store
 
 SAMPLES = 3
@@ -155,10 +155,11 @@ def test_linear_maps_score_zero_through_replay(two_tasks, every_level):
         recorded = record_inputs(experiment.base.model, experiment.arch, [m.path for m in linears],
                                  experiment.batches[task])
         for module in linears:
-            outputs, _, _ = _replay_variants(source, experiment.arch, module.path, recorded[module.path],
-                                             [{task: k / STEPS} for k in range(STEPS + 1)])
+            replayed = replay_variants(source, experiment.arch, module.path, recorded[module.path],
+                                       [{task: k / STEPS} for k in range(STEPS + 1)])
             seen = 0
-            for position, trajectory in _trajectories(outputs, recorded[module.path], positions):
+            for index, trajectory in trajectories(replayed.of(module)):
+                assert index in positions
                 assert float(torch.linalg.vector_norm(trajectory[-1] - trajectory[0])) > 1e-6, module.name
                 assert nonlinearity_score(trajectory) <= 1e-9, (task, module.name)
                 seen += 1
@@ -210,7 +211,7 @@ class Squared(nn.Module):
 
 def squared_scores(base_weight: torch.Tensor, tuned_weight: torch.Tensor, inputs: torch.Tensor,
                    mask: torch.Tensor, steps: int) -> list[float]:
-    """Scores of the Squared module through ParameterSource + _replay_variants + _trajectories."""
+    """Scores of the Squared module through ParameterSource + replay_variants + trajectories."""
     holder = nn.Module()
     holder.squared = Squared(base_weight)
     base_reader = StateDictReader("base", Path("base"), {"squared.weight": base_weight})
@@ -218,9 +219,9 @@ def squared_scores(base_weight: torch.Tensor, tuned_weight: torch.Tensor, inputs
     base = BaseModel(model=holder, tokenizer=None, reader=base_reader, spec="base")
     source = ParameterSource(base, {"t": TaskVectorReader("t", base_reader, tuned_reader)})
     recorded = [Recorded((inputs,), {}, mask, list(range(inputs.shape[0])))]
-    outputs, _, _ = _replay_variants(source, None, "squared", recorded, [{"t": k / steps} for k in range(steps + 1)])
-    positions = {i: i for i in range(inputs.shape[0])}
-    return [nonlinearity_score(trajectory) for _, trajectory in _trajectories(outputs, recorded, positions)]
+    replayed = replay_variants(source, None, "squared", recorded, [{"t": k / steps} for k in range(steps + 1)])
+    module = Submodule("squared", "linear", 0, "squared")
+    return [nonlinearity_score(trajectory) for _, trajectory in trajectories(replayed.of(module))]
 
 
 def test_parabola_by_hand():

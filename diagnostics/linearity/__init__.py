@@ -1,0 +1,37 @@
+"""Linearity diagnostics of fine-tuning updates, submodule by submodule (seed 002).
+
+- `equations`: the pure equations (Non-linearity Score, Projection Distance and cosines, closed-form α,
+  objectives), each citing its seed 002 equation;
+- `sweep`: the capture → replay → per-sample features → store loop every driver runs on;
+- `nonlinearity`, `projection`, `alpha`: one driver per diagnostic.
+"""
+
+from diagnostics.linearity.alpha import alpha
+from diagnostics.linearity.equations import (
+    AlphaSolution,
+    alpha_system,
+    balance_denominator,
+    cosine_base,
+    cosine_merge,
+    linearized_objective,
+    mean_std,
+    merge_objective,
+    nonlinearity_score,
+    nonlinearity_scores,
+    pairwise_task_cosine,
+    projection_distance,
+    projection_terms,
+    solve_alpha,
+    task_gram,
+)
+from diagnostics.linearity.nonlinearity import nonlinearity, summarize_nonlinearity
+from diagnostics.linearity.projection import projection
+from diagnostics.linearity.sweep import DEFAULT_CAPTURE_BUDGET
+from diagnostics.modules import GRANULARITIES
+
+__all__ = [
+    "DEFAULT_CAPTURE_BUDGET", "GRANULARITIES", "AlphaSolution", "alpha", "alpha_system", "balance_denominator",
+    "cosine_base", "cosine_merge", "linearized_objective", "mean_std", "merge_objective", "nonlinearity",
+    "nonlinearity_score", "nonlinearity_scores", "pairwise_task_cosine", "projection", "projection_distance",
+    "projection_terms", "solve_alpha", "summarize_nonlinearity", "task_gram",
+]

@@ -1,0 +1,145 @@
+"""Half-precision checkpoints are measured in float32: storage dtype ≠ compute dtype (issue: headline run at 7B).
+
+For each architecture, the base and two fine-tunes are rounded to bfloat16 and to float16 and saved in that
+dtype. Loaded with ``dtype`` bfloat16 / float16, the Non-linearity Score, α and the Projection Distance must
+equal the float32 run on the *same rounded values* (saved as float32) within 1e-3 relative: the capture, the
+task vectors, every θ0 + Σ c_t τ_t and every replay run in float32, nothing is rounded back to storage.
+(Computed in the storage dtype, as before, bfloat16 scores are off by far more than that.)
+"""
+
+from __future__ import annotations
+
+import shutil
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from diagnostics import toy
+from diagnostics.experiment import Experiment
+from diagnostics.linearity import alpha, nonlinearity, projection
+
+ARCHITECTURES = ("llama", "qwen2", "gpt2", "bert")
+HALF = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+TASKS = ("math", "code")
+RTOL = 1e-3
+
+
+def _rounded_copy(source: Path, target: Path, dtype: torch.dtype, saved_as: torch.dtype) -> Path:
+    """`source`'s checkpoint with every floating tensor rounded to `dtype`, saved in `saved_as`."""
+    target.mkdir(parents=True)
+    for file in source.iterdir():
+        if file.name != "model.safetensors":
+            shutil.copy2(file, target / file.name)
+    tensors = load_file(source / "model.safetensors")
+    rounded = {name: t.to(dtype).to(saved_as) if t.is_floating_point() else t for name, t in tensors.items()}
+    save_file(rounded, target / "model.safetensors", metadata={"format": "pt"})
+    return target
+
+
+@pytest.fixture(scope="module")
+def kits(tmp_path_factory):
+    """Per architecture: the float32 base and fine-tunes, and task data for both tasks."""
+    root = tmp_path_factory.mktemp("dtypes")
+    data = {task: str(toy.write_task_data(root / f"{task}.jsonl", task, count=4)) for task in TASKS}
+    built = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for arch in ARCHITECTURES:
+            base = toy.build_model(root / arch / "base", arch, layers=2, hidden=32)
+            tuned = {task: toy.finetune(base, root / arch / task, task, steps=2, seed=s)
+                     for s, task in enumerate(TASKS)}
+            built[arch] = (root / arch, base, tuned)
+    return built, data
+
+
+def _measure(folder: Path, base: Path, tuned: dict, data: dict, dtype: str, saved_as: torch.dtype, rounding):
+    """NL, α and PD of the checkpoints rounded to `rounding`, saved as `saved_as`, loaded with `dtype`."""
+    label = f"{rounding}-as-{str(saved_as).removeprefix('torch.')}"
+    base_copy = _rounded_copy(base, folder / label / "base", HALF[rounding], saved_as)
+    finetuned = {t: str(_rounded_copy(p, folder / label / t, HALF[rounding], saved_as)) for t, p in tuned.items()}
+    experiment = Experiment.load(str(base_copy), finetuned, data, samples=2, max_tokens=24, batch_size=2,
+                                 dtype=dtype, device="cpu")
+    assert next(experiment.base.model.parameters()).dtype == getattr(torch, dtype)
+    scores = nonlinearity(experiment, levels=("model", "layer", "attn", "mlp"), steps=4, progress=False)
+    solved = alpha(experiment, granularity="attn-mlp", progress=False)
+    distances = projection(experiment, levels=("model", "layer"), alphas=(0.5, 1.0), progress=False)
+    stored = load_file(base_copy / "model.safetensors")  # the base is back in its storage dtype, bit for bit
+    for name, parameter in experiment.base.model.named_parameters():
+        checkpoint = experiment.base.checkpoint_name(name)
+        if checkpoint in stored:
+            assert parameter.dtype == getattr(torch, dtype) and torch.equal(parameter, stored[checkpoint]), name
+    return {"nonlinearity_score": scores.nonlinearity_score.values, "alpha": solved.alpha.values,
+            "objective_alpha": solved.objective_alpha.values,
+            "projection_distance": distances.projection_distance.values,
+            "cosine_merge": distances.cosine_merge.values, "cosine_base": distances.cosine_base.values}
+
+
+@pytest.mark.parametrize("rounding", list(HALF))
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_half_precision_checkpoints_score_as_their_float32_values(kits, arch, rounding):
+    built, data = kits
+    folder, base, tuned = built[arch]
+    half = _measure(folder, base, tuned, data, rounding, HALF[rounding], rounding)
+    reference = _measure(folder, base, tuned, data, "float32", torch.float32, rounding)
+    for name, expected in reference.items():
+        assert np.all(np.isfinite(expected)), name
+        np.testing.assert_allclose(half[name], expected, rtol=RTOL, atol=0, err_msg=f"{arch} {rounding}: {name}")
+    # the scores are not trivially equal: the fine-tunes move every level
+    assert np.nanmin(reference["nonlinearity_score"]) > 0
+
+
+@pytest.fixture(scope="module")
+def llama(kits):
+    built, data = kits
+    folder, base, tuned = built["llama"]
+    return str(base), {t: str(p) for t, p in tuned.items()}, data
+
+
+def test_compute_dtype_is_recorded_and_float64_computes_in_float64(llama, tmp_path):
+    from diagnostics.store import Store
+
+    base, tuned, data = llama
+    experiment = Experiment.load(base, tuned, data, samples=2, max_tokens=24, batch_size=2, dtype="float32",
+                                 device="cpu", compute_dtype="float64")
+    assert experiment.parameter_source().variant(experiment.arch.attn_path(0), {"math": 0.5})[
+        "q_proj.weight"].dtype == torch.float64
+    store = Store(tmp_path / "run.zarr")
+    nonlinearity(experiment, levels=("layer",), steps=2, store=store, progress=False)
+    group = store.dataset("linearity")
+    assert group.attrs["settings"]["dtype"] == "float32"
+    assert group.attrs["settings"]["compute_dtype"] == "float64"
+    assert group.attrs["precision"]["tf32"] is False
+
+
+def test_unknown_compute_dtype_and_missing_cuda_are_clear_errors(llama):
+    from diagnostics.errors import ModelInputError
+
+    base, tuned, data = llama
+    with pytest.raises(ModelInputError, match="--compute-dtype must be one of float32, float64"):
+        Experiment.load(base, tuned, data, samples=2, dtype="float32", device="cpu", compute_dtype="bfloat16")
+    if not torch.cuda.is_available():
+        with pytest.raises(ModelInputError, match="CUDA is not available"):
+            Experiment.load(base, tuned, data, samples=2, dtype="float32", device="cuda")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("device", ["cuda", "auto"])
+def test_cuda_scores_match_cpu_and_tf32_is_restored(llama, device):
+    base, tuned, data = llama
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        on_gpu = Experiment.load(base, tuned, data, samples=2, max_tokens=24, batch_size=2, dtype="bfloat16",
+                                 device=device)
+        assert on_gpu.device.type == "cuda"
+        gpu = nonlinearity(on_gpu, levels=("model", "layer", "attn", "mlp"), steps=4, progress=False)
+        assert torch.backends.cuda.matmul.allow_tf32  # restored after the sweep
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = False
+    on_cpu = Experiment.load(base, tuned, data, samples=2, max_tokens=24, batch_size=2, dtype="bfloat16",
+                             device="cpu")
+    cpu = nonlinearity(on_cpu, levels=("model", "layer", "attn", "mlp"), steps=4, progress=False)
+    np.testing.assert_allclose(gpu.nonlinearity_score.values, cpu.nonlinearity_score.values, rtol=1e-3)
