@@ -191,7 +191,8 @@ def _fault_point(event: str, path: Path | None = None, data: bytes = b"") -> Non
     ``write:N`` is the N-th file written (zarr chunks and metadata, group attrs), ``append:N`` the N-th
     unit appended (after its arrays are written, before its row count is committed). Actions: ``kill``
     (SIGKILL, leaving the half-written temporary file a real kill would), ``interrupt`` (SIGINT, as
-    Ctrl-C), ``nospace`` (the file-size limit drops below this write: the kernel refuses it, EFBIG).
+    Ctrl-C), ``nospace`` (the file-size limit drops below this write: the kernel refuses it, EFBIG),
+    ``stop`` (SIGSTOP: the writer pauses, still holding the store's lock).
     """
     log = os.environ.get(WRITE_LOG_ENV)
     if log:
@@ -211,12 +212,14 @@ def _fault_point(event: str, path: Path | None = None, data: bytes = b"") -> Non
         os.kill(os.getpid(), signal.SIGKILL)
     elif action == "interrupt":
         os.kill(os.getpid(), signal.SIGINT)
+    elif action == "stop":  # paused while holding the lock (a second writer must be refused meanwhile)
+        os.kill(os.getpid(), signal.SIGSTOP)
     elif action == "nospace":
         import resource
 
         resource.setrlimit(resource.RLIMIT_FSIZE, (len(data) // 2, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
     else:
-        raise ValueError(f"{FAULT_ENV}={spec!r}: the action must be kill, interrupt or nospace")
+        raise ValueError(f"{FAULT_ENV}={spec!r}: the action must be kill, interrupt, nospace or stop")
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
@@ -526,9 +529,18 @@ class Store:
 
     def status(self) -> dict[str, GroupStatus]:
         """`GroupStatus` of every group: complete, partial (units written of expected) or corrupt (the file)."""
-        if self.exists():
-            _read_json(self.path / "zarr.json")
-        return {group: self.group_status(group) for group in self.groups()}
+        if not self.exists():
+            return {}
+        _read_json(self.path / "zarr.json")
+        found, todo = {}, list(self.groups())
+        while todo:
+            group = todo.pop(0)
+            state = self.group_status(group)
+            if state.state == "corrupt" or "units_done" in self.group_attrs(group) or self._arrays(group):
+                found[group] = state
+            todo += [f"{group}/{child.name}" for child in sorted((self.path / group).iterdir())
+                     if child.is_dir() and self._node_type(child) == "group"]
+        return found
 
     def group_status(self, group: str) -> GroupStatus:
         """Whether `group` is complete, partial or corrupt; every chunk of its written rows is decoded."""
@@ -621,6 +633,9 @@ class Store:
                     self._put_attrs(group, {**old, "units_expected": expected})
                 return self._repair(group, dim)
             self._delete(group)
+            for parent in list(Path(group).parents)[:-1]:  # "alpha" of "alpha/layer"
+                if not (self.path / parent / "zarr.json").exists():
+                    self._put_attrs(str(parent), {})
             self._put_attrs(group, {"settings": settings, "identity": identity, "complete": False, "units_done": 0,
                                     "unit_dim": dim, "units_expected": expected, "store_format": STORE_FORMAT,
                                     **attrs})
@@ -664,11 +679,10 @@ class Store:
 
     def _delete(self, group: str) -> None:
         """Remove a group at once (renamed aside, then deleted), including leftovers of an interrupted delete."""
-        directory = self.path / group
+        directory, flat = self.path / group, group.replace("/", "__")
         if directory.exists():
-            aside = self.path / f".{group}.deleted-{uuid.uuid4().hex}"
-            os.rename(directory, aside)
-        for leftover in self.path.glob(f".{group}.deleted-*"):
+            os.rename(directory, self.path / f".{flat}.deleted-{uuid.uuid4().hex}")
+        for leftover in self.path.glob(f".{flat}.deleted-*"):
             shutil.rmtree(leftover, ignore_errors=True)
 
     def _arrays(self, group: str) -> list[Path]:
@@ -801,7 +815,7 @@ def _remove_chunks(directory: Path, separator: str) -> None:
 def _is_strings(values: np.ndarray) -> bool:
     if values.dtype.kind in "UT":
         return True
-    return values.dtype.kind == "O" and values.size > 0 and all(isinstance(v, str) for v in values.reshape(-1))
+    return values.dtype.kind == "O" and all(isinstance(v, str) for v in values.reshape(-1))
 
 
 def _stored_dtype(directory: Path) -> np.dtype | None:
