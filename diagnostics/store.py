@@ -417,8 +417,9 @@ def _read_json(path: Path) -> dict:
         raise StoreError(f"{path} is unreadable ({exc}): the store is damaged (a truncated or edited file)") from None
 
 
-def _check_array(array: zarr.Array, directory: Path, every_chunk: bool, shape: tuple) -> str | None:
-    """The first problem of one array within `shape` (a missing or undecodable chunk file), or None."""
+def _check_array(array: zarr.Array, directory: Path, every_chunk: bool, shape: tuple,
+                 decode: bool = True) -> str | None:
+    """The first problem of one array within `shape` (a missing or, with `decode`, undecodable chunk file)."""
     grid = [-(-size // chunk) for size, chunk in zip(shape, array.chunks)]
     for index in np.ndindex(*grid) if all(shape) else []:
         key = array.metadata.encode_chunk_key(index)
@@ -426,6 +427,8 @@ def _check_array(array: zarr.Array, directory: Path, every_chunk: bool, shape: t
         if not chunk_file.exists():
             if every_chunk:
                 return f"chunk file {chunk_file} is missing"
+            continue
+        if not decode:
             continue
         region = tuple(slice(i * c, min((i + 1) * c, s)) for i, c, s in zip(index, array.chunks, shape))
         try:
@@ -501,7 +504,8 @@ class Store:
     def dataset(self, group: str) -> xr.Dataset:
         """One group as an `xarray.Dataset` (loaded)."""
         if not self.has(group):
-            raise StoreError(f"store {self.path} has no group '{group}' (it has: {', '.join(self.groups()) or 'nothing'})")
+            groups = ", ".join(self.groups()) or "nothing"
+            raise StoreError(f"store {self.path} has no group '{group}' (it has: {groups})")
         try:
             with _quiet():
                 dataset = xr.open_zarr(str(self.path), group=group, consolidated=False, zarr_format=3).load()
@@ -512,6 +516,9 @@ class Store:
             if state.state == "corrupt":
                 raise StoreError(f"store {self.path}: group '{group}' is damaged: {state.problem}") from None
             raise StoreError(f"cannot read group '{group}' of {self.path}: {type(exc).__name__}: {exc}") from None
+        state = self.group_status(group, decode=False)  # a deleted chunk file reads as NaN: say so instead
+        if state.state == "corrupt":
+            raise StoreError(f"store {self.path}: group '{group}' is damaged: {state.problem}")
         return _readable_strings(dataset)
 
     @property
@@ -542,8 +549,9 @@ class Store:
                      if child.is_dir() and self._node_type(child) == "group"]
         return found
 
-    def group_status(self, group: str) -> GroupStatus:
-        """Whether `group` is complete, partial or corrupt; every chunk of its written rows is decoded."""
+    def group_status(self, group: str, *, decode: bool = True) -> GroupStatus:
+        """Whether `group` is complete, partial or corrupt; every chunk of its written rows is decoded
+        (with `decode`; otherwise only checked to exist)."""
         directory = self.path / group
         try:
             attrs = self.group_attrs(group)
@@ -554,14 +562,14 @@ class Store:
         rows = None if complete else done
         for child in sorted(p for p in directory.iterdir() if p.is_dir()):
             problem = self._array_problem(group, child, attrs.get("unit_dim"), rows,
-                                          attrs.get("store_format", 1) >= STORE_FORMAT)
+                                          attrs.get("store_format", 1) >= STORE_FORMAT, decode)
             if problem:
                 state.state, state.problem, state.file = "corrupt", problem[0], problem[1]
                 break
         return state
 
     def _array_problem(self, group: str, directory: Path, dim: str | None, rows: int | None,
-                       every_chunk: bool) -> tuple[str, str] | None:
+                       every_chunk: bool, decode: bool) -> tuple[str, str] | None:
         meta = directory / "zarr.json"
         try:
             node_type = _read_json(meta).get("node_type")
@@ -579,7 +587,7 @@ class Store:
         if axis is not None and rows is not None and array.shape[axis] < rows:
             return f"{meta}: {array.shape[axis]} rows along '{dim}', {rows} recorded as written", str(meta)
         with _quiet():
-            problem = _check_array(array, directory, every_chunk, _limited(array.shape, axis, rows))
+            problem = _check_array(array, directory, every_chunk, _limited(array.shape, axis, rows), decode)
         return (problem, str(directory)) if problem else None
 
     # ------------------------------------------------------------------ writing
