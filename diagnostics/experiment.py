@@ -16,7 +16,7 @@ from diagnostics.data import TaskData, TokenBatch, read_task_file, tokenize
 from diagnostics.errors import DataInputError, ModelInputError
 from diagnostics.models import BaseModel, TaskVectorReader, load_base_model, open_finetunes
 from diagnostics.modules import Architecture, find_architecture
-from diagnostics.store import provenance
+from diagnostics.store import run_attrs
 
 COMPUTE_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -129,7 +129,7 @@ class Experiment:
         return cls(base, arch, task_vectors, task_data, batches, settings, inputs, compute)
 
     def root_attrs(self, command: str | None = None) -> dict:
-        return provenance(command, base_model=self.inputs["base_model"])
+        return run_attrs(command, self.inputs)[0]
 
     def group_attrs(self, command: str | None = None, **extra) -> dict:
-        return {"provenance": provenance(command, **self.inputs), **extra}
+        return {**run_attrs(command, self.inputs)[1], **extra}

@@ -7,11 +7,23 @@ group holds the settings, inputs (models, data files with hashes) and the
 command that made it.
 
 Resuming: a group is written unit by unit (`append` along ``module`` or
-``matrix``); its attrs count the units that were completely written, so a run
+``matrix``); its attrs count the rows that were completely written, so a run
 that was killed resumes after the last complete unit (a half-written unit is
 cut off and redone). An existing group is never replaced unless ``force``;
-re-running with other settings without ``force`` is an error that names the
-settings that differ.
+re-running with other settings, or on other inputs (the models' content hashes
+and the data files' SHA-256), without ``force`` is an error that names what
+differs.
+
+Crash safety: every file is replaced atomically (zarr writes a temporary file
+and renames it; the group attrs are written here the same way, in one write),
+the group attrs are never rewritten without their content, and the row count
+is committed only after a unit's arrays are written. A kill, Ctrl-C or full
+disk at any point leaves a store that resumes to exactly the uninterrupted
+result. One process writes a store at a time (`StoreLock`, the file
+``.submerge.lock`` in the store).
+
+Strings (coordinates such as ``module`` or ``level``) are stored fixed-width,
+so they read back as ordinary numpy unicode arrays.
 
     >>> import xarray as xr
     >>> tree = xr.open_datatree("runs/demo.zarr", engine="zarr")
@@ -20,24 +32,47 @@ settings that differ.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import datetime as _dt
+import json
+import os
 import platform
 import shutil
+import signal
 import sys
+import uuid
 import warnings
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
 import numpy as np
 import xarray as xr
 import zarr
+from zarr.storage import LocalStore, MemoryStore
 
 from diagnostics.errors import StoreError
 
 _LIBRARIES = ("submerge", "torch", "transformers", "safetensors", "peft", "numpy", "scipy", "xarray", "zarr")
+LOCK_NAME = ".submerge.lock"
+STRING_WIDTH = 64  # the least width of a stored string variable; longer strings widen it
+STORE_FORMAT = 2  # groups written with every chunk present and fixed-width strings
+FAULT_ENV = "SUBMERGE_FAULT_AT"  # "write:N[:kill|interrupt|nospace]" or "append:N[:...]" (tests/test_faults.py)
+WRITE_LOG_ENV = "SUBMERGE_WRITE_LOG"  # a file that gets one line per store write (tests count write points)
 
-warnings.filterwarnings("ignore", message=".*does not have a Zarr V3 specification.*")
-warnings.filterwarnings("ignore", message=".*Consolidated metadata is currently not part.*")
+
+@contextlib.contextmanager
+def _quiet():
+    """zarr/xarray calls without their notes about zarr v3 specs and consolidated metadata (locally only)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*does not have a Zarr V3 specification.*")
+        warnings.filterwarnings("ignore", message=".*Consolidated metadata is currently not part.*")
+        warnings.filterwarnings("ignore", message=".*Failed to open Zarr store with consolidated metadata.*")
+        yield
+
+
+# ---------------------------------------------------------------------------------------------- provenance
 
 
 def library_versions() -> dict[str, str]:
@@ -52,16 +87,70 @@ def library_versions() -> dict[str, str]:
 
 def provenance(command: str | None = None, **fields) -> dict:
     """Where numbers came from: versions, host, time, command, plus the caller's fields."""
+    versions = library_versions()
     info = {
         "toolkit": "submerge",
-        "toolkit_version": library_versions()["submerge"],
-        "libraries": library_versions(),
+        "toolkit_version": versions["submerge"],
+        "libraries": versions,
         "host": platform.node(),
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "command": command if command is not None else " ".join(sys.argv),
     }
     info.update(fields)
     return _jsonable(info)
+
+
+def run_attrs(command: str | None, inputs: dict) -> tuple[dict, dict]:
+    """(root attrs, group attrs) of a run on `inputs`: the one place a driver's provenance is built.
+
+    `inputs` holds the fingerprints (``base_model``, ``finetuned``, ``data``, ``models`` ...) and
+    anything else worth keeping; the root gets the base model, the group all of it under ``provenance``.
+    """
+    root = provenance(command, base_model=inputs.get("base_model"))
+    return root, {"provenance": provenance(command, **inputs)}
+
+
+def _model_identity(fingerprint) -> dict:
+    if not isinstance(fingerprint, dict):
+        return {"hash": str(fingerprint), "path": str(fingerprint)}
+    for key in ("content_sha256", "adapter_sha256"):
+        if fingerprint.get(key):
+            return {"hash": f"sha256:{fingerprint[key]}", "path": fingerprint.get("path") or fingerprint.get("spec")}
+    where = fingerprint.get("path") or fingerprint.get("spec")
+    size = fingerprint.get("file_size")
+    return {"hash": f"{where} ({size} bytes)" if size is not None else str(where), "path": where}
+
+
+def input_identity(inputs: dict) -> dict:
+    """What a group's numbers depend on besides settings: content hashes of models and data files.
+
+    Read from a run's inputs (or a group's ``provenance`` attr): base model, each fine-tune, each data
+    file (SHA-256), each evaluated model. Paths are shown in messages but only the hashes are compared
+    (a moved file is the same input); a checkpoint without a content hash is identified by path and size.
+    """
+    inputs = inputs or {}
+    identity = {}
+    if inputs.get("base_model"):
+        identity["base model"] = _model_identity(inputs["base_model"])
+    for task, fingerprint in (inputs.get("finetuned") or {}).items():
+        identity[f"fine-tune '{task}'"] = _model_identity(fingerprint)
+    for task, data in (inputs.get("data") or {}).items():
+        identity[f"data '{task}'"] = {"hash": f"sha256:{data.get('sha256')}", "path": data.get("path")}
+    for label, spec in (inputs.get("models") or {}).items():
+        identity[f"model '{label}'"] = _model_identity(spec)
+    return _jsonable(identity)
+
+
+def _identity_changes(old: dict, new: dict) -> list[str]:
+    def show(entry):
+        if entry is None:
+            return "absent"
+        digest = entry["hash"]
+        short = digest[:19] + "…" if digest.startswith("sha256:") else digest
+        return f"{entry['path']} ({short})" if entry.get("path") and entry["path"] not in digest else short
+
+    return [f"{name}: {show(old.get(name))} → {show(new.get(name))}" for name in sorted(set(old) | set(new))
+            if (old.get(name) or {}).get("hash") != (new.get(name) or {}).get("hash")]
 
 
 def _jsonable(value):
@@ -91,160 +180,671 @@ def _diff(old: dict, new: dict, prefix: str = "") -> list[str]:
     return changes
 
 
+# ---------------------------------------------------------------------------------------------- writes and faults
+
+_fault_counts = {"write": 0, "append": 0}
+
+
+def _fault_point(event: str, path: Path | None = None, data: bytes = b"") -> None:
+    """Test hook: count store writes; at the one named by $SUBMERGE_FAULT_AT, die, interrupt or run out of space.
+
+    ``write:N`` is the N-th file written (zarr chunks and metadata, group attrs), ``append:N`` the N-th
+    unit appended (after its arrays are written, before its row count is committed). Actions: ``kill``
+    (SIGKILL, leaving the half-written temporary file a real kill would), ``interrupt`` (SIGINT, as
+    Ctrl-C), ``nospace`` (the file-size limit drops below this write: the kernel refuses it, EFBIG),
+    ``stop`` (SIGSTOP: the writer pauses, still holding the store's lock).
+    """
+    log = os.environ.get(WRITE_LOG_ENV)
+    if log:
+        with open(log, "a") as handle:
+            handle.write(f"{event} {path or ''}\n")
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return
+    _fault_counts[event] = _fault_counts.get(event, 0) + 1
+    kind, count, action = (spec.split(":") + ["kill"])[:3]
+    if kind != event or _fault_counts[event] != int(count):
+        return
+    if action == "kill":
+        if path is not None and data:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.with_name(f"{path.name}.{uuid.uuid4().hex}.partial").write_bytes(data[: len(data) // 2])
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif action == "interrupt":
+        os.kill(os.getpid(), signal.SIGINT)
+    elif action == "stop":  # paused while holding the lock (a second writer must be refused meanwhile)
+        os.kill(os.getpid(), signal.SIGSTOP)
+    elif action == "nospace":
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_FSIZE, (len(data) // 2, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    else:
+        raise ValueError(f"{FAULT_ENV}={spec!r}: the action must be kill, interrupt, nospace or stop")
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    """Write `path` as a whole or not at all: a temporary sibling, fsync, then os.replace."""
+    _fault_point("write", path, data)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f"{path.name}.{uuid.uuid4().hex}.partial")
+    try:
+        with open(temporary, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+
+
+class _LocalStore(LocalStore):
+    """zarr's LocalStore (atomic per file) with the test hook counting each write.
+
+    Keys in `protected` (a group's metadata while its arrays are appended) are not rewritten: xarray would
+    replace the group's attrs by the appended dataset's, and the attrs are this module's to write.
+    """
+
+    protected: frozenset = frozenset()
+
+    async def _set(self, key, value, exclusive: bool = False) -> None:
+        if key in self.protected:
+            return
+        _fault_point("write", self.root / key, value.to_bytes() if os.environ.get(FAULT_ENV) else b"")
+        await super()._set(key, value, exclusive=exclusive)
+
+
+# ---------------------------------------------------------------------------------------------- the lock
+
+
+def _process_start(pid: int) -> str | None:
+    """The kernel's start time of process `pid` (tells a live holder from a reused pid), if known."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+_HELD: dict[Path, str] = {}  # lock files this process holds → their content
+
+
+class StoreLock:
+    """One writer per store: ``<store>/.submerge.lock`` holds the writer's pid, host and start time.
+
+    Created atomically (the record is written to a temporary file and hard-linked into place, which
+    fails if a lock exists). A lock whose process no longer runs on this host is stale: it is explained
+    on stderr and taken over. A lock held by this same process is reused (one process, one writer).
+    """
+
+    def __init__(self, store_path: Path):
+        self.path = Path(store_path) / LOCK_NAME
+
+    def holder(self) -> dict | None:
+        try:
+            return json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError):
+            return {"pid": None, "host": None, "unreadable": True}
+
+    def _stale_reason(self, holder: dict) -> str | None:
+        if holder.get("unreadable"):
+            return "its content is unreadable (the writer was stopped while creating it)"
+        if holder.get("host") != platform.node():
+            return None
+        pid = holder.get("pid")
+        if not _alive(pid):
+            return f"process {pid} is no longer running"
+        started = holder.get("process_start")
+        if started is not None and _process_start(pid) not in (None, started):
+            return f"process id {pid} now belongs to another program"
+        return None
+
+    def acquire(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        for _ in range(5):
+            if self._create():
+                return
+            holder = self.holder()
+            if holder is None:
+                continue
+            if holder.get("pid") == os.getpid() and holder.get("host") == platform.node():
+                _HELD[self.path] = self.path.read_text()
+                return
+            reason = self._stale_reason(holder)
+            if reason is None:
+                raise StoreError(
+                    f"store {self.path.parent} is being written by process {holder.get('pid')} on "
+                    f"{holder.get('host')} (since {holder.get('started')}: {holder.get('command')}). Wait for it to "
+                    f"finish or use another --out; if that process is gone, delete {self.path}."
+                )
+            if self._take_over(holder):
+                print(f"note: {self.path}: taking over a stale lock of process {holder.get('pid')} on "
+                      f"{holder.get('host')} (since {holder.get('started')}): {reason}. That run stopped before "
+                      f"finishing; its unfinished unit is cut back and redone.", file=sys.stderr)
+        raise StoreError(f"could not take the lock {self.path}: other processes keep replacing it")
+
+    def _create(self) -> bool:
+        record = {"pid": os.getpid(), "host": platform.node(), "process_start": _process_start(os.getpid()),
+                  "started": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                  "command": " ".join(sys.argv)}
+        text = json.dumps(record)
+        temporary = self.path.with_name(f"{LOCK_NAME}.{uuid.uuid4().hex}.partial")
+        try:
+            temporary.write_text(text)
+            os.link(temporary, self.path)
+        except FileExistsError:
+            return False
+        except OSError as exc:
+            raise StoreError(f"cannot create the lock {self.path}: {exc.strerror}") from None
+        finally:
+            temporary.unlink(missing_ok=True)
+        _HELD[self.path] = text
+        return True
+
+    def _take_over(self, holder: dict) -> bool:
+        """Move the stale lock aside; if it was replaced meanwhile by a live writer, put that one back."""
+        aside = self.path.with_name(f"{LOCK_NAME}.stale-{uuid.uuid4().hex}")
+        try:
+            os.rename(self.path, aside)
+        except FileNotFoundError:
+            return False
+        try:
+            current = json.loads(aside.read_text())
+        except (OSError, ValueError):
+            current = {"pid": None, "host": None, "unreadable": True}
+        if current != holder:
+            with contextlib.suppress(FileExistsError):
+                os.link(aside, self.path)
+            aside.unlink(missing_ok=True)
+            return False
+        aside.unlink(missing_ok=True)
+        return True
+
+    def release(self) -> None:
+        text = _HELD.pop(self.path, None)
+        with contextlib.suppress(OSError):
+            if text is not None and self.path.read_text() == text:
+                self.path.unlink()
+
+
+@atexit.register
+def _release_all() -> None:
+    for path in list(_HELD):
+        StoreLock(path.parent).release()
+
+
+# ---------------------------------------------------------------------------------------------- status
+
+
+@dataclass
+class GroupStatus:
+    """What a group holds: ``complete``, ``partial`` (rows written of expected) or ``corrupt`` (with the file)."""
+
+    group: str
+    state: str
+    units_done: int = 0
+    units_expected: int | None = None
+    problem: str | None = None
+    file: str | None = None
+
+    def __str__(self) -> str:
+        if self.state == "corrupt":
+            return f"{self.group}: corrupt: {self.problem}"
+        if self.state == "partial":
+            of = f" of {self.units_expected}" if self.units_expected is not None else ""
+            return (f"{self.group}: partial: {self.units_done}{of} units written; run the same command again to "
+                    f"finish it")
+        return f"{self.group}: complete ({self.units_done} units)"
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_bytes())
+    except FileNotFoundError:
+        raise StoreError(f"{path} is missing: the store is damaged") from None
+    except (OSError, ValueError) as exc:
+        raise StoreError(f"{path} is unreadable ({exc}): the store is damaged (a truncated or edited file)") from None
+
+
+def _check_array(array: zarr.Array, directory: Path, every_chunk: bool, shape: tuple,
+                 decode: bool = True) -> str | None:
+    """The first problem of one array within `shape` (a missing or, with `decode`, undecodable chunk file)."""
+    grid = [-(-size // chunk) for size, chunk in zip(shape, array.chunks)]
+    for index in np.ndindex(*grid) if all(shape) else []:
+        key = array.metadata.encode_chunk_key(index)
+        chunk_file = directory / key
+        if not chunk_file.exists():
+            if every_chunk:
+                return f"chunk file {chunk_file} is missing"
+            continue
+        if not decode:
+            continue
+        region = tuple(slice(i * c, min((i + 1) * c, s)) for i, c, s in zip(index, array.chunks, shape))
+        try:
+            array[region]
+        except Exception as exc:  # noqa: BLE001 — any decoding failure is reported with the file it came from
+            return f"chunk file {chunk_file} cannot be decoded ({type(exc).__name__}: {exc})"
+    return None
+
+
+def _limited(shape: tuple, axis: int | None, rows: int | None) -> tuple:
+    if axis is None or rows is None:
+        return tuple(shape)
+    return tuple(min(size, rows) if i == axis else size for i, size in enumerate(shape))
+
+
+# ---------------------------------------------------------------------------------------------- the store
+
+
 class Store:
     """A zarr v3 store of diagnostics. See the module docstring."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path).expanduser()
+        self.lock = StoreLock(self.path)
 
-    # ------------------------------------------------------------------ opening
+    # ------------------------------------------------------------------ opening and reading
 
     def exists(self) -> bool:
         return (self.path / "zarr.json").exists()
 
+    def _zarr_store(self, *protected: str) -> _LocalStore:
+        store = _LocalStore(str(self.path))
+        store.protected = frozenset(protected)
+        return store
+
     def _root(self, mode: str = "a") -> zarr.Group:
-        return zarr.open_group(str(self.path), mode=mode, zarr_format=3)
+        with _quiet():
+            try:
+                return zarr.open_group(self._zarr_store(), mode=mode, zarr_format=3)
+            except (ValueError, OSError) as exc:
+                _read_json(self.path / "zarr.json")  # names the damaged file, if that is the cause
+                raise StoreError(f"cannot open the store {self.path}: {exc}") from None
+
+    def _node_type(self, directory: Path) -> str | None:
+        meta = directory / "zarr.json"
+        if not meta.exists():
+            return None
+        try:
+            return json.loads(meta.read_bytes()).get("node_type")
+        except (OSError, ValueError):
+            return "unreadable"
 
     def groups(self) -> list[str]:
         if not self.exists():
             return []
-        return sorted(name for name, _ in self._root("r").groups())
+        return sorted(child.name for child in self.path.iterdir()
+                      if child.is_dir() and not child.name.startswith(".")
+                      and self._node_type(child) in ("group", "unreadable"))
 
     def has(self, group: str) -> bool:
-        if not self.exists():
-            return False
-        try:
-            node = self._root("r")[group]
-        except KeyError:
-            return False
-        return isinstance(node, zarr.Group)
+        return self.exists() and self._node_type(self.path / group) in ("group", "unreadable")
 
     def open(self) -> xr.DataTree:
-        """The whole store as an `xarray.DataTree`."""
+        """The whole store as an `xarray.DataTree`; a damaged file is a StoreError that names it."""
         if not self.exists():
             raise StoreError(f"no store at {self.path}")
-        return xr.open_datatree(str(self.path), engine="zarr", consolidated=False)
+        for state in self.status().values():
+            if state.state == "corrupt":
+                raise StoreError(f"store {self.path}: group '{state.group}' is damaged: {state.problem}")
+        with _quiet():
+            return xr.open_datatree(str(self.path), engine="zarr", consolidated=False)
 
     def dataset(self, group: str) -> xr.Dataset:
         """One group as an `xarray.Dataset` (loaded)."""
         if not self.has(group):
-            raise StoreError(f"store {self.path} has no group '{group}' (it has: {', '.join(self.groups()) or 'nothing'})")
-        return xr.open_zarr(str(self.path), group=group, consolidated=False, zarr_format=3).load()
+            groups = ", ".join(self.groups()) or "nothing"
+            raise StoreError(f"store {self.path} has no group '{group}' (it has: {groups})")
+        try:
+            with _quiet():
+                dataset = xr.open_zarr(str(self.path), group=group, consolidated=False, zarr_format=3).load()
+        except StoreError:
+            raise
+        except Exception as exc:  # noqa: BLE001 — whatever zarr/xarray raise, name the damaged file instead
+            state = self.group_status(group)
+            if state.state == "corrupt":
+                raise StoreError(f"store {self.path}: group '{group}' is damaged: {state.problem}") from None
+            raise StoreError(f"cannot read group '{group}' of {self.path}: {type(exc).__name__}: {exc}") from None
+        state = self.group_status(group, decode=False)  # a deleted chunk file reads as NaN: say so instead
+        if state.state == "corrupt":
+            raise StoreError(f"store {self.path}: group '{group}' is damaged: {state.problem}")
+        return _readable_strings(dataset)
 
     @property
     def attrs(self) -> dict:
-        return dict(self._root("r").attrs) if self.exists() else {}
+        return dict(_read_json(self.path / "zarr.json").get("attributes") or {}) if self.exists() else {}
 
-    # ------------------------------------------------------------------ groups
+    def group_attrs(self, group: str) -> dict:
+        """A group's attrs, read from its metadata file (settings, inputs, progress, provenance)."""
+        return dict(_read_json(self.path / group / "zarr.json").get("attributes") or {})
+
+    def is_complete(self, group: str) -> bool:
+        return self.has(group) and bool(self.group_attrs(group).get("complete"))
+
+    # ------------------------------------------------------------------ status
+
+    def status(self) -> dict[str, GroupStatus]:
+        """`GroupStatus` of every group: complete, partial (units written of expected) or corrupt (the file)."""
+        if not self.exists():
+            return {}
+        _read_json(self.path / "zarr.json")
+        found, todo = {}, list(self.groups())
+        while todo:
+            group = todo.pop(0)
+            state = self.group_status(group)
+            if state.state == "corrupt" or "units_done" in self.group_attrs(group) or self._arrays(group):
+                found[group] = state
+            todo += [f"{group}/{child.name}" for child in sorted((self.path / group).iterdir())
+                     if child.is_dir() and self._node_type(child) == "group"]
+        return found
+
+    def group_status(self, group: str, *, decode: bool = True) -> GroupStatus:
+        """Whether `group` is complete, partial or corrupt; every chunk of its written rows is decoded
+        (with `decode`; otherwise only checked to exist)."""
+        directory = self.path / group
+        try:
+            attrs = self.group_attrs(group)
+        except StoreError as exc:
+            return GroupStatus(group, "corrupt", problem=str(exc), file=str(directory / "zarr.json"))
+        done, complete = int(attrs.get("units_done", 0)), bool(attrs.get("complete"))
+        state = GroupStatus(group, "complete" if complete else "partial", done, attrs.get("units_expected"))
+        rows = None if complete else done
+        for child in sorted(p for p in directory.iterdir() if p.is_dir()):
+            problem = self._array_problem(group, child, attrs.get("unit_dim"), rows,
+                                          attrs.get("store_format", 1) >= STORE_FORMAT, decode)
+            if problem:
+                state.state, state.problem, state.file = "corrupt", problem[0], problem[1]
+                break
+        return state
+
+    def _array_problem(self, group: str, directory: Path, dim: str | None, rows: int | None,
+                       every_chunk: bool, decode: bool) -> tuple[str, str] | None:
+        meta = directory / "zarr.json"
+        try:
+            node_type = _read_json(meta).get("node_type")
+        except StoreError as exc:
+            return str(exc), str(meta)
+        if node_type != "array":
+            return None
+        try:
+            with _quiet():
+                array = zarr.open_array(self._zarr_store(), path=f"{group}/{directory.name}", mode="r")
+        except Exception as exc:  # noqa: BLE001 — invalid metadata of any kind
+            return f"{meta} is not valid array metadata ({exc})", str(meta)
+        dims = list(array.metadata.dimension_names or ())
+        axis = dims.index(dim) if dim in dims else None
+        if axis is not None and rows is not None and array.shape[axis] < rows:
+            return f"{meta}: {array.shape[axis]} rows along '{dim}', {rows} recorded as written", str(meta)
+        with _quiet():
+            problem = _check_array(array, directory, every_chunk, _limited(array.shape, axis, rows), decode)
+        return (problem, str(directory)) if problem else None
+
+    # ------------------------------------------------------------------ writing
+
+    @contextlib.contextmanager
+    def _writing(self):
+        """Hold the lock; an OS error (full disk, file-size limit, permissions) becomes a StoreError."""
+        self.lock.acquire()
+        try:
+            with _quiet():
+                yield
+        except OSError as exc:
+            self.lock.release()
+            where = f" ({exc.filename})" if exc.filename else ""
+            raise StoreError(
+                f"could not write the store {self.path}: {exc.strerror or exc}{where}. The units written before "
+                f"are kept; fix the cause (e.g. free disk space) and run the same command to resume."
+            ) from None
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def _put_attrs(self, group: str, attrs: dict) -> None:
+        """Replace a group's attrs (`group` "" is the root) in one atomic write of its metadata file."""
+        meta_path = self.path / group / "zarr.json" if group else self.path / "zarr.json"
+        meta = _read_json(meta_path) if meta_path.exists() else {"zarr_format": 3, "node_type": "group",
+                                                                  "consolidated_metadata": None}
+        meta["attributes"] = _jsonable(attrs)
+        _atomic_write(meta_path, json.dumps(meta, indent=2).encode())
 
     def begin(self, group: str, settings: dict, *, force: bool = False, root: dict | None = None,
-              attrs: dict | None = None, dim: str = "module") -> set[str]:
+              attrs: dict | None = None, dim: str = "module", expected: int | None = None) -> set[str]:
         """Start or resume writing `group`; returns the labels along `dim` already complete.
 
-        A group made with the same `settings` resumes; with other settings it is an error
-        unless `force`, which deletes the group first. `root` updates the store's root attrs
-        (kept from the first run otherwise); `attrs` (provenance) go on the group.
+        A group made with the same `settings` and inputs resumes; with other settings, or inputs whose
+        fingerprints (``attrs["provenance"]``: models' and data files' hashes) differ, it is an error
+        naming what changed unless `force`, which deletes the group first. `root` updates the store's
+        root attrs (kept from the first run otherwise); `attrs` (provenance) go on the group;
+        `expected` (the number of labels a complete run writes) lets `status` say how far it got.
+        Takes the store's lock (released by `finish`, on error, or at exit).
         """
-        settings = _jsonable(settings)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        if self.exists() and root:
-            old_base = self.attrs.get("base_model")
-            new_base = _jsonable(root).get("base_model")
-            same = (old_base or {}).get("path", (old_base or {}).get("spec")) == (new_base or {}).get(
-                "path", (new_base or {}).get("spec"))
-            if old_base and new_base and not same:
+        settings, attrs = _jsonable(settings), _jsonable(attrs or {})
+        identity = input_identity(attrs.get("provenance") or {})
+        with self._writing():
+            self.path.mkdir(parents=True, exist_ok=True)
+            self._begin_root(root, force)
+            if self.has(group) and not force:
+                old = self.group_attrs(group)
+                self._refuse_changes(group, old, settings, identity)
+                if expected is not None and old.get("units_expected") != expected:
+                    self._put_attrs(group, {**old, "units_expected": expected})
+                return self._repair(group, dim)
+            self._delete(group)
+            for parent in list(Path(group).parents)[:-1]:  # "alpha" of "alpha/layer"
+                if not (self.path / parent / "zarr.json").exists():
+                    self._put_attrs(str(parent), {})
+            self._put_attrs(group, {"settings": settings, "identity": identity, "complete": False, "units_done": 0,
+                                    "unit_dim": dim, "units_expected": expected, "store_format": STORE_FORMAT,
+                                    **attrs})
+            return set()
+
+    def _begin_root(self, root: dict | None, force: bool) -> None:
+        new = _jsonable(root or {})
+        old = self.attrs if self.exists() else None
+        if old is not None and new:
+            old_base, new_base = old.get("base_model") or {}, new.get("base_model") or {}
+            if old_base and new_base and old_base.get("path", old_base.get("spec")) != new_base.get(
+                    "path", new_base.get("spec")):
                 if not force:
                     raise StoreError(
                         f"store {self.path} holds results for base model {old_base.get('spec')!r}, not "
                         f"{new_base.get('spec')!r}; use another --out, or --force to replace the whole store"
                     )
-                shutil.rmtree(self.path)
-        root_group = self._root("a")
-        if root:
-            for key, value in _jsonable(root).items():
-                if key not in root_group.attrs or force:
-                    root_group.attrs[key] = value
-        if self.has(group):
-            old = dict(root_group[group].attrs)
-            if force:
-                del root_group[group]
-            elif old.get("settings") != settings:
-                changes = _diff(old.get("settings") or {}, settings)
-                raise StoreError(
-                    f"store {self.path} already has group '{group}' made with other settings "
-                    f"({'; '.join(changes[:6])}). Pass --force to overwrite it, or choose another --out."
-                )
-            else:
-                return self._repair(group, dim)
-        created = root_group.require_group(group)
-        created.attrs.update({"settings": settings, "complete": False, "units_done": 0,
-                              **(_jsonable(attrs) if attrs else {})})
-        return set()
+                for group in self.groups():
+                    self._delete(group)
+                old = {}
+        merged = dict(old or {})
+        merged.update({key: value for key, value in new.items() if key not in merged or force})
+        if old is None or merged != old:
+            self._put_attrs("", merged)
+
+    def _refuse_changes(self, group: str, old: dict, settings: dict, identity: dict) -> None:
+        if "settings" not in old:
+            raise StoreError(
+                f"store {self.path}: group '{group}' has no record of its settings (a run of an older version was "
+                f"stopped while writing it). Pass --force to recompute it, or choose another --out."
+            )
+        changes = _diff(old.get("settings") or {}, settings)
+        old_identity = old.get("identity") or input_identity(old.get("provenance") or {})
+        if identity and old_identity:
+            changes += _identity_changes(old_identity, identity)
+        if changes:
+            raise StoreError(
+                f"store {self.path} already has group '{group}' made with other settings or inputs "
+                f"({'; '.join(changes[:6])}). Pass --force to recompute it, or choose another --out."
+            )
+
+    def _delete(self, group: str) -> None:
+        """Remove a group at once (renamed aside, then deleted), including leftovers of an interrupted delete."""
+        directory, flat = self.path / group, group.replace("/", "__")
+        if directory.exists():
+            os.rename(directory, self.path / f".{flat}.deleted-{uuid.uuid4().hex}")
+        for leftover in self.path.glob(f".{flat}.deleted-*"):
+            shutil.rmtree(leftover, ignore_errors=True)
+
+    def _arrays(self, group: str) -> list[Path]:
+        directory = self.path / group
+        return sorted(child for child in directory.iterdir() if child.is_dir() and self._node_type(child) == "array")
 
     def _repair(self, group: str, dim: str) -> set[str]:
-        """Cut arrays back to the units recorded as complete; return their labels."""
-        node = self._root("a")[group]
-        done = int(node.attrs.get("units_done", 0))
+        """Cut arrays back to the rows recorded as complete; return their labels."""
+        attrs = self.group_attrs(group)
+        directory = self.path / group
+        for stray in directory.rglob("*.partial"):
+            stray.unlink(missing_ok=True)
+        done = int(attrs.get("units_done", 0))
+        if done == 0 and not attrs.get("complete"):
+            for array_dir in self._arrays(group):
+                shutil.rmtree(array_dir)
+            return set()
+        node = zarr.open_group(self._zarr_store(), path=group, mode="a", zarr_format=3)
         for name, array in node.arrays():
             dims = array.metadata.dimension_names or ()
-            if dim in dims:
+            if dim in dims and not attrs.get("complete"):
                 axis = dims.index(dim)
+                if array.shape[axis] < done:
+                    raise StoreError(f"store {self.path}: {directory / name} has {array.shape[axis]} rows along "
+                                     f"'{dim}' but {done} are recorded as written: the store is damaged")
                 if array.shape[axis] > done:
-                    shape = list(array.shape)
-                    shape[axis] = done
-                    array.resize(tuple(shape))
-        if done == 0:
-            for name in [n for n, _ in node.arrays()]:
-                del node[name]
+                    array.resize(tuple(done if i == axis else s for i, s in enumerate(array.shape)))
+        if dim not in node:
             return set()
-        labels = node[dim][:]
-        return {str(v) for v in labels[:done]}
+        labels = node[dim][:] if attrs.get("complete") else node[dim][:done]
+        return {str(v) for v in labels}
 
     def append(self, group: str, dataset: xr.Dataset, dim: str = "module") -> None:
-        """Append complete units along `dim` (one or more labels) to `group`."""
-        node = self._root("a")[group]
-        kept = dict(node.attrs)
-        done = int(kept.get("units_done", 0))
-        dataset = _object_strings(dataset).drop_attrs(deep=False)
-        append = {"append_dim": dim} if done else {}
-        dataset.to_zarr(str(self.path), group=group, mode="a", zarr_format=3, consolidated=False, **append)
-        node = self._root("a")[group]
-        node.attrs.update({**kept, "units_done": done + dataset.sizes[dim]})
+        """Append complete units along `dim` (one or more labels) to `group`.
+
+        The arrays are written first (the group's metadata file is left alone meanwhile), then the new row
+        count is committed in one atomic write: a unit interrupted anywhere is cut back on resume.
+        """
+        with self._writing():
+            attrs = self.group_attrs(group)
+            done = int(attrs.get("units_done", 0))
+            piece = self._fit_strings(group, dataset.drop_attrs(deep=False))
+            append = {"append_dim": dim} if done else {}
+            piece.to_zarr(self._zarr_store(f"{group}/zarr.json"), group=group, mode="a", zarr_format=3,
+                          consolidated=False, write_empty_chunks=True, **append)
+            _fault_point("append")
+            self._put_attrs(group, {**attrs, "units_done": done + dataset.sizes[dim]})
 
     def write(self, group: str, dataset: xr.Dataset, settings: dict, *, force: bool = False,
               root: dict | None = None, attrs: dict | None = None) -> None:
         """Write a whole group at once (small results)."""
         self.begin(group, settings, force=force, root=root, attrs=attrs, dim="__none__")
-        node = self._root("a")[group]
-        kept = dict(node.attrs)
-        for name in [n for n, _ in node.arrays()]:
-            del node[name]
-        _object_strings(dataset).drop_attrs(deep=False).to_zarr(
-            str(self.path), group=group, mode="a", zarr_format=3, consolidated=False)
-        self._root("a")[group].attrs.update(kept)
+        with self._writing():
+            self._put_attrs(group, {**self.group_attrs(group), "complete": False, "units_done": 0})
+            for array_dir in self._arrays(group):
+                shutil.rmtree(array_dir)
+            self._fit_strings(group, dataset.drop_attrs(deep=False)).to_zarr(
+                self._zarr_store(f"{group}/zarr.json"), group=group, mode="a", zarr_format=3, consolidated=False,
+                write_empty_chunks=True)
         self.finish(group, extra=dataset.attrs)
 
     def finish(self, group: str, extra: dict | None = None) -> None:
-        """Mark `group` complete and store extra attrs (e.g. choices the metric made)."""
-        node = self._root("a")[group]
-        if extra:
-            node.attrs.update(_jsonable(extra))
-        node.attrs["complete"] = True
+        """Mark `group` complete and store extra attrs (e.g. choices the metric made); releases the lock."""
+        with self._writing():
+            attrs = {**self.group_attrs(group), **_jsonable(extra or {}), "complete": True}
+            self._put_attrs(group, attrs)
+        self.lock.release()
 
-    def is_complete(self, group: str) -> bool:
-        return self.has(group) and bool(self._root("r")[group].attrs.get("complete"))
+    # ------------------------------------------------------------------ strings
 
+    def _fit_strings(self, group: str, dataset: xr.Dataset) -> xr.Dataset:
+        """String variables as fixed-width unicode, as wide as the stored array (widened if a string is longer).
 
-def _object_strings(dataset: xr.Dataset) -> xr.Dataset:
-    """Store string coordinates as variable-length strings (appends never truncate)."""
-    dataset = dataset.copy()
-    for name, variable in {**dataset.coords, **dataset.data_vars}.items():
-        if variable.dtype.kind == "U":
-            values = np.asarray(variable.values, dtype=object)
-            if name in dataset.coords:
-                dataset = dataset.assign_coords({name: (variable.dims, values)})
+        Groups written by earlier versions hold variable-length strings: those stay variable-length.
+        """
+        dataset = dataset.copy()
+        directory = self.path / group
+        for name, variable in {**dataset.coords, **dataset.data_vars}.items():
+            if not _is_strings(variable.values):
+                continue
+            values = np.asarray(variable.values, dtype=object).astype(str)
+            longest = max((len(v) for v in values.reshape(-1)), default=0)
+            stored = _stored_dtype(directory / str(name))
+            if stored is not None and stored.kind != "U":
+                values = values.astype(object)
             else:
-                dataset[name] = (variable.dims, values)
+                width = max(STRING_WIDTH, longest) if stored is None else stored.itemsize // 4
+                if stored is not None and longest > width:
+                    width = max(longest, 2 * width)
+                    self._widen(group, str(name), width)
+                values = values.astype(f"<U{width}")
+            if name in dataset.coords:
+                dataset = dataset.assign_coords({name: (variable.dims, values, variable.attrs)})
+            else:
+                dataset[name] = (variable.dims, values, variable.attrs)
+        return dataset
+
+    def _widen(self, group: str, name: str, width: int) -> None:
+        """Rewrite string array `name` `width` characters wide, crash-safe.
+
+        The new chunks go under the other chunk-key separator ("c/0" ↔ "c.0"), so they never overwrite the
+        old ones; replacing the array's metadata file switches to them in one atomic step.
+        """
+        directory = self.path / group / name
+        array = zarr.open_array(self._zarr_store(), path=f"{group}/{name}", mode="r")
+        separator = array.metadata.chunk_key_encoding.to_dict()["configuration"].get("separator", "/")
+        new_separator = "." if separator == "/" else "/"
+        _remove_chunks(directory, new_separator)  # leftovers of an interrupted earlier widening
+        memory: dict = {}
+        wide = zarr.create_array(MemoryStore(memory), shape=array.shape, chunks=array.chunks, dtype=f"<U{width}",
+                                 fill_value="", chunk_key_encoding={"name": "default", "separator": new_separator},
+                                 dimension_names=array.metadata.dimension_names, attributes=dict(array.attrs),
+                                 zarr_format=3, config={"write_empty_chunks": True})
+        wide[...] = array[...].astype(f"<U{width}")
+        for key, buffer in memory.items():
+            if key != "zarr.json":
+                _atomic_write(directory / key, buffer.to_bytes())
+        _atomic_write(directory / "zarr.json", memory["zarr.json"].to_bytes())
+        _remove_chunks(directory, separator)
+
+
+def _remove_chunks(directory: Path, separator: str) -> None:
+    if separator == "/":
+        shutil.rmtree(directory / "c", ignore_errors=True)
+    else:
+        for chunk in directory.glob("c.*"):
+            chunk.unlink(missing_ok=True)
+
+
+def _is_strings(values: np.ndarray) -> bool:
+    if values.dtype.kind in "UT":
+        return True
+    return values.dtype.kind == "O" and all(isinstance(v, str) for v in values.reshape(-1))
+
+
+def _stored_dtype(directory: Path) -> np.dtype | None:
+    meta = directory / "zarr.json"
+    if not meta.exists():
+        return None
+    data_type = _read_json(meta).get("data_type")
+    if isinstance(data_type, dict) and data_type.get("name") == "fixed_length_utf32":
+        return np.dtype(f"<U{data_type['configuration']['length_bytes'] // 4}")
+    return np.dtype(object) if data_type in ("string", "variable_length_utf8") else np.dtype(float)
+
+
+def _readable_strings(dataset: xr.Dataset) -> xr.Dataset:
+    """Variable-length strings of older stores (numpy StringDType) as plain unicode, so `.astype(str)` works."""
+    for name, variable in {**dataset.coords, **dataset.data_vars}.items():
+        if variable.dtype.kind == "T":
+            values = variable.values.astype(object).astype(str)
+            if name in dataset.coords:
+                dataset = dataset.assign_coords({name: (variable.dims, values, variable.attrs)})
+            else:
+                dataset[name] = (variable.dims, values, variable.attrs)
     return dataset
 
 
@@ -252,17 +852,25 @@ class UnitWriter:
     """A driver's results, unit by unit: appended to `store` as each finishes, gathered for the return value.
 
     Starts or resumes `group` (`Store.begin`); `done` holds the labels already written. `add` appends one
-    finished unit and calls `on_unit(label)` (tests use it to simulate a kill). `finish` concatenates the
-    resumed and new units, sets `notes` (or `result_attrs`) on the result and marks the group complete.
+    finished unit — one or several labels along `dim` (e.g. several matrices) — and calls `on_unit(label)`
+    (tests use it to simulate a kill). `finish` concatenates the resumed and new units, sets `notes` (or
+    `result_attrs`) on the result and marks the group complete; with no unit at all it returns `empty`.
+    `inputs` (fingerprints: base_model, finetuned, data …) builds `root` and `attrs` with `run_attrs`;
+    `expected` is the number of labels a complete run writes (for `Store.status`).
     """
 
     def __init__(self, store: Store | None, group: str, settings: dict, *, dim: str = "module", force: bool = False,
-                 root: dict | None = None, attrs: dict | None = None, on_unit=None):
+                 root: dict | None = None, attrs: dict | None = None, on_unit=None, inputs: dict | None = None,
+                 command: str | None = None, expected: int | None = None):
         self.store, self.group, self.dim, self.on_unit = store, group, dim, on_unit
         self.done: set[str] = set()
         self.pieces: list[xr.Dataset] = []
+        if inputs is not None:
+            made_root, made_attrs = run_attrs(command, inputs)
+            root = made_root if root is None else root
+            attrs = made_attrs if attrs is None else attrs
         if store is not None:
-            self.done = store.begin(group, settings, force=force, root=root, attrs=attrs, dim=dim)
+            self.done = store.begin(group, settings, force=force, root=root, attrs=attrs, dim=dim, expected=expected)
             if self.done:
                 self.pieces.append(store.dataset(group))
 
@@ -273,8 +881,18 @@ class UnitWriter:
         if self.on_unit:
             self.on_unit(label)
 
-    def finish(self, notes: dict, *, result_attrs: dict | None = None) -> xr.Dataset:
-        result = xr.concat(self.pieces, dim=self.dim) if len(self.pieces) > 1 else self.pieces[0]
+    def finish(self, notes: dict, *, result_attrs: dict | None = None, empty: xr.Dataset | None = None,
+               concat: dict | None = None) -> xr.Dataset:
+        """The whole result; `concat` passes options to `xarray.concat` (e.g. ``data_vars="minimal"``)."""
+        pieces = [p for p in self.pieces if p.sizes.get(self.dim, 0)] or self.pieces[:1]
+        if len(pieces) > 1:
+            result = xr.concat(pieces, dim=self.dim, **(concat or {}))
+        elif pieces:
+            result = pieces[0]
+        else:
+            result = empty.copy() if empty is not None else xr.Dataset()
+            if self.store is not None and empty is not None and empty.variables:
+                self.store.append(self.group, empty, dim=self.dim)
         result.attrs.update(notes if result_attrs is None else result_attrs)
         if self.store is not None:
             self.store.finish(self.group, notes)

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import hashlib
+import os
+import warnings
 from importlib import metadata
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,7 +14,9 @@ import xarray as xr
 
 from diagnostics.errors import StoreError
 from diagnostics.linearity import nonlinearity
-from diagnostics.store import Store
+from diagnostics.store import Store, UnitWriter
+
+ROOT = Path(__file__).resolve().parents[1]
 
 TASK = "math"
 LEVELS = ("model", "layer", "attn", "mlp")
@@ -202,3 +207,222 @@ def test_write_whole_group_and_settings_check(tmp_path):
         store.dataset("missing")
     with pytest.raises(StoreError, match="no store"):
         Store(tmp_path / "none.zarr").open()
+
+
+# --------------------------------------------------------------------------- inputs, locks, damage, strings
+
+
+def _provenance(**inputs) -> dict:
+    return {"provenance": {"command": "test", **inputs}}
+
+
+def _model(path: str, digest: str) -> dict:
+    return {"spec": path, "path": path, "content_sha256": digest * 64}
+
+
+def test_changed_inputs_are_refused_and_named(tmp_path):
+    store = Store(tmp_path / "s.zarr")
+    inputs = {"base_model": _model("/m/base", "0"),
+              "finetuned": {"math": _model("/m/A", "a"), "code": _model("/m/B", "b")},
+              "data": {"math": {"path": "/d/math.jsonl", "sha256": "1" * 64}}}
+    store.begin("g", {"k": 1}, attrs=_provenance(**inputs))
+    store.append("g", _unit(["m0"], 1.0))
+    swapped = {**inputs, "finetuned": {"math": _model("/m/B", "b"), "code": _model("/m/A", "a")}}
+    with pytest.raises(StoreError) as error:
+        store.begin("g", {"k": 1}, attrs=_provenance(**swapped))
+    message = str(error.value)
+    assert "fine-tune 'math': /m/A (sha256:aaaaaaaaaaaa…) → /m/B (sha256:bbbbbbbbbbbb…)" in message
+    assert "fine-tune 'code': /m/B" in message and "--force" in message and "base model" not in message
+    changed_data = {**inputs, "data": {"math": {"path": "/d/math.jsonl", "sha256": "2" * 64}}}
+    with pytest.raises(StoreError, match=r"data 'math': /d/math.jsonl \(sha256:111111111111…\) → "):
+        store.begin("g", {"k": 1}, attrs=_provenance(**changed_data))
+    moved = {**inputs, "data": {"math": {"path": "/elsewhere/math.jsonl", "sha256": "1" * 64}}}
+    assert store.begin("g", {"k": 1}, attrs=_provenance(**moved)) == {"m0"}  # same content, other path: resumes
+    assert store.begin("g", {"k": 1}, attrs=_provenance(**swapped), force=True) == set()
+    assert store.group_attrs("g")["identity"]["fine-tune 'math'"]["hash"] == "sha256:" + "b" * 64
+
+
+def test_group_whose_attrs_were_wiped_is_explained(tmp_path):
+    store = Store(tmp_path / "s.zarr")
+    store.begin("g", {"k": 1})
+    store.append("g", _unit(["m0"], 1.0))
+    store._put_attrs("g", {})  # what an older version left after a kill during an append
+    with pytest.raises(StoreError, match="no record of its settings.*--force"):
+        store.begin("g", {"k": 1})
+    assert store.begin("g", {"k": 1}, force=True) == set()
+
+
+def test_lock_refuses_a_live_writer_and_takes_over_a_stale_one(tmp_path, capfd):
+    import json
+    import platform
+    import subprocess
+    import sys
+
+    store = Store(tmp_path / "s.zarr")
+    store.path.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        lock = {"pid": holder.pid, "host": platform.node(), "started": "2026-01-01T00:00:00+00:00",
+                "command": "diag linearity (other)"}
+        (store.path / ".submerge.lock").write_text(json.dumps(lock))
+        with pytest.raises(StoreError, match=rf"being written by process {holder.pid} on {platform.node()} "
+                                             r"\(since 2026-01-01T00:00:00\+00:00: diag linearity \(other\)\)"):
+            store.begin("g", {})
+        assert not store.has("g")
+    finally:
+        holder.kill()
+        holder.wait()
+    assert store.begin("g", {}) == set()  # the holder is gone: stale
+    note = capfd.readouterr().err
+    assert f"taking over a stale lock of process {holder.pid}" in note and "is no longer running" in note
+    mine = json.loads((store.path / ".submerge.lock").read_text())
+    assert mine["pid"] == os.getpid() and mine["host"] == platform.node() and mine["started"]
+    assert store.begin("g", {}) == set()  # this process holds it already
+    store.append("g", _unit(["m0"], 1.0))
+    store.finish("g")
+    assert not (store.path / ".submerge.lock").exists()  # released
+    (store.path / ".submerge.lock").write_text(json.dumps({**lock, "host": "another-host"}))
+    with pytest.raises(StoreError, match="on another-host"):  # liveness unknown on another host: refused
+        store.begin("h", {})
+    (store.path / ".submerge.lock").unlink()
+
+
+def test_lock_released_on_error(tmp_path):
+    store = Store(tmp_path / "s.zarr")
+    store.begin("g", {"k": 1})
+    with pytest.raises(StoreError, match="other settings"):
+        store.begin("g", {"k": 2})
+    assert not (store.path / ".submerge.lock").exists()
+    store.begin("g", {"k": 1})
+    with pytest.raises(KeyError):
+        store.append("g", _unit(["m0"], 1.0), dim="no_such_dim")
+    assert not (store.path / ".submerge.lock").exists()
+
+
+def test_status_partial_complete_and_corrupt(tmp_path):
+    store = Store(tmp_path / "s.zarr")
+    writer = UnitWriter(store, "g", {"k": 1}, expected=3)
+    writer.add(_unit(["m0"], 1.0), "m0")
+    writer.add(_unit(["m1"], 2.0), "m1")
+    state = store.status()["g"]
+    assert (state.state, state.units_done, state.units_expected) == ("partial", 2, 3)
+    assert str(state) == "g: partial: 2 of 3 units written; run the same command again to finish it"
+    writer.add(_unit(["m2"], 3.0), "m2")
+    writer.finish({})
+    assert str(store.group_status("g")) == "g: complete (3 units)"
+    chunk = min(p for p in (store.path / "g" / "score").rglob("*") if p.is_file() and p.name != "zarr.json")
+    chunk.write_bytes(chunk.read_bytes()[:5])
+    assert store.status()["g"].state == "corrupt" and store.status()["g"].file == str(chunk.parent.parent.parent)
+    with pytest.raises(StoreError, match=f"chunk file {chunk} cannot be decoded"):
+        store.dataset("g")
+    with pytest.raises(StoreError, match=f"group 'g' is damaged: chunk file {chunk}"):
+        store.open()
+    chunk.unlink()
+    with pytest.raises(StoreError, match=f"chunk file {chunk} is missing"):
+        store.dataset("g")
+    meta = store.path / "g" / "zarr.json"
+    meta.write_bytes(meta.read_bytes()[:20])
+    assert store.status()["g"].state == "corrupt"
+    with pytest.raises(StoreError, match=f"{meta} is unreadable"):
+        store.open()
+    with pytest.raises(StoreError, match=f"{meta} is unreadable"):
+        store.begin("g", {"k": 1})
+
+
+def test_strings_read_back_as_unicode_and_widen(tmp_path):
+    store = Store(tmp_path / "s.zarr")
+    store.begin("g", {})
+    store.append("g", _unit(["layers.0.attn", "layers.1.attn"], 1.0))
+    long_name = "layers.2." + "x" * 100
+    store.append("g", _unit([long_name], 2.0))  # wider than the stored width: the array is widened
+    store.append("g", _unit(["layers.3.attn"], 3.0))
+    store.finish("g")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # reading a store needs no filter of the reader's own
+        tree = xr.open_datatree(str(store.path), engine="zarr", consolidated=False)
+    level = tree["g"].ds.level.values
+    assert level.dtype.kind == "U" and list(level.astype(str)) == ["attn"] * 4
+    assert list(tree["g"].ds.module.values.astype(str)) == ["layers.0.attn", "layers.1.attn", long_name,
+                                                            "layers.3.attn"]
+    assert store.group_status("g").state == "complete"
+    np.testing.assert_array_equal(store.dataset("g").score.values[:, 0], [1.0, 1.0, 2.0, 3.0])
+
+
+def test_interrupted_widening_leaves_the_old_array(tmp_path, monkeypatch):
+    from diagnostics import store as store_module
+
+    store = Store(tmp_path / "s.zarr")
+    store.begin("g", {})
+    store.append("g", _unit(["a"], 1.0))
+    real = store_module._atomic_write
+
+    def dies_on_metadata(path, data):
+        if path.name == "zarr.json" and path.parent.name == "module":
+            raise KeyboardInterrupt  # after the wide chunks, before the switch
+        real(path, data)
+
+    monkeypatch.setattr(store_module, "_atomic_write", dies_on_metadata)
+    with pytest.raises(KeyboardInterrupt):
+        store.append("g", _unit(["b" * 80], 2.0))
+    monkeypatch.setattr(store_module, "_atomic_write", real)
+    assert list(store.dataset("g").module.values) == ["a"]  # old array, old chunks: intact
+    assert store.begin("g", {}) == {"a"}
+    store.append("g", _unit(["b" * 80], 2.0))
+    assert list(store.dataset("g").module.values) == ["a", "b" * 80]
+
+
+def test_older_variable_length_strings_still_append(tmp_path):
+    store = Store(tmp_path / "s.zarr")
+    store.begin("g", {})
+    old = _unit(["m0"], 1.0)
+    old = old.assign_coords(level=("module", np.array(["attn"], dtype=object)),
+                            module=np.array(["m0"], dtype=object))
+    old.to_zarr(str(store.path), group="g", mode="a", zarr_format=3, consolidated=False)  # as before this change
+    store._put_attrs("g", {**store.group_attrs("g"), "units_done": 1})
+    store.append("g", _unit(["m1-longer-than-before"], 2.0))
+    data = store.dataset("g")
+    assert list(data.module.values.astype(str)) == ["m0", "m1-longer-than-before"]
+    assert list(data.level.values.astype(str)) == ["attn", "attn"]
+
+
+def test_unit_writer_several_rows_per_unit_and_the_empty_case(tmp_path):
+    store = Store(tmp_path / "s.zarr")
+    seen: list[str] = []
+    writer = UnitWriter(store, "m", {}, dim="module", on_unit=seen.append)
+    writer.add(_unit(["a", "b", "c"], 1.0), "c")
+    with pytest.raises(Killed):
+        writer.on_unit = _killer(1, [])
+        writer.add(_unit(["d", "e"], 2.0), "e")
+    resumed = UnitWriter(store, "m", {}, dim="module")
+    assert resumed.done == {"a", "b", "c", "d", "e"}
+    resumed.add(_unit(["f", "g"], 3.0), "g")
+    result = resumed.finish({"note": 1})
+    assert list(result.module.values) == list("abcdefg") and result.attrs["note"] == 1
+    np.testing.assert_array_equal(store.dataset("m").score.values[:, 0], [1, 1, 1, 2, 2, 3, 3])
+    empty = xr.Dataset({"x": (("matrix", "task"), np.zeros((0, 2)))},
+                       coords={"matrix": np.array([], dtype=object), "task": np.array(["t1", "t2"], dtype=object)})
+    result = UnitWriter(store, "e", {}, dim="matrix").finish({"n": 0}, empty=empty)
+    assert result.sizes == {"matrix": 0, "task": 2} and result.attrs["n"] == 0
+    assert store.is_complete("e") and store.dataset("e").sizes == {"matrix": 0, "task": 2}
+    again = UnitWriter(store, "e", {}, dim="matrix")
+    assert again.done == set() and again.finish({}, empty=empty).sizes["matrix"] == 0
+    assert UnitWriter(None, "e", {}).finish({}).sizes == {}
+
+
+def test_unit_writer_builds_provenance_from_inputs(tmp_path):
+    store = Store(tmp_path / "s.zarr")
+    inputs = {"base_model": _model("/m/base", "0"), "finetuned": {"t": _model("/m/t", "c")}}
+    UnitWriter(store, "g", {}, inputs=inputs, command="diag x").finish({})
+    assert store.attrs["base_model"] == inputs["base_model"] and store.attrs["command"] == "diag x"
+    group = store.group_attrs("g")
+    assert group["provenance"]["finetuned"] == inputs["finetuned"] and group["provenance"]["command"] == "diag x"
+    assert group["identity"]["fine-tune 't'"]["hash"] == "sha256:" + "c" * 64
+
+
+def test_import_leaves_the_global_warnings_filter_alone():
+    import subprocess
+    import sys
+
+    code = ("import warnings, xarray, zarr; before = list(warnings.filters); import diagnostics.store; "
+            "assert warnings.filters == before, warnings.filters[:3]")
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})

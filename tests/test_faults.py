@@ -1,0 +1,290 @@
+"""Faults in real processes: `diag` killed (SIGKILL), interrupted (SIGINT) or out of space (file-size limit)
+at a write point of each driver, then resumed; the resumed store must equal an uninterrupted run exactly.
+Also: a second concurrent writer is refused, and a re-run on changed inputs is refused.
+
+Each `diag` run is a real child process, forked from one helper process that imported torch, transformers
+and the toolkit once (a fresh interpreter per run would spend most of this file's time importing). The
+write point is picked with $SUBMERGE_FAULT_AT (see `diagnostics.store._fault_point`); the number of write
+points of each driver is counted from the reference run's $SUBMERGE_WRITE_LOG.
+
+The full matrix (every write point × kill / interrupt / no space × linearity, alpha, interference) runs with
+SUBMERGE_FAULT_MATRIX=1; by default a few points spread over each driver's writes run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from diagnostics import toy
+from diagnostics.store import Store
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SERVER = textwrap.dedent("""
+    import json, os, resource, sys
+    import torch
+    torch.set_num_threads(1)
+    import transformers, transformers.modeling_utils
+    from transformers.models.llama import modeling_llama
+    import diagnostics.experiment, diagnostics.linearity, diagnostics.interference, diagnostics.store
+    from cli.main import app
+
+    def reap(pid, reader, log):
+        with os.fdopen(reader, "rb") as output, open(log, "wb") as handle:
+            handle.write(output.read())
+        return {"rc": os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])}
+
+    print("ready", flush=True)
+    for line in sys.stdin:
+        request = json.loads(line)
+        if "wait" in request:
+            print(json.dumps(reap(request["wait"], request["fd"], request["log"])), flush=True)
+            continue
+        reader, writer = os.pipe()  # output goes through a pipe: a file-size limit must not hit the log
+        pid = os.fork()
+        if pid == 0:
+            os.close(reader)
+            os.dup2(writer, 1)
+            os.dup2(writer, 2)
+            os.environ.update(request["env"])
+            if request.get("fsize") is not None:
+                hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
+                resource.setrlimit(resource.RLIMIT_FSIZE, (request["fsize"], hard))
+            app(request["argv"], prog_name="diag")  # exits (SystemExit) through the normal interpreter exit
+        os.close(writer)
+        if request.get("background"):
+            print(json.dumps({"pid": pid, "fd": reader}), flush=True)
+        else:
+            print(json.dumps(reap(pid, reader, request["log"])), flush=True)
+""")
+
+
+class Diag:
+    """Runs `diag ARGS` in a forked child of a warm helper; returns (exit code, output)."""
+
+    def __init__(self, tmp: Path):
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+        for name in ("SUBMERGE_FAULT_AT", "SUBMERGE_WRITE_LOG"):
+            env.pop(name, None)
+        self.tmp, self.runs = tmp, 0
+        self.server = subprocess.Popen([sys.executable, "-c", SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                       text=True, env=env, cwd=tmp)
+        assert self.server.stdout.readline().strip() == "ready"
+
+    def _ask(self, request: dict) -> dict:
+        self.server.stdin.write(json.dumps(request) + "\n")
+        self.server.stdin.flush()
+        return json.loads(self.server.stdout.readline())
+
+    def __call__(self, *argv: str, env: dict | None = None, fsize: int | None = None,
+                 background: bool = False) -> tuple[int, str] | dict:
+        """Exit code and output; with `background`, {"pid", "fd", "log"} to pass to `wait` later."""
+        self.runs += 1
+        log = self.tmp / f"run{self.runs}.log"
+        request = {"argv": [str(a) for a in argv], "env": {"COLUMNS": "1000", **(env or {})}, "fsize": fsize,
+                   "log": str(log), "background": background}
+        reply = self._ask(request)
+        if background:
+            return {**reply, "log": str(log)}
+        return reply["rc"], log.read_text()
+
+    def wait(self, child: dict) -> tuple[int, str]:
+        reply = self._ask({"wait": child["pid"], "fd": child["fd"], "log": child["log"]})
+        return reply["rc"], Path(child["log"]).read_text()
+
+    def close(self) -> None:
+        self.server.stdin.close()
+        self.server.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def kit(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fault_kit")
+    base = toy.build_model(root / "base", "llama", layers=2, hidden=32)
+    tuned = toy.perturbed_finetunes(base, ["math", "code"])
+    data = {task: toy.write_task_data(root / f"{task}.jsonl", task, count=6) for task in ("math", "code")}
+    return {"base": base, "tuned": tuned, "data": data, "root": root}
+
+
+@pytest.fixture(scope="module")
+def diag(tmp_path_factory):
+    runner = Diag(tmp_path_factory.mktemp("fault_runs"))
+    yield runner
+    runner.close()
+
+
+def _inputs(kit, swap: bool = False, data: dict | None = None) -> list[str]:
+    tuned = kit["tuned"]
+    first, second = (tuned["code"], tuned["math"]) if swap else (tuned["math"], tuned["code"])
+    data = data or kit["data"]
+    return ["--model", kit["base"], "-f", f"math={first}", "-f", f"code={second}",
+            "--data", f"math={data['math']}", "--data", f"code={data['code']}"]
+
+
+COMMON = ["--no-progress", "--device", "cpu"]
+DRIVERS = {
+    "linearity": ("linearity", lambda kit: ["linearity", *_inputs(kit), "--samples", "4", "--max-tokens", "32",
+                                            "--steps", "3", *COMMON]),
+    "alpha": ("alpha/layer", lambda kit: ["alpha", *_inputs(kit), "--samples", "4", "--max-tokens", "32", *COMMON]),
+    "interference": ("interference", lambda kit: ["interference", "--model", kit["base"],
+                                                  "-f", f"math={kit['tuned']['math']}",
+                                                  "-f", f"code={kit['tuned']['code']}", "--rank-fracs", "0.25,1",
+                                                  *COMMON]),
+}
+
+
+def _assert_same_store(path: Path, reference: Path, group: str) -> None:
+    written, expected = Store(path).dataset(group), Store(reference).dataset(group)
+    assert set(written.variables) == set(expected.variables)
+    for name in expected.variables:
+        a, b = written[name].values, expected[name].values
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        same = np.array_equal(a, b, equal_nan=True) if a.dtype.kind in "fc" else np.array_equal(a, b)
+        assert same, f"{group}/{name} differs from the uninterrupted run"
+    for key in ("settings", "identity", "complete", "units_done"):
+        assert written.attrs[key] == expected.attrs[key], key
+    assert written.attrs["complete"] is True
+    assert not (path / ".submerge.lock").exists()
+    assert not list(path.rglob("*.partial"))
+
+
+@pytest.fixture(scope="module")
+def references(kit, diag, tmp_path_factory):
+    """Per driver: (reference store, number of file writes of an uninterrupted run)."""
+    found = {}
+    for driver, (group, argv) in DRIVERS.items():
+        out = tmp_path_factory.mktemp(f"ref_{driver}") / "ref.zarr"
+        log = out.with_suffix(".writes")
+        code, output = diag(*argv(kit), "--out", out, env={"SUBMERGE_WRITE_LOG": str(log)})
+        assert code == 0, output
+        writes = [line for line in log.read_text().splitlines() if line.startswith("write")]
+        assert Store(out).is_complete(group)
+        found[driver] = (out, len(writes))
+    return found
+
+
+EXIT = {"kill": -signal.SIGKILL, "interrupt": 130, "nospace": 2}
+
+
+def _fault_then_resume(kit, diag, references, tmp_path, driver: str, action: str, fraction: float) -> None:
+    group, argv = DRIVERS[driver]
+    reference, writes = references[driver]
+    point = max(1, min(writes, round(fraction * writes)))
+    out = tmp_path / f"{driver}-{action}-{point}.zarr"
+    code, output = diag(*argv(kit), "--out", out, env={"SUBMERGE_FAULT_AT": f"write:{point}:{action}"})
+    assert code == EXIT[action], f"write {point}/{writes}: exit {code}\n{output}"
+    if action == "interrupt":
+        assert "run the same command to resume" in output and "Traceback" not in output
+        assert not (out / ".submerge.lock").exists()  # released on the way out
+    if action == "nospace":
+        assert "could not write the store" in output and "File too large" in output and "Traceback" not in output
+    code, output = diag(*argv(kit), "--out", out)
+    assert code == 0, f"resume after {action} at write {point}/{writes}:\n{output}"
+    _assert_same_store(out, reference, group)
+
+
+QUICK = [("linearity", "interrupt", 0.75), ("linearity", "nospace", 0.3), ("alpha", "kill", 0.6),
+         ("interference", "kill", 0.4)]
+
+
+@pytest.mark.parametrize(("driver", "action", "fraction"), QUICK, ids=[f"{d}-{a}-{f}" for d, a, f in QUICK])
+def test_fault_then_resume_equals_uninterrupted_run(kit, diag, references, tmp_path, driver, action, fraction):
+    _fault_then_resume(kit, diag, references, tmp_path, driver, action, fraction)
+
+
+@pytest.mark.skipif(not os.environ.get("SUBMERGE_FAULT_MATRIX"),
+                    reason="long: set SUBMERGE_FAULT_MATRIX=N to fault every N-th write point (1: all)")
+@pytest.mark.parametrize("driver", list(DRIVERS))
+@pytest.mark.parametrize("action", ["kill", "interrupt", "nospace"])
+def test_every_write_point(kit, diag, references, tmp_path, driver, action):
+    _, writes = references[driver]
+    stride = int(os.environ["SUBMERGE_FAULT_MATRIX"])
+    offset = {"kill": 0, "interrupt": 1, "nospace": 2}[action] % stride
+    for point in range(1 + offset, writes + 1, stride):
+        _fault_then_resume(kit, diag, references, tmp_path, driver, action, point / writes)
+
+
+def test_killed_run_leaves_a_stale_lock_that_is_taken_over(kit, diag, references, tmp_path):
+    group, argv = DRIVERS["linearity"]
+    out = tmp_path / "stale.zarr"
+    code, _ = diag(*argv(kit), "--out", out, env={"SUBMERGE_FAULT_AT": "append:2:kill"})
+    assert code == -signal.SIGKILL
+    holder = json.loads((out / ".submerge.lock").read_text())
+    assert Store(out).status()[group].state == "partial"
+    code, output = diag(*argv(kit), "--out", out)
+    assert code == 0, output
+    assert f"stale lock of process {holder['pid']}" in output and "is no longer running" in output
+    _assert_same_store(out, references["linearity"][0], group)
+
+
+def test_real_file_size_limit(kit, diag, references, tmp_path):
+    """`ulimit -f` for the whole run: the first file over the limit fails; the message names the store."""
+    group, argv = DRIVERS["interference"]
+    out = tmp_path / "ulimit.zarr"
+    code, output = diag(*argv(kit), "--out", out, fsize=1500)
+    assert code == 2 and "could not write the store" in output and "Traceback" not in output, output
+    code, output = diag(*argv(kit), "--out", out)
+    assert code == 0, output
+    _assert_same_store(out, references["interference"][0], group)
+
+
+def test_second_concurrent_writer_is_refused(kit, diag, references, tmp_path):
+    group, argv = DRIVERS["linearity"]
+    out = tmp_path / "busy.zarr"
+    first = diag(*argv(kit), "--out", out, env={"SUBMERGE_FAULT_AT": "append:1:stop"}, background=True)
+    try:
+        deadline = time.time() + 120
+        while not _stopped(first["pid"]):
+            assert time.time() < deadline, "the first writer never reached its first append"
+            time.sleep(0.1)
+        code, output = diag(*argv(kit), "--out", out)
+        assert code == 2 and f"being written by process {first['pid']}" in output, output
+        assert "Traceback" not in output
+        assert json.loads((out / ".submerge.lock").read_text())["pid"] == first["pid"]
+    finally:
+        os.kill(first["pid"], signal.SIGCONT)
+    code, output = diag.wait(first)
+    assert code == 0, output
+    _assert_same_store(out, references["linearity"][0], group)
+
+
+def _stopped(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+    except OSError:
+        return False
+
+
+def test_changed_inputs_are_refused(kit, diag, references, tmp_path):
+    group, argv = DRIVERS["linearity"]
+    out = tmp_path / "inputs.zarr"
+    reference = references["linearity"][0]
+    import shutil
+
+    shutil.copytree(reference, out)
+    before = Store(out).dataset(group)
+    swapped = ["linearity", *_inputs(kit, swap=True), *argv(kit)[len(_inputs(kit)) + 1:]]
+    code, output = diag(*swapped, "--out", out)
+    assert code == 2 and "fine-tune 'math'" in output and str(kit["tuned"]["math"]) in output, output
+    assert "fine-tune 'code'" in output and "--force" in output and "Traceback" not in output
+    changed = kit["root"] / "math_changed.jsonl"
+    changed.write_text(kit["data"]["math"].read_text().replace("a", "b", 1))
+    data = {"math": changed, "code": kit["data"]["code"]}
+    code, output = diag("linearity", *_inputs(kit, data=data), *argv(kit)[len(_inputs(kit)) + 1:], "--out", out)
+    assert code == 2 and "data 'math'" in output and "Traceback" not in output, output
+    after = Store(out).dataset(group)
+    assert after.identical(before)  # refused runs leave the store as it was
+    code, output = diag(*swapped, "--out", out, "--force")
+    assert code == 0, output
+    assert not np.array_equal(Store(out).dataset(group).nonlinearity_score.values,
+                              before.nonlinearity_score.values, equal_nan=True)
