@@ -633,6 +633,9 @@ class Store:
         identity = input_identity(attrs.get("provenance") or {})
         with self._writing():
             self.path.mkdir(parents=True, exist_ok=True)
+            for stray in self.path.rglob("*.partial"):  # temporary files of writes a kill cut short
+                if not stray.name.startswith(LOCK_NAME):  # (another writer's lock being created is not ours)
+                    stray.unlink(missing_ok=True)
             self._begin_root(root, force)
             if self.has(group) and not force:
                 old = self.group_attrs(group)
@@ -701,8 +704,6 @@ class Store:
         """Cut arrays back to the rows recorded as complete; return their labels."""
         attrs = self.group_attrs(group)
         directory = self.path / group
-        for stray in directory.rglob("*.partial"):
-            stray.unlink(missing_ok=True)
         done = int(attrs.get("units_done", 0))
         if done == 0 and not attrs.get("complete"):
             for array_dir in self._arrays(group):
