@@ -24,8 +24,8 @@ reshapes >2-D kernels to (out, rest) as SFTM §3.3 does for convolutions.
 
 from __future__ import annotations
 
+import inspect
 import math
-import re
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -34,6 +34,8 @@ from typing import NamedTuple
 import torch
 
 __all__ = [
+    "ALIASES",
+    "CLOSED_FORM_OPTIONS",
     "COMPUTE_DTYPE",
     "DEFAULT_FALLBACK",
     "PARAMETER_KINDS",
@@ -53,9 +55,9 @@ __all__ = [
     "keep_top_magnitude",
     "magprune",
     "merge_parameter",
-    "parameter_kind",
     "procrustes_orthonormalise",
     "regmean",
+    "resolve_method",
     "sftm",
     "sftm_system",
     "star",
@@ -155,21 +157,28 @@ def task_arithmetic(task_vectors: Sequence[torch.Tensor], *, scaling: float = 1.
 
 
 def weighted_task_arithmetic(
-    task_vectors: Sequence[torch.Tensor], weights: Sequence[float] | torch.Tensor
+    task_vectors: Sequence[torch.Tensor], weights: Sequence[float | torch.Tensor] | torch.Tensor
 ) -> torch.Tensor:
     """Task Arithmetic with one coefficient per task: τ_M = Σ_t w_t τ_t.
 
-    Survey §"Task Arithmetic" with a per-task λ_t (as in AdaMerging's task-wise form); used
-    by the submodule closed-form merge, whose α per task and submodule come from the store
-    (seed 002). ``weights`` has one entry per task; there is no default.
+    Survey §"Task Arithmetic" with a per-task λ_t (as in AdaMerging's task-wise form). This is the
+    submodule closed-form merge (seed 002), registered as ``closed-form``: the merge writer applies
+    it to every tensor whose rule has per-task weights (the α of the tensor's unit, from a plan or
+    solved on the fly). ``weights`` has one entry per task, with no default; an entry is a number or
+    a tensor that broadcasts to the task vectors' shape (head level: one α per row or column).
+    Computed task by task in the inputs' dtype promoted to at least float32, summed in task order.
     """
     _check_task_vectors(task_vectors)
-    weights = torch.as_tensor(weights, dtype=COMPUTE_DTYPE).reshape(-1)
-    if weights.numel() != len(task_vectors):
-        raise ValueError(f"weights has {weights.numel()} entries but there are {len(task_vectors)} task vectors")
-    stacked = _stack(task_vectors)
-    weights = weights.to(stacked.device).reshape(-1, *([1] * (stacked.ndim - 1)))
-    return _as_output((weights * stacked).sum(dim=0), task_vectors[0])
+    if isinstance(weights, torch.Tensor):
+        weights = weights.reshape(-1).tolist()
+    if len(weights) != len(task_vectors):
+        raise ValueError(f"weights has {len(weights)} entries but there are {len(task_vectors)} task vectors")
+    dtype = torch.promote_types(task_vectors[0].dtype, torch.float32)
+    merged = None
+    for weight, task_vector in zip(weights, task_vectors):
+        term = torch.as_tensor(weight, dtype=dtype, device=task_vector.device) * task_vector.to(dtype)
+        merged = term if merged is None else merged + term
+    return _as_output(merged, task_vectors[0])
 
 
 def keep_top_magnitude(task_vector: torch.Tensor, top_k: float) -> torch.Tensor:
@@ -653,13 +662,46 @@ def regmean(
 
 @dataclass(frozen=True)
 class MergeMethod:
-    """A registered strategy: ``function(task_vectors, **options)`` returns the merged task vector."""
+    """A registered strategy: ``function(task_vectors, **options, **inputs)`` returns the merged task vector.
+
+    Its options and their defaults are read from ``function``'s signature (keyword parameters
+    with a default), so the paper defaults live in one place, the function. Parameters without
+    a default besides ``task_vectors`` are ``inputs`` that come from data, not from the user
+    (RegMean's ``gram_matrices``, the closed-form merge's ``weights``); ``merge.run`` computes
+    them before merging, with ``data_options`` (the data step's own options, e.g. the
+    closed-form α's granularity) among the method's options.
+    """
 
     name: str
     function: Callable[..., torch.Tensor]
-    defaults: Mapping[str, object] = field(default_factory=dict)
     description: str = ""
     matrix_only: bool = False
+    data_options: Mapping[str, object] = field(default_factory=dict)
+
+    @property
+    def options(self) -> dict[str, object]:
+        """The function's own options with their defaults (from its signature)."""
+        return {name: parameter.default for name, parameter in self._parameters()
+                if parameter.default is not inspect.Parameter.empty}
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        """Parameters without a default that data must supply (empty for a plain strategy)."""
+        return tuple(name for name, parameter in self._parameters() if parameter.default is inspect.Parameter.empty)
+
+    @property
+    def needs_data(self) -> bool:
+        return bool(self.inputs)
+
+    @property
+    def defaults(self) -> dict[str, object]:
+        """Every option the method takes, with its default: the function's and the data step's."""
+        return {**self.options, **self.data_options}
+
+    def _parameters(self):
+        parameters = list(inspect.signature(self.function).parameters.items())[1:]  # [0]: task_vectors
+        return [(name, parameter) for name, parameter in parameters
+                if parameter.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)]
 
     def resolve_options(self, options: Mapping[str, object] | None = None) -> dict[str, object]:
         """Defaults updated by ``options``; unknown keys raise, strings (from the CLI) are coerced.
@@ -667,13 +709,20 @@ class MergeMethod:
         A string value takes the type of the default: "0.2" or "20%" for a float, "3" for an
         int, "true"/"false" for a bool.
         """
-        resolved = dict(self.defaults)
+        defaults = self.defaults
+        resolved = dict(defaults)
         for key, value in (options or {}).items():
-            if key not in self.defaults:
-                known = ", ".join(sorted(self.defaults)) or "none"
+            if key not in defaults:
+                known = ", ".join(sorted(defaults)) or "none"
                 raise ValueError(f"unknown option {key!r} for merge method {self.name!r} (options: {known})")
-            resolved[key] = _coerce(value, self.defaults[key], f"{self.name} option {key!r}")
+            resolved[key] = _coerce(value, defaults[key], f"{self.name} option {key!r}")
         return resolved
+
+    def split_options(self, options: Mapping[str, object] | None = None) -> tuple[dict, dict]:
+        """Resolved options as (the function's, the data step's)."""
+        resolved = self.resolve_options(options)
+        data = {key: resolved.pop(key) for key in self.data_options}
+        return resolved, data
 
 
 def _coerce(value: object, default: object, what: str) -> object:
@@ -697,93 +746,67 @@ def _coerce(value: object, default: object, what: str) -> object:
     return value
 
 
+# name, function, matrix-only, description
+_REGISTERED = (
+    ("weight-average", weight_average, False, "mean of the fine-tuned weights (Wortsman et al. 2022, model soups)"),
+    ("task-arithmetic", task_arithmetic, False, "θ0 + λ·Σ task vectors (Ilharco et al. 2023, Task Arithmetic)"),
+    ("ties", ties, False, "trim to top-k %, elect sign, disjoint mean (Yadav et al. 2023, TIES-Merging)"),
+    ("dare", dare, False,
+     "random drop p and rescale 1/(1-p), then task arithmetic or TIES (Yu et al. 2024, DARE)"),
+    ("breadcrumbs", breadcrumbs, False,
+     "mask the smallest β and largest 1-γ magnitudes per tensor (Davari & Belilovsky 2024, Model Breadcrumbs)"),
+    ("della", della, False, "magnitude-ranked drop and rescale, elect sign, fuse (Deep et al. 2024, DELLA-Merging)"),
+    ("tsv-m", tsv_m, True,
+     "top r/T singular vectors per task, Procrustes-decorrelated (Gargiulo et al. 2025, TSV-Merge)"),
+    ("iso-c", iso_c, True, "task-arithmetic sum with a flat singular spectrum (Marczak et al. 2025, Iso-C)"),
+    ("iso-cts", iso_cts, True,
+     "Iso-C on a common subspace plus task-specific directions (Marczak et al. 2025, Iso-CTS)"),
+    ("cart", cart, True, "weight average plus low-rank centred task matrices (Choi et al. 2025, CART)"),
+    ("star", star, True, "spectral truncation to η of the nuclear norm, rescale, average (Lee et al. 2025, STAR)"),
+    ("sftm", sftm, True, "trim, then superpose singular features by solving (Σ∘U∘V)α = σ (Qiu et al., SFTM)"),
+    ("regmean", regmean, True,
+     "closed-form least squares on recorded input Gram matrices (Jin et al. 2023, RegMean; needs data)"),
+)
+#: Options of the closed-form merge's data step (`diagnostics.linearity.alpha`): the unit α is fitted and
+#: applied at, and whether the objective is balanced (seed 002 Eq. 33–34) or plain (Eq. 10–14).
+CLOSED_FORM_OPTIONS = {"granularity": "attn-mlp", "balance": True}
+
 STRATEGIES: dict[str, MergeMethod] = {
-    method.name: method
-    for method in (
-        MergeMethod(
-            "weight-average", weight_average, {}, "mean of the fine-tuned weights (Wortsman et al. 2022, model soups)"
-        ),
-        MergeMethod(
-            "task-arithmetic",
-            task_arithmetic,
-            {"scaling": 1.0},
-            "θ0 + λ·Σ task vectors (Ilharco et al. 2023, Task Arithmetic)",
-        ),
-        MergeMethod(
-            "ties",
-            ties,
-            {"top_k": 0.2, "scaling": 1.0},
-            "trim to top-k %, elect sign, disjoint mean (Yadav et al. 2023, TIES-Merging)",
-        ),
-        MergeMethod(
-            "dare",
-            dare,
-            {"drop_rate": 0.9, "seed": 0, "base": "task-arithmetic", "top_k": 1.0, "scaling": 1.0},
-            "random drop p and rescale 1/(1-p), then task arithmetic or TIES (Yu et al. 2024, DARE)",
-        ),
-        MergeMethod(
-            "breadcrumbs",
-            breadcrumbs,
-            {"beta": 0.85, "gamma": 0.993, "scaling": 1.0},
-            "mask the smallest β and largest 1-γ magnitudes per tensor (Davari & Belilovsky 2024, Model Breadcrumbs)",
-        ),
-        MergeMethod(
-            "della",
-            della,
-            {"drop_rate": 0.5, "epsilon": 0.1, "seed": 0, "scaling": 1.0},
-            "magnitude-ranked drop and rescale, elect sign, fuse (Deep et al. 2024, DELLA-Merging)",
-        ),
-        MergeMethod(
-            "tsv-m",
-            tsv_m,
-            {"scaling": 1.0},
-            "top r/T singular vectors per task, Procrustes-decorrelated (Gargiulo et al. 2025, TSV-Merge)",
-            matrix_only=True,
-        ),
-        MergeMethod(
-            "iso-c",
-            iso_c,
-            {"scaling": 1.0},
-            "task-arithmetic sum with a flat singular spectrum (Marczak et al. 2025, Iso-C)",
-            matrix_only=True,
-        ),
-        MergeMethod(
-            "iso-cts",
-            iso_cts,
-            {"common_fraction": 0.8, "scaling": 1.0},
-            "Iso-C on a common subspace plus task-specific directions (Marczak et al. 2025, Iso-CTS)",
-            matrix_only=True,
-        ),
-        MergeMethod(
-            "cart",
-            cart,
-            {"rank_ratio": 0.08, "scaling": 1.0},
-            "weight average plus low-rank centred task matrices (Choi et al. 2025, CART)",
-            matrix_only=True,
-        ),
-        MergeMethod(
-            "star",
-            star,
-            {"energy_fraction": 0.4},
-            "spectral truncation to η of the nuclear norm, rescale, average (Lee et al. 2025, STAR)",
-            matrix_only=True,
-        ),
-        MergeMethod(
-            "sftm",
-            sftm,
-            {"top_k": 0.2, "scaling": 1.0},
-            "trim, then superpose singular features by solving (Σ∘U∘V)α = σ (Qiu et al., SFTM)",
-            matrix_only=True,
-        ),
-        MergeMethod(
-            "regmean",
-            regmean,
-            {"off_diagonal_scale": 0.9},
-            "closed-form least squares on recorded input Gram matrices (Jin et al. 2023, RegMean)",
-            matrix_only=True,
-        ),
-    )
+    **{name: MergeMethod(name, function, description, matrix_only) for name, function, matrix_only, description
+       in _REGISTERED},
+    "closed-form": MergeMethod(
+        "closed-form", weighted_task_arithmetic,
+        "θ0 + Σ_t α_t τ_t with α per submodule solved on task data (seed 002 Eq. 12–14, 33–34; needs data)",
+        data_options=CLOSED_FORM_OPTIONS,
+    ),
 }
+
+#: mergekit's spellings of methods that mean the same merge here → (method, options it implies).
+#: Only the method is translated, not mergekit's parameters: mergekit's ``density`` is our ``top_k`` (TIES)
+#: or ``1 - drop_rate`` (DARE), its ``lambda`` our ``scaling``. Not aliased, because the merge differs:
+#: ``breadcrumbs_ties`` (ours has no sign election), ``della_linear`` (ours elects signs), ``slerp``,
+#: ``model_stock``, ``sce``, ``nuslerp``, ``karcher``, ``passthrough``.
+ALIASES: dict[str, tuple[str, dict[str, object]]] = {
+    "task_arithmetic": ("task-arithmetic", {}),
+    "linear": ("weight-average", {}),  # mergekit's linear with equal weights (its default normalize) is the mean
+    "dare_linear": ("dare", {"base": "task-arithmetic"}),
+    "dare_ties": ("dare", {"base": "ties"}),
+    "weight_average": ("weight-average", {}),
+    "closed_form": ("closed-form", {}),
+}
+
+
+def resolve_method(method: str | MergeMethod, options: Mapping[str, object] | None = None
+                   ) -> tuple[MergeMethod, dict[str, object]]:
+    """(registered method, options) for a name or a mergekit alias; an alias's implied options come first."""
+    if isinstance(method, MergeMethod):
+        return method, dict(options or {})
+    name, implied = ALIASES.get(method, (method, {}))
+    if name not in STRATEGIES:
+        raise ValueError(f"unknown merge method {method!r}; known: {', '.join(STRATEGIES)} "
+                         f"(mergekit spellings: {', '.join(ALIASES)})")
+    return STRATEGIES[name], {**implied, **(options or {})}
+
 
 # ------------------------------------------------------------------- per-parameter helper
 
@@ -796,27 +819,6 @@ DEFAULT_FALLBACK: dict[str, tuple[str, dict[str, object]]] = {
     "bias": ("task-arithmetic", {}),
     "norm": ("weight-average", {}),
 }
-
-_EMBEDDING_NAME = re.compile(r"embed|(^|\.)(wte|wpe|shared|lm_head)(\.|$)")
-_NORM_NAME = re.compile(r"norm|(^|[._])ln(\d*|_\w*)?(\.|$)")
-
-
-def parameter_kind(name: str, shape: Sequence[int]) -> str:
-    """Classify a parameter as "matrix", "embedding", "bias" or "norm" from its name and shape.
-
-    - "norm": 0/1-D tensors named *norm* or *ln* (ln_1, ln_f, embeddings.LayerNorm, …),
-      weights and biases;
-    - "embedding": other names containing "embed" or a module wte / wpe / shared / lm_head
-      (the output embedding), any shape;
-    - "bias": any other 0/1-D tensor;
-    - "matrix": any other tensor with 2 or more dimensions.
-    """
-    lowered = name.lower()
-    if len(shape) < 2 and _NORM_NAME.search(lowered):
-        return "norm"
-    if _EMBEDDING_NAME.search(lowered):
-        return "embedding"
-    return "bias" if len(shape) < 2 else "matrix"
 
 
 def _parameter_seed(seed: int, name: str) -> int:
@@ -836,45 +838,30 @@ def merge_parameter(
 ) -> torch.Tensor:
     """Merge the task vectors of the parameter ``name`` with ``method``; returns τ_M.
 
-    ``kind`` (default: ``parameter_kind(name, shape)``) decides the route. A matrix-only
-    method given an embedding, bias or norm uses ``fallback[kind]`` instead: a method name
-    or (name, options); the caller's ``fallback`` entries replace those of
+    ``kind`` ("matrix", "embedding", "bias" or "norm") decides the route; it comes from the
+    tensor table (``diagnostics.tensors.TensorInfo.kind``), the one place that classifies
+    tensors. Without it the decision is by shape only: "matrix" for 2 or more dimensions,
+    else "bias" (so a norm or an embedding is only recognised when ``kind`` says so). A
+    matrix-only method given an embedding, bias or norm uses ``fallback[kind]`` instead: a
+    method name or (name, options); the caller's ``fallback`` entries replace those of
     ``DEFAULT_FALLBACK``. Element-wise methods (TA, TIES, DARE, …) apply to every kind, as
     their papers do. Tensors with more than two dimensions are merged by matrix-only methods
     as (shape[0], −1) matrices (SFTM §3.3) and reshaped back. A ``seed`` option is mixed with
     ``name`` so that tensors of equal shape do not share one random mask. ``gram_matrices``
-    (one per task) is forwarded to RegMean.
+    (one per task) is forwarded to RegMean. ``method`` may be a mergekit spelling (``ALIASES``).
     """
-    merge_method = _lookup(method)
+    merge_method, options = resolve_method(method, options)
     _check_task_vectors(task_vectors)
     shape = tuple(task_vectors[0].shape)
-    kind = kind or parameter_kind(name, shape)
+    kind = kind or ("matrix" if len(shape) >= 2 else "bias")
     if kind not in PARAMETER_KINDS:
         raise ValueError(f"{name}: kind must be one of {PARAMETER_KINDS}, got {kind!r}")
-    resolved = merge_method.resolve_options(options)
-
+    resolved, _ = merge_method.split_options(options)
     if merge_method.matrix_only and kind != "matrix":
-        routes = {**DEFAULT_FALLBACK, **(fallback or {})}
-        if kind not in routes:
-            raise ValueError(f"{name}: no fallback for kind {kind!r} under matrix-only method {merge_method.name!r}")
-        route = routes[kind]
-        fallback_name, fallback_options = (route, {}) if isinstance(route, str) else route
-        fallback_method = _lookup(fallback_name)
-        if fallback_method.matrix_only:
-            raise ValueError(
-                f"{name}: fallback for kind {kind!r} must be an element-wise method, got {fallback_name!r}"
-            )
-        return merge_parameter(name, task_vectors, fallback_method, fallback_options, kind=kind)
-
+        return _fallback(name, task_vectors, merge_method, kind, fallback)
     if "seed" in resolved:
         resolved["seed"] = _parameter_seed(resolved["seed"], name)
-    if merge_method.name == "regmean":
-        if gram_matrices is None:
-            raise ValueError(f"{name}: regmean needs gram_matrices (the inputs' X_tᵀX_t per task) for this linear map")
-        resolved["gram_matrices"] = gram_matrices
-    elif gram_matrices is not None:
-        raise ValueError(f"{name}: gram_matrices are only used by regmean, not {merge_method.name!r}")
-
+    resolved.update(_inputs(name, merge_method, gram_matrices))
     if merge_method.matrix_only:
         if len(shape) < 2:
             raise ValueError(f"{name}: method {merge_method.name!r} needs a matrix, got shape {shape}")
@@ -884,9 +871,27 @@ def merge_parameter(
     return merge_method.function(list(task_vectors), **resolved)
 
 
-def _lookup(method: str | MergeMethod) -> MergeMethod:
-    if isinstance(method, MergeMethod):
-        return method
-    if method not in STRATEGIES:
-        raise ValueError(f"unknown merge method {method!r}; known: {', '.join(STRATEGIES)}")
-    return STRATEGIES[method]
+def _fallback(name, task_vectors, merge_method: MergeMethod, kind: str, fallback) -> torch.Tensor:
+    routes = {**DEFAULT_FALLBACK, **(fallback or {})}
+    if kind not in routes:
+        raise ValueError(f"{name}: no fallback for kind {kind!r} under matrix-only method {merge_method.name!r}")
+    route = routes[kind]
+    fallback_name, fallback_options = (route, {}) if isinstance(route, str) else route
+    fallback_method, fallback_options = resolve_method(fallback_name, fallback_options)
+    if fallback_method.matrix_only or fallback_method.needs_data:
+        raise ValueError(f"{name}: fallback for kind {kind!r} must be an element-wise method, got {fallback_name!r}")
+    return merge_parameter(name, task_vectors, fallback_method, fallback_options, kind=kind)
+
+
+def _inputs(name: str, merge_method: MergeMethod, gram_matrices) -> dict[str, object]:
+    """The data inputs of a method: RegMean's Gram matrices (a weighted method's weights are not per name)."""
+    if "gram_matrices" in merge_method.inputs:
+        if gram_matrices is None:
+            raise ValueError(f"{name}: regmean needs gram_matrices (the inputs' X_tᵀX_t per task) for this linear map")
+        return {"gram_matrices": gram_matrices}
+    if gram_matrices is not None:
+        raise ValueError(f"{name}: gram_matrices are only used by regmean, not {merge_method.name!r}")
+    if merge_method.inputs:
+        raise ValueError(f"{name}: merge method {merge_method.name!r} needs {', '.join(merge_method.inputs)} "
+                         "from data (run it through merge.run / diag merge with --data)")
+    return {}

@@ -13,19 +13,21 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
 import yaml
 
-from diagnostics.errors import SubmergeError
 from diagnostics.models import local_path, open_checkpoint, open_finetunes
 from diagnostics.progress import progress_bar
 from diagnostics.store import provenance
 from diagnostics.tensors import TensorInfo, TensorTable
-from merge.strategies import merge_parameter
+from merge.rules import MergeError, ParameterRule, method_rule, regmean_rule
+from merge.strategies import merge_parameter, weighted_task_arithmetic
+
+__all__ = ["MergeError", "ParameterRule", "ShardWriter", "merge_tensor", "method_rule", "parse_size",
+           "prepare_output", "regmean_rule", "write_merge"]
 
 _COPIED_FILES = (
     "config.json",
@@ -40,26 +42,6 @@ _COPIED_FILES = (
     "added_tokens.json",
     "chat_template.jinja",
 )
-
-
-class MergeError(SubmergeError):
-    """The merge cannot be written (output exists, bad method options ...)."""
-
-
-@dataclass
-class ParameterRule:
-    """How one tensor is merged: a registered method with options, or fixed per-task weights."""
-
-    method: str = "task-arithmetic"
-    options: dict | None = None
-    weights: dict[str, float] | None = None  # θ0 + Σ_t w_t τ_t (closed-form α)
-
-    def describe(self) -> str:
-        if self.weights is not None:
-            return "weights " + ", ".join(
-                f"{t}={w:.4g}" if isinstance(w, (int, float)) else f"{t}=per-head" for t, w in self.weights.items()
-            )
-        return self.method + (f" {self.options}" if self.options else "")
 
 
 def parse_size(value: str | int) -> int:
@@ -82,6 +64,89 @@ def prepare_output(out_dir: Path, force: bool) -> Path:
     return out_dir
 
 
+def merge_tensor(info: TensorInfo, base_tensor: torch.Tensor, task_vectors: Mapping[str, torch.Tensor],
+                 rule: ParameterRule, grams: list[torch.Tensor] | None = None, *,
+                 dtype: torch.dtype | None = None) -> torch.Tensor:
+    """θ0 + τ_M of one tensor: `task_vectors` (task → τ_t) merged by `rule`, added to `base_tensor`.
+
+    A weights rule is `weighted_task_arithmetic` with each task's weight (0 for a task it does
+    not name); a method rule is `merge_parameter` with the table's ``kind`` (and RegMean's input
+    Grams `grams`, one per task; a Conv1D weight stored (in, out) is transposed around it). The sum
+    is taken in float32 and returned in `dtype` (default: the base tensor's). Non-floating tensors
+    (integer buffers) are returned as they are. A NaN/Inf result is a `MergeError` naming the tensor.
+    """
+    if not base_tensor.is_floating_point():
+        return base_tensor
+    vectors = list(task_vectors.values())
+    if rule.weights is not None:
+        delta = weighted_task_arithmetic(vectors, [rule.weights.get(task, 0.0) for task in task_vectors])
+    else:
+        transposed = bool(grams) and info.transposed
+        if transposed:  # GPT-2 Conv1D stores (in, out)
+            vectors = [v.T for v in vectors]
+        try:
+            delta = merge_parameter(info.name, vectors, rule.method, rule.options, kind=info.kind,
+                                    gram_matrices=grams)
+        except ValueError as exc:
+            raise MergeError(f"merging '{info.name}' {tuple(base_tensor.shape)}: {exc}") from exc
+        if transposed:
+            delta = delta.T
+    merged = (base_tensor.to(torch.float32) + delta).to(dtype or base_tensor.dtype)
+    if not torch.isfinite(merged).all():
+        raise MergeError(f"merged tensor '{info.name}' has NaN/Inf values (rule: {rule.describe()})")
+    return merged
+
+
+class ShardWriter:
+    """Sharded safetensors written as tensors arrive: a shard is flushed once it holds `limit` bytes.
+
+    Shards are written as ``*.partial`` files and renamed by `finish` to ``model.safetensors``
+    (one shard) or ``model-0000i-of-0000n.safetensors`` with ``model.safetensors.index.json``.
+    """
+
+    def __init__(self, directory: Path, limit: int):
+        self.directory, self.limit = Path(directory), limit
+        self.current: dict[str, torch.Tensor] = {}
+        self.current_bytes = 0
+        self.written: list[Path] = []
+        self.weight_map: dict[str, int] = {}
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        tensor = tensor.contiguous().cpu()
+        self.current[name] = tensor
+        self.weight_map[name] = len(self.written)
+        self.current_bytes += tensor.numel() * tensor.element_size()
+        if self.current_bytes >= self.limit:
+            self._flush()
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if self.current:
+            path = self.directory / f"model-{len(self.written) + 1:05d}.safetensors.partial"
+            save_file(self.current, str(path), metadata={"format": "pt"})
+            self.written.append(path)
+            self.current, self.current_bytes = {}, 0
+
+    def finish(self) -> list[str]:
+        """Flush the last shard, give the shards their final names, write the index; returns the file names."""
+        self._flush()
+        total = len(self.written)
+        final_names = []
+        for index, path in enumerate(self.written, start=1):
+            final = self.directory / (f"model-{index:05d}-of-{total:05d}.safetensors" if total > 1
+                                      else "model.safetensors")
+            path.rename(final)
+            final_names.append(final.name)
+        if total > 1:
+            index = {
+                "metadata": {"total_size": sum((self.directory / n).stat().st_size for n in final_names)},
+                "weight_map": {name: final_names[shard] for name, shard in self.weight_map.items()},
+            }
+            (self.directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        return final_names
+
+
 def write_merge(
     base: str,
     finetuned: dict[str, str],
@@ -102,96 +167,44 @@ def write_merge(
 
     Returns the output directory, loadable with `AutoModelForCausalLM.from_pretrained`.
     """
-    from safetensors.torch import save_file
-
     out_dir = prepare_output(Path(out_dir), force)
     base_reader = open_checkpoint(base, allow_pickle=allow_pickle)
     task_vectors, report = open_finetunes(base_reader, finetuned, allow_pickle=allow_pickle, vocab=vocab)
-    limit = parse_size(shard_size)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    shard_bytes = 0
-    weight_map: dict[str, int] = {}
+    table = TensorTable.from_reader(base_reader)
+    shards = ShardWriter(out_dir, parse_size(shard_size))
     used: dict[str, str] = {}
     names = base_reader.names()
-    temporary: list[Path] = []
-    table = TensorTable.from_reader(base_reader)
-
-    def flush():
-        nonlocal shard_bytes
-        if shards[-1]:
-            path = out_dir / f"model-{len(temporary) + 1:05d}.safetensors.partial"
-            save_file(shards[-1], str(path), metadata={"format": "pt"})
-            temporary.append(path)
-            shards[-1] = {}
-            shard_bytes = 0
-
     with progress_bar(progress) as bar:
         job = bar.add_task("Merging tensors", total=len(names))
         for name in names:
             base_tensor = base_reader.get(name, device=device)
-            target_dtype = dtype or base_tensor.dtype
-            if not base_tensor.is_floating_point():
-                merged = base_tensor
-            else:
+            merged = base_tensor
+            if base_tensor.is_floating_point():
                 info = table.get(name, tuple(base_tensor.shape))
                 rule = rule_for(info)
-                vectors = [tv.get(name, torch.float32, device) for tv in task_vectors.values()]
-                if rule.weights is not None:
-                    delta = sum(rule.weights.get(task, 0.0) * vector for task, vector in zip(task_vectors, vectors))
-                else:
-                    grams = gram_matrices(name) if (gram_matrices and rule.method == "regmean") else None
-                    transposed = bool(grams) and info.transposed
-                    if transposed:  # GPT-2 Conv1D stores (in, out)
-                        vectors = [v.T for v in vectors]
-                    try:
-                        delta = merge_parameter(name, vectors, rule.method, rule.options, kind=info.kind,
-                                                gram_matrices=grams)
-                    except ValueError as exc:
-                        raise MergeError(f"merging '{name}' {tuple(base_tensor.shape)}: {exc}") from exc
-                    if transposed:
-                        delta = delta.T
-                merged = (base_tensor.to(torch.float32) + delta).to(target_dtype)
+                vectors = {task: reader.get(name, torch.float32, device) for task, reader in task_vectors.items()}
+                grams = gram_matrices(name) if (gram_matrices and rule.method == "regmean") else None
+                merged = merge_tensor(info, base_tensor, vectors, rule, grams, dtype=dtype)
                 used[name] = rule.describe()
-                if not torch.isfinite(merged).all():
-                    raise MergeError(f"merged tensor '{name}' has NaN/Inf values (rule: {rule.describe()})")
-            merged = merged.contiguous().cpu()
-            shards[-1][name] = merged
-            weight_map[name] = len(temporary)
-            shard_bytes += merged.numel() * merged.element_size()
-            if shard_bytes >= limit:
-                flush()
+            shards.add(name, merged)
             bar.advance(job)
-        flush()
-    total = len(temporary)
-    final_names = []
-    for index, path in enumerate(temporary, start=1):
-        final = out_dir / (f"model-{index:05d}-of-{total:05d}.safetensors" if total > 1 else "model.safetensors")
-        path.rename(final)
-        final_names.append(final.name)
-    if total > 1:
-        index = {
-            "metadata": {"total_size": sum((out_dir / n).stat().st_size for n in final_names)},
-            "weight_map": {name: final_names[shard] for name, shard in weight_map.items()},
-        }
-        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    shards.finish()
     _copy_model_files(base, out_dir, allow_pickle)
-    summary = _rule_summary(used)
-    (out_dir / "submerge_merge.yaml").write_text(
-        yaml.safe_dump(
-            {
-                **(record or {}),
-                "rules": summary,
-                "provenance": provenance(
-                    base_model={"spec": base},
-                    finetuned={t: tv.finetuned.fingerprint() for t, tv in task_vectors.items()},
-                    preflight=report,
-                ),
-            },
-            sort_keys=False,
-            allow_unicode=True,
-        )
-    )
+    _write_record(out_dir, record, used, base, task_vectors, report)
     return out_dir
+
+
+def _write_record(out_dir: Path, record: dict | None, used: dict[str, str], base: str, task_vectors, report) -> None:
+    content = {
+        **(record or {}),
+        "rules": _rule_summary(used),
+        "provenance": provenance(
+            base_model={"spec": base},
+            finetuned={t: tv.finetuned.fingerprint() for t, tv in task_vectors.items()},
+            preflight=report,
+        ),
+    }
+    (out_dir / "submerge_merge.yaml").write_text(yaml.safe_dump(content, sort_keys=False, allow_unicode=True))
 
 
 def _rule_summary(used: dict[str, str]) -> dict[str, list[str]]:
@@ -215,17 +228,3 @@ def _copy_model_files(base: str, out_dir: Path, allow_pickle: bool) -> None:
         content = json.loads(config.read_text())
         content.pop("quantization_config", None)
         config.write_text(json.dumps(content, indent=2))
-
-
-def method_rule(method: str, options: dict | None = None) -> Callable[[TensorInfo], ParameterRule]:
-    """The same registered method for every tensor."""
-    from merge.strategies import STRATEGIES
-
-    if method not in STRATEGIES:
-        raise MergeError(f"unknown merge method '{method}'; known: {', '.join(STRATEGIES)}")
-    try:
-        STRATEGIES[method].resolve_options(options)
-    except ValueError as exc:
-        raise MergeError(str(exc)) from exc
-    rule = ParameterRule(method=method, options=options or {})
-    return lambda info: rule

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from merge.strategies import (
     DEFAULT_FALLBACK,
     STRATEGIES,
+    MergeMethod,
     breadcrumbs,
     breadcrumbs_mask,
     cart,
@@ -21,9 +22,9 @@ from merge.strategies import (
     keep_top_magnitude,
     magprune,
     merge_parameter,
-    parameter_kind,
     procrustes_orthonormalise,
     regmean,
+    resolve_method,
     sftm,
     sftm_system,
     star,
@@ -432,6 +433,8 @@ def test_regmean_errors_name_the_shapes():
 def _options_for(name, tasks):
     if name == "regmean":
         return {"gram_matrices": [torch.eye(tasks[0].shape[1]) * (index + 1) for index in range(len(tasks))]}
+    if name == "closed-form":
+        return {"weights": [0.5, -0.25, 1.0]}
     return {}
 
 
@@ -440,7 +443,7 @@ def _options_for(name, tasks):
 def test_output_dtype_and_shape_preserved(name, dtype):
     tasks = _random_tasks(3, (6, 4), seed=18, dtype=dtype)
     method = STRATEGIES[name]
-    merged = method.function(tasks, **method.defaults, **_options_for(name, tasks))
+    merged = method.function(tasks, **method.options, **_options_for(name, tasks))
     assert merged.dtype == dtype and merged.shape == (6, 4)
     assert bool(torch.isfinite(merged.float()).all())
 
@@ -448,7 +451,7 @@ def test_output_dtype_and_shape_preserved(name, dtype):
 def test_registry_contents():
     expected = {
         "weight-average", "task-arithmetic", "ties", "dare", "breadcrumbs", "della", "tsv-m",
-        "iso-c", "iso-cts", "cart", "star", "sftm", "regmean",
+        "iso-c", "iso-cts", "cart", "star", "sftm", "regmean", "closed-form",
     }  # fmt: skip
     assert set(STRATEGIES) == expected
     matrix_only = {name for name, method in STRATEGIES.items() if method.matrix_only}
@@ -456,9 +459,75 @@ def test_registry_contents():
     assert STRATEGIES["ties"].defaults == {"top_k": 0.2, "scaling": 1.0}
     assert STRATEGIES["iso-cts"].defaults["common_fraction"] == 0.8
     assert STRATEGIES["star"].defaults["energy_fraction"] == 0.4
-    assert STRATEGIES["regmean"].defaults["off_diagonal_scale"] == 0.9
+    assert STRATEGIES["regmean"].defaults == {"off_diagonal_scale": 0.9}
+    assert STRATEGIES["regmean"].inputs == ("gram_matrices",)
+    assert STRATEGIES["closed-form"].inputs == ("weights",)
+    assert STRATEGIES["closed-form"].defaults == {"granularity": "attn-mlp", "balance": True}
+    assert STRATEGIES["closed-form"].function is weighted_task_arithmetic
+    assert {name for name, method in STRATEGIES.items() if method.needs_data} == {"regmean", "closed-form"}
     for method in STRATEGIES.values():
         assert method.description and method.function.__doc__
+
+
+def test_registry_defaults_are_the_function_signatures():
+    """One place for a default: change the function's and the registry follows."""
+
+    def halve(task_vectors, *, scaling: float = 0.5, top_k: float = 0.1, seed: int = 3):
+        """Test strategy."""
+        return task_arithmetic(task_vectors, scaling=scaling)
+
+    method = MergeMethod("halve", halve, "a test method")
+    assert method.defaults == {"scaling": 0.5, "top_k": 0.1, "seed": 3}
+    assert method.inputs == () and not method.needs_data
+    assert method.resolve_options({"top_k": "30%", "seed": "7"}) == {"scaling": 0.5, "top_k": 0.3, "seed": 7}
+    with pytest.raises(ValueError, match="unknown option 'k' for merge method 'halve' \\(options: scaling, seed, top_k\\)"):
+        method.resolve_options({"k": 1})
+    with pytest.raises(ValueError, match="cannot read 'many' as int"):
+        method.resolve_options({"seed": "many"})
+    import inspect
+
+    for name, registered in STRATEGIES.items():
+        signature = inspect.signature(registered.function).parameters
+        for option, default in registered.options.items():
+            assert signature[option].default == default, (name, option)
+
+
+@pytest.mark.parametrize(
+    "alias, method, implied",
+    [("task_arithmetic", "task-arithmetic", {}), ("dare_ties", "dare", {"base": "ties"}),
+     ("dare_linear", "dare", {"base": "task-arithmetic"}), ("linear", "weight-average", {}),
+     ("ties", "ties", {}), ("della", "della", {}), ("breadcrumbs", "breadcrumbs", {})],
+)
+def test_mergekit_spellings_are_aliases(alias, method, implied):
+    registered, options = resolve_method(alias, {"scaling": 0.5} if method != "weight-average" else {})
+    assert registered.name == method
+    assert options == {**implied, **({"scaling": 0.5} if method != "weight-average" else {})}
+    tasks = _random_tasks(3, (4, 6), seed=22)
+    torch.testing.assert_close(merge_parameter("w", tasks, alias, options), merge_parameter("w", tasks, method, options))
+
+
+def test_mergekit_aliases_mean_the_same_merge():
+    tasks = _random_tasks(3, (5, 4), seed=23)
+    # dare_ties with no drop and no trim is TIES without trim; dare_linear with no drop is task arithmetic
+    torch.testing.assert_close(merge_parameter("w", tasks, "dare_ties", {"drop_rate": 0.0}), ties(tasks, top_k=1.0))
+    torch.testing.assert_close(merge_parameter("w", tasks, "dare_linear", {"drop_rate": 0.0}), task_arithmetic(tasks))
+    torch.testing.assert_close(merge_parameter("w", tasks, "linear"), sum(tasks) / 3)
+    with pytest.raises(ValueError, match="unknown merge method 'slerp'.*mergekit spellings: task_arithmetic"):
+        resolve_method("slerp")
+
+
+def test_closed_form_is_weighted_task_arithmetic_and_needs_its_weights():
+    tasks = _random_tasks(3, (4, 5), seed=24)
+    with pytest.raises(ValueError, match="needs weights from data"):
+        merge_parameter("w", tasks, "closed-form")
+    per_row = [torch.arange(4, dtype=f64)[:, None], torch.ones(4, 1, dtype=f64), 0.5]
+    expected = per_row[0] * tasks[0] + tasks[1] + 0.5 * tasks[2]
+    torch.testing.assert_close(weighted_task_arithmetic(tasks, per_row), expected, rtol=0, atol=1e-15)
+    # float16 inputs are weighted and summed in float32, returned in float16
+    half = [t.to(torch.float16) for t in tasks]
+    merged = weighted_task_arithmetic(half, [0.1, 0.2, 0.3])
+    exact = sum(w * t.to(torch.float32) for w, t in zip([0.1, 0.2, 0.3], half))
+    assert merged.dtype == torch.float16 and torch.equal(merged, exact.to(torch.float16))
 
 
 def test_matrix_methods_reject_vectors():
@@ -473,28 +542,28 @@ def test_matrix_methods_reject_vectors():
 # ------------------------------------------------------------------------- merge_parameter
 
 
-def test_parameter_kind():
-    assert parameter_kind("model.layers.0.self_attn.q_proj.weight", (8, 8)) == "matrix"
-    assert parameter_kind("model.layers.0.self_attn.q_proj.bias", (8,)) == "bias"
-    assert parameter_kind("model.layers.0.input_layernorm.weight", (8,)) == "norm"
-    assert parameter_kind("transformer.h.0.ln_1.bias", (8,)) == "norm"
-    assert parameter_kind("bert.embeddings.LayerNorm.weight", (8,)) == "norm"
-    assert parameter_kind("model.embed_tokens.weight", (100, 8)) == "embedding"
-    assert parameter_kind("transformer.wte.weight", (100, 8)) == "embedding"
-    assert parameter_kind("lm_head.weight", (100, 8)) == "embedding"
-    assert parameter_kind("conv.weight", (4, 3, 2, 2)) == "matrix"
+def test_merge_parameter_kind_comes_from_the_table_or_the_shape():
+    """No name heuristics: without the table's kind a tensor is a matrix (2-D or more) or a bias."""
+    vectors = [torch.tensor([1.0, 2.0], dtype=f64), torch.tensor([3.0, -4.0], dtype=f64)]
+    # a 1-D "norm" by name is a bias without kind= (task arithmetic under a matrix-only method) ...
+    torch.testing.assert_close(merge_parameter("final_norm.weight", vectors, "iso-c"), torch.tensor([4.0, -2.0], dtype=f64))
+    # ... and a norm with it (mean)
+    torch.testing.assert_close(
+        merge_parameter("final_norm.weight", vectors, "iso-c", kind="norm"), torch.tensor([2.0, -1.0], dtype=f64)
+    )
+    embeddings = _random_tasks(2, (10, 4), seed=19)
+    torch.testing.assert_close(merge_parameter("model.embed_tokens.weight", embeddings, "iso-c"), iso_c(embeddings))
+    with pytest.raises(ValueError, match="kind must be one of"):
+        merge_parameter("w", vectors, "ties", kind="vector")
 
 
 def test_merge_parameter_fallbacks():
     vectors = [torch.tensor([1.0, 2.0], dtype=f64), torch.tensor([3.0, -4.0], dtype=f64)]
-    # Matrix-only method on a bias -> task arithmetic; on a norm -> mean.
+    # Matrix-only method on a bias -> task arithmetic (on a norm -> mean: test above).
     torch.testing.assert_close(merge_parameter("layer.bias", vectors, "tsv-m"), torch.tensor([4.0, -2.0], dtype=f64))
-    torch.testing.assert_close(
-        merge_parameter("final_norm.weight", vectors, "iso-c"), torch.tensor([2.0, -1.0], dtype=f64)
-    )
     embeddings = _random_tasks(2, (10, 4), seed=19)
     torch.testing.assert_close(
-        merge_parameter("model.embed_tokens.weight", embeddings, "sftm"), task_arithmetic(embeddings)
+        merge_parameter("model.embed_tokens.weight", embeddings, "sftm", kind="embedding"), task_arithmetic(embeddings)
     )
     # The caller overrides the fallback or the kind.
     torch.testing.assert_close(
