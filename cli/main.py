@@ -368,7 +368,8 @@ def merge(
     method: Annotated[Optional[str], typer.Option(
         "--method", help="Merge method without a plan: weight-average, task-arithmetic, ties, dare, breadcrumbs, "
                          "della, tsv-m, iso-c, iso-cts, cart, star, sftm, regmean (needs --data), closed-form "
-                         "(needs --data; α solved on the fly at --granularity).")] = None,
+                         "(needs --data; α solved on the fly at --granularity). mergekit spellings: task_arithmetic, "
+                         "linear, dare_ties, dare_linear (and ties, della, breadcrumbs).")] = None,
     option: Annotated[Optional[list[str]], typer.Option(
         "--option", help="KEY=VALUE method option (e.g. scaling=0.5, top_k=0.2). Repeat.")] = None,
     model: ModelOption = None,
@@ -378,6 +379,9 @@ def merge(
     samples: SamplesOption = 30,
     max_tokens: MaxTokensOption = 512,
     shard_size: Annotated[str, typer.Option("--shard-size", help="Largest safetensors shard, e.g. 2GB.")] = "2GB",
+    out_dtype: Annotated[str, typer.Option("--out-dtype", help="dtype of the written tensors: base (each base "
+                                           "tensor's), float32, bfloat16, float16. Merges compute in float32 "
+                                           "(float64 for SVDs and solves).")] = "base",
     device: DeviceOption = "cpu",
     allow_pickle: PickleOption = False,
     vocab: VocabOption = "base",
@@ -403,7 +407,7 @@ def merge(
             options = {"granularity": granularity, **options}
     out_dir = run_merge(out_dir, plan=plan_path, method=method, options=options, base=base,
                         finetuned=named_finetuned, data=settings, shard_size=shard_size, device=device,
-                        allow_pickle=allow_pickle, vocab=vocab, force=force, progress=progress)
+                        allow_pickle=allow_pickle, vocab=vocab, force=force, progress=progress, out_dtype=out_dtype)
     out.print(f"Merged checkpoint → [bold]{out_dir}[/] (load with AutoModelForCausalLM.from_pretrained)")
 
 

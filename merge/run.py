@@ -12,6 +12,7 @@ registry) get them here, on the base model θ0 and the task data, before any ten
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +21,7 @@ import torch
 
 from merge.rules import RuleFunction, checked_method, method_rule, regmean_rule
 from merge.strategies import STRATEGIES
-from merge.writer import prepare_output, write_merge
+from merge.writer import MergeError, check_not_an_input, check_output, parse_size, write_merge
 
 
 @dataclass
@@ -62,25 +63,59 @@ def run_merge(
     vocab: str = "base",
     force: bool = False,
     progress: bool = True,
+    out_dtype: str | torch.dtype | None = None,
 ) -> Path:
-    """Write the merged checkpoint of a plan file or of `method` (+ `options`) on `base` + `finetuned`."""
+    """Write the merged checkpoint of a plan file or of `method` (+ `options`) on `base` + `finetuned`.
+
+    Every setting is checked before any work (output, shard size, out dtype, outputs that would
+    overwrite an input); tensors are written in `out_dtype` ("base" or None: each base tensor's dtype).
+    """
     out_dir = Path(out_dir)
     if (plan is None) == (method is None):
         raise ValueError("give either a plan or a method")
-    if out_dir.exists() and any(out_dir.iterdir()) and not force:
-        prepare_output(out_dir, force)  # raises the clear error before any work
+    check_output(out_dir, force)
+    parse_size(shard_size)
+    dtype = parse_out_dtype(out_dtype)
     if plan is not None:
         from merge.plan import Plan
 
         the_plan = Plan.load(plan)
         base, finetuned = the_plan.base_model, the_plan.finetuned
         setup = MergeSetup(the_plan.rule_for, {"plan": str(plan), "granularity": the_plan.granularity})
-    else:
+    _refuse_inputs(out_dir, base, finetuned, allow_pickle)
+    if plan is None:
         setup = method_setup(method, options or {}, base, finetuned, data or DataSettings(), device=device,
                              allow_pickle=allow_pickle, vocab=vocab, progress=progress)
+    setup.record["out_dtype"] = str(dtype).removeprefix("torch.") if dtype else "base"
     return write_merge(base, finetuned, out_dir, setup.rule_for, record=setup.record, force=force,
-                       allow_pickle=allow_pickle, vocab=vocab, shard_size=shard_size, device=device,
+                       allow_pickle=allow_pickle, vocab=vocab, shard_size=shard_size, dtype=dtype, device=device,
                        gram_matrices=setup.gram_matrices, progress=progress)
+
+
+OUT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+              "float64": torch.float64}
+
+
+def parse_out_dtype(value: str | torch.dtype | None) -> torch.dtype | None:
+    """None for "base"/"auto"/None (each tensor keeps the base's dtype), else one of OUT_DTYPES."""
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    if value in ("base", "auto"):
+        return None
+    if value not in OUT_DTYPES:
+        raise MergeError(f"--out-dtype: unknown dtype '{value}' (base, {', '.join(OUT_DTYPES)})")
+    return OUT_DTYPES[value]
+
+
+def _refuse_inputs(out_dir: Path, base: str, finetuned: dict[str, str], allow_pickle: bool) -> None:
+    """`check_not_an_input` on the inputs' local paths, before any data step (the writer checks again)."""
+    from diagnostics.models import local_path
+
+    inputs = {}
+    for what, spec in {"base model": base, **{f"fine-tune '{t}'": s for t, s in (finetuned or {}).items()}}.items():
+        with contextlib.suppress(Exception):  # an input that cannot be resolved fails with its own message later
+            inputs[what] = local_path(spec, allow_pickle=allow_pickle)
+    check_not_an_input(out_dir, inputs)
 
 
 def method_setup(method: str, options: dict, base: str, finetuned: dict[str, str], data: DataSettings, *,

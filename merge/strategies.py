@@ -5,8 +5,18 @@ Convention
 Every strategy takes ``task_vectors`` (a list of tensors τ_t = θ_t − θ0 of one shape,
 one per fine-tuned model) plus keyword options whose defaults come from the paper, and
 returns the **merged task vector** τ_M (same shape and dtype as the inputs). The merged
-weight is θ0 + τ_M. Arithmetic is done in float64 (``COMPUTE_DTYPE``) on the inputs'
-device; the result is cast back to the inputs' dtype.
+weight is θ0 + τ_M, computed on the inputs' device and cast back to the inputs' dtype.
+
+Precision and memory: element-wise methods (weight average, TA, TIES, DARE, Breadcrumbs,
+DELLA, the closed-form weights) compute in the inputs' dtype promoted to at least float32
+(``compute_dtype``: bf16/fp16 → float32, float64 stays float64); random masks are drawn from
+float64 probabilities, so a seed gives the same mask whatever the dtype. Above
+``CHUNK_THRESHOLD`` entries they run in row chunks, so their peak is about the T task vectors
+plus the output. SVDs and solves (TSV-M, Iso-C/CTS, CART, STAR, SFTM, RegMean) run in float64
+(``COMPUTE_DTYPE``) one tensor at a time, never on a (T, ...) float64 stack.
+
+Registry: ``STRATEGIES`` maps a method name to a ``MergeMethod`` whose options and defaults
+are read from the function's signature; ``ALIASES`` accepts mergekit's spellings.
 
 The final scaling coefficient is called ``scaling`` everywhere (λ in Task Arithmetic,
 TIES, DARE, Breadcrumbs, DELLA and CART; α in TSV-M and Iso-C/CTS; γ in SFTM).
@@ -35,6 +45,8 @@ import torch
 
 __all__ = [
     "ALIASES",
+    "CHUNK_ELEMENTS",
+    "CHUNK_THRESHOLD",
     "CLOSED_FORM_OPTIONS",
     "COMPUTE_DTYPE",
     "DEFAULT_FALLBACK",
@@ -46,6 +58,7 @@ __all__ = [
     "breadcrumbs",
     "breadcrumbs_mask",
     "cart",
+    "compute_dtype",
     "dare",
     "della",
     "drop_and_rescale",
@@ -70,7 +83,12 @@ __all__ = [
     "weighted_task_arithmetic",
 ]
 
+#: dtype of SVDs, solves and the matrix methods built on them (per tensor, never a (T, ...) stack).
 COMPUTE_DTYPE = torch.float64
+#: Element-wise methods on tensors above this many entries (≥ 2 dims) run in row chunks of about
+#: CHUNK_ELEMENTS entries, so their peak is the T task vectors + the output + one chunk's temporaries.
+CHUNK_THRESHOLD = 2**26  # 64 M entries
+CHUNK_ELEMENTS = 2**22  # 4 M entries
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -92,9 +110,12 @@ def _check_task_vectors(task_vectors: Sequence[torch.Tensor], *, matrix: bool = 
         raise ValueError(f"this method needs 2-D task matrices, got task_vectors of shape {shapes[0]}")
 
 
-def _stack(task_vectors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """(T, *shape) float64 stack of the task vectors."""
-    return torch.stack([task_vector.to(COMPUTE_DTYPE) for task_vector in task_vectors])
+def _sum_in(task_vectors: Sequence[torch.Tensor], dtype: torch.dtype = COMPUTE_DTYPE) -> torch.Tensor:
+    """Σ_t τ_t in `dtype`, one task at a time (no (T, ...) stack)."""
+    total = torch.zeros(task_vectors[0].shape, dtype=dtype, device=task_vectors[0].device)
+    for task_vector in task_vectors:
+        total += task_vector.to(dtype)
+    return total
 
 
 def _as_output(result: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -136,6 +157,50 @@ def _thin_svd(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
 # -------------------------------------------------------------------- element-wise methods
 
 
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype element-wise strategies compute in: the inputs' promoted to at least float32."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _compute(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to(compute_dtype(tensor.dtype))
+
+
+def _row_chunks(shape: tuple[int, ...], limit: int | None = None) -> list:
+    """Slices of dim 0 holding about CHUNK_ELEMENTS entries each when a tensor of ≥ 2 dims has more than
+    `limit` (default CHUNK_THRESHOLD) entries; else one index (``...``: the whole tensor)."""
+    numel = math.prod(shape)
+    if len(shape) < 2 or numel <= (CHUNK_THRESHOLD if limit is None else limit) or shape[0] == 0:
+        return [...]
+    rows = max(1, CHUNK_ELEMENTS // max(1, numel // shape[0]))
+    return [slice(start, start + rows) for start in range(0, shape[0], rows)]
+
+
+def _by_chunks(task_vectors: Sequence[torch.Tensor], combine: Callable[[list[torch.Tensor]], torch.Tensor]
+               ) -> torch.Tensor:
+    """``combine`` (the task vectors' pieces in compute dtype → merged piece) over row chunks, in row order.
+
+    One piece (the whole tensors) up to CHUNK_THRESHOLD entries; above, the output is allocated once in
+    the inputs' dtype and filled chunk by chunk, so the peak is the T inputs + the output + one chunk's
+    temporaries. ``combine`` sees the chunks in row-major order (stateful masks rely on it).
+    """
+    like = task_vectors[0]
+    chunks = _row_chunks(tuple(like.shape))
+    if len(chunks) == 1:
+        return _as_output(combine([_compute(task_vector) for task_vector in task_vectors]), like)
+    merged = torch.empty_like(like)
+    for rows in chunks:
+        merged[rows] = combine([_compute(task_vector[rows]) for task_vector in task_vectors])
+    return merged
+
+
+def _sum(pieces: Sequence[torch.Tensor]) -> torch.Tensor:
+    total = pieces[0].clone()
+    for piece in pieces[1:]:
+        total += piece
+    return total
+
+
 def weight_average(task_vectors: Sequence[torch.Tensor]) -> torch.Tensor:
     """Simple average of the fine-tuned weights (Wortsman et al. 2022, model soups).
 
@@ -143,7 +208,7 @@ def weight_average(task_vectors: Sequence[torch.Tensor]) -> torch.Tensor:
     vector is the mean of the task vectors. No options.
     """
     _check_task_vectors(task_vectors)
-    return _as_output(_stack(task_vectors).mean(dim=0), task_vectors[0])
+    return _by_chunks(task_vectors, lambda pieces: _sum(pieces) / len(pieces))
 
 
 def task_arithmetic(task_vectors: Sequence[torch.Tensor], *, scaling: float = 1.0) -> torch.Tensor:
@@ -153,7 +218,7 @@ def task_arithmetic(task_vectors: Sequence[torch.Tensor], *, scaling: float = 1.
     the default ``scaling`` λ = 1 is the plain sum (no validation data here).
     """
     _check_task_vectors(task_vectors)
-    return _as_output(float(scaling) * _stack(task_vectors).sum(dim=0), task_vectors[0])
+    return _by_chunks(task_vectors, lambda pieces: float(scaling) * _sum(pieces))
 
 
 def weighted_task_arithmetic(
@@ -181,24 +246,54 @@ def weighted_task_arithmetic(
     return _as_output(merged, task_vectors[0])
 
 
+class _TopMagnitude:
+    """Mask of the `keep` entries of largest |value| of one tensor, produced chunk by chunk in row-major order.
+
+    The keep-th largest magnitude t is found once (``torch.kthvalue``); a chunk keeps |x| > t and, of the
+    entries with |x| = t, the last ones in row-major order (a stable ascending sort ranks a later equal
+    entry higher), so that exactly `keep` entries are kept in all. Chunks must be given in order, in
+    compute dtype.
+    """
+
+    def __init__(self, values: torch.Tensor, keep: int):
+        total = values.numel()
+        self.all, self.none = keep >= total, keep <= 0
+        if self.all or self.none:
+            return
+        magnitude = _compute(values).reshape(-1).abs()
+        self.threshold = torch.kthvalue(magnitude, total - keep + 1).values
+        above = int((magnitude > self.threshold).sum())
+        self.skip = int((magnitude == self.threshold).sum()) - (keep - above)  # equal entries not kept
+
+    def __call__(self, piece: torch.Tensor) -> torch.Tensor:
+        if self.all or self.none:
+            return torch.full_like(piece, self.all, dtype=torch.bool)
+        magnitude = piece.abs()
+        equal = magnitude == self.threshold
+        if self.skip > 0:
+            flat = equal.reshape(-1)
+            dropped = flat & (torch.cumsum(flat, 0) <= self.skip)
+            self.skip -= int(dropped.sum())
+            equal = equal & ~dropped.reshape(equal.shape)
+        return (magnitude > self.threshold) | equal
+
+
+def _top_count(top_k: float, total: int) -> int:
+    top_k = _check_fraction(top_k, "top_k")
+    keep = _count_from_fraction(top_k, total)
+    return max(1, keep) if top_k > 0 else keep
+
+
 def keep_top_magnitude(task_vector: torch.Tensor, top_k: float) -> torch.Tensor:
     """TIES step (1) Trim: keep the top-k fraction of entries by |value|, zero the rest.
 
     Survey §TIES-Merging: τ̂_t = keep_topk_reset_rest_to_zero(τ_t, k). Keeps exactly
-    round(k · n) entries (at least one when k > 0); among equal magnitudes the order of
-    ``torch.topk`` decides. Returned in float64.
+    round(k · n) entries (at least one when k > 0); among equal magnitudes the later entry in
+    row-major order is kept first. Returned in compute dtype (at least float32).
     """
-    top_k = _check_fraction(top_k, "top_k")
-    flat = task_vector.to(COMPUTE_DTYPE).reshape(-1)
-    keep = _count_from_fraction(top_k, flat.numel())
-    if top_k > 0:
-        keep = max(1, keep)
-    if keep >= flat.numel():
-        return flat.reshape(task_vector.shape).clone()
-    mask = torch.zeros_like(flat, dtype=torch.bool)
-    if keep > 0:
-        mask[torch.topk(flat.abs(), keep).indices] = True
-    return torch.where(mask, flat, torch.zeros_like(flat)).reshape(task_vector.shape)
+    values = _compute(task_vector)
+    mask = _TopMagnitude(values, _top_count(top_k, values.numel()))(values)
+    return torch.where(mask, values, torch.zeros_like(values))
 
 
 def elect_sign_disjoint_mean(task_vectors: torch.Tensor) -> torch.Tensor:
@@ -215,6 +310,11 @@ def elect_sign_disjoint_mean(task_vectors: torch.Tensor) -> torch.Tensor:
     return selected.sum(dim=0) / count
 
 
+def _trimmed_elect(pieces: list[torch.Tensor], masks: Sequence[_TopMagnitude], scaling: float) -> torch.Tensor:
+    trimmed = torch.stack([torch.where(mask(piece), piece, 0.0) for piece, mask in zip(pieces, masks)])
+    return float(scaling) * elect_sign_disjoint_mean(trimmed)
+
+
 def ties(task_vectors: Sequence[torch.Tensor], *, top_k: float = 0.2, scaling: float = 1.0) -> torch.Tensor:
     """TIES-Merging (Yadav et al. 2023, Algorithm 1): trim, elect sign, disjoint mean, scale by λ.
 
@@ -225,8 +325,8 @@ def ties(task_vectors: Sequence[torch.Tensor], *, top_k: float = 0.2, scaling: f
     trims over the whole model's task vector.
     """
     _check_task_vectors(task_vectors)
-    trimmed = torch.stack([keep_top_magnitude(task_vector, top_k) for task_vector in task_vectors])
-    return _as_output(float(scaling) * elect_sign_disjoint_mean(trimmed), task_vectors[0])
+    masks = [_TopMagnitude(tv, _top_count(top_k, tv.numel())) for tv in task_vectors]
+    return _by_chunks(task_vectors, lambda pieces: _trimmed_elect(pieces, masks, scaling))
 
 
 def _generator(seed: int, device: torch.device) -> torch.Generator:
@@ -235,18 +335,59 @@ def _generator(seed: int, device: torch.device) -> torch.Generator:
     return generator
 
 
+def _draw_kept(shape: tuple[int, ...], probability: Callable[[object], torch.Tensor | float],
+               generator: torch.Generator, device) -> torch.Tensor:
+    """Bool mask of kept entries: entry i dropped with m_i ~ Bernoulli(p_i), drawn in row-major order.
+
+    ``probability(rows)`` gives p for a row slice (a float64 tensor, or a number). Drawn in row chunks
+    of about CHUNK_ELEMENTS (the generator's stream is the same as one draw over the whole tensor)."""
+    kept = torch.empty(shape, dtype=torch.bool, device=device)
+    for rows in _row_chunks(shape, limit=CHUNK_ELEMENTS):
+        p = probability(rows)
+        p = p if isinstance(p, torch.Tensor) else torch.full(kept[rows].shape, p, dtype=torch.float64, device=device)
+        kept[rows] = torch.bernoulli(p, generator=generator) == 0
+    return kept
+
+
 def drop_and_rescale(task_vector: torch.Tensor, drop_rate: float, generator: torch.Generator) -> torch.Tensor:
     """DARE on one task vector (Yu et al. 2024): m ~ Bernoulli(p), τ̂ = (1 − m) ⊙ τ / (1 − p).
 
     Survey eq. (dare); the 1/(1 − p) rescale keeps E[τ̂] = τ (survey App. "Theoretical Analysis
-    for DARE"). Returned in float64.
+    for DARE"). Returned in compute dtype (at least float32).
     """
     drop_rate = _check_fraction(drop_rate, "drop_rate", high_open=True)
-    values = task_vector.to(COMPUTE_DTYPE)
+    values = _compute(task_vector)
     if drop_rate == 0:
         return values.clone()
-    dropped = torch.bernoulli(torch.full_like(values, drop_rate), generator=generator)
-    return (1 - dropped) * values / (1 - drop_rate)
+    kept = _draw_kept(tuple(values.shape), lambda rows: drop_rate, generator, values.device)
+    return torch.where(kept, values / (1 - drop_rate), 0.0)
+
+
+class _Drawn:
+    """A task vector's drop mask (bool, drawn once) applied chunk by chunk with its rescale: where(kept, τ/(1 − p), 0)."""
+
+    def __init__(self, kept: torch.Tensor | None, probability: Callable[[torch.Tensor, object], torch.Tensor | float]):
+        self.kept, self.probability, self.position = kept, probability, 0
+
+    def __call__(self, piece: torch.Tensor) -> torch.Tensor:
+        rows = ... if piece.ndim < 2 or self.kept is None or piece.shape == self.kept.shape else \
+            slice(self.position, self.position + piece.shape[0])
+        self.position += piece.shape[0] if piece.ndim else 0
+        if self.kept is None:
+            return piece
+        probability = self.probability(piece, rows)
+        if isinstance(probability, torch.Tensor):
+            probability = probability.to(piece.dtype)
+        return torch.where(self.kept[rows], piece / (1 - probability), 0.0)
+
+
+def _rescaled_masks(drawn: list[_Drawn], task_vectors, top_k: float) -> list[_TopMagnitude]:
+    """TIES trim masks of the dropped-and-rescaled task vectors (built task by task, one full temporary)."""
+    masks = []
+    for draw, task_vector in zip(drawn, task_vectors):
+        rescaled = _Drawn(draw.kept, draw.probability)(_compute(task_vector))
+        masks.append(_TopMagnitude(rescaled, _top_count(top_k, rescaled.numel())))
+    return masks
 
 
 def dare(
@@ -270,14 +411,38 @@ def dare(
     _check_task_vectors(task_vectors)
     if base not in ("task-arithmetic", "ties"):
         raise ValueError(f"dare base must be 'task-arithmetic' or 'ties', got {base!r}")
+    drop_rate = _check_fraction(drop_rate, "drop_rate", high_open=True)
     generator = _generator(seed, task_vectors[0].device)
-    rescaled = torch.stack([drop_and_rescale(task_vector, drop_rate, generator) for task_vector in task_vectors])
+    shape, device = tuple(task_vectors[0].shape), task_vectors[0].device
+    drawn = [_Drawn(None if drop_rate == 0 else _draw_kept(shape, lambda rows: drop_rate, generator, device),
+                    lambda piece, rows: drop_rate) for _ in task_vectors]
     if base == "task-arithmetic":
-        merged = rescaled.sum(dim=0)
-    else:
-        trimmed = torch.stack([keep_top_magnitude(task_vector, top_k) for task_vector in rescaled])
-        merged = elect_sign_disjoint_mean(trimmed)
-    return _as_output(float(scaling) * merged, task_vectors[0])
+        return _by_chunks(task_vectors, lambda pieces: float(scaling) * _sum([d(p) for d, p in zip(drawn, pieces)]))
+    masks = (_rescaled_masks(drawn, task_vectors, top_k) if _check_fraction(top_k, "top_k") < 1
+             else [_TopMagnitude(tv, tv.numel()) for tv in task_vectors])
+    drawn = [_Drawn(d.kept, d.probability) for d in drawn]  # restart the row positions
+    return _by_chunks(task_vectors, lambda pieces: _trimmed_elect([d(p) for d, p in zip(drawn, pieces)], masks,
+                                                                  scaling))
+
+
+def _breadcrumbs_bounds(beta: float, gamma: float) -> tuple[float, float]:
+    beta = _check_fraction(beta, "beta")
+    gamma = _check_fraction(gamma, "gamma")
+    if beta > gamma:
+        raise ValueError(f"breadcrumbs needs beta <= gamma, got beta={beta}, gamma={gamma}")
+    return beta, gamma
+
+
+class _BreadcrumbsMask:
+    """m^{β,γ} chunk by chunk: kept when in the top n − round(β n) but not in the top n − round(γ n) magnitudes."""
+
+    def __init__(self, values: torch.Tensor, beta: float, gamma: float):
+        total = values.numel()
+        self.upper = _TopMagnitude(values, total - _count_from_fraction(beta, total))
+        self.largest = _TopMagnitude(values, total - _count_from_fraction(gamma, total))
+
+    def __call__(self, piece: torch.Tensor) -> torch.Tensor:
+        return self.upper(piece) & ~self.largest(piece)
 
 
 def breadcrumbs_mask(task_vector: torch.Tensor, beta: float, gamma: float) -> torch.Tensor:
@@ -286,21 +451,12 @@ def breadcrumbs_mask(task_vector: torch.Tensor, beta: float, gamma: float) -> to
     Survey eq. (mask): sort |w| ascending with index i; m = 0 if i ≤ β or i ≥ γ, else 1.
     β and γ are read as fractions of the n entries: the round(β n) smallest and the
     n − round(γ n) largest magnitudes are masked (0-based ascending index i is masked when
-    i < round(β n) or i ≥ round(γ n)). Returns a bool tensor of the input's shape.
+    i < round(β n) or i ≥ round(γ n), with equal magnitudes in row-major order as a stable sort
+    gives). Returns a bool tensor of the input's shape.
     """
-    beta = _check_fraction(beta, "beta")
-    gamma = _check_fraction(gamma, "gamma")
-    if beta > gamma:
-        raise ValueError(f"breadcrumbs needs beta <= gamma, got beta={beta}, gamma={gamma}")
-    flat = task_vector.to(COMPUTE_DTYPE).reshape(-1)
-    total = flat.numel()
-    order = torch.argsort(flat.abs(), stable=True)
-    ascending_index = torch.empty_like(order)
-    ascending_index[order] = torch.arange(total, device=order.device)
-    keep = (ascending_index >= _count_from_fraction(beta, total)) & (
-        ascending_index < _count_from_fraction(gamma, total)
-    )
-    return keep.reshape(task_vector.shape)
+    beta, gamma = _breadcrumbs_bounds(beta, gamma)
+    values = _compute(task_vector)
+    return _BreadcrumbsMask(values, beta, gamma)(values)
 
 
 def breadcrumbs(
@@ -314,8 +470,44 @@ def breadcrumbs(
     no values); λ = 1.
     """
     _check_task_vectors(task_vectors)
-    masked = [torch.where(breadcrumbs_mask(tv, beta, gamma), tv.to(COMPUTE_DTYPE), 0.0) for tv in task_vectors]
-    return _as_output(float(scaling) * torch.stack(masked).sum(dim=0), task_vectors[0])
+    beta, gamma = _breadcrumbs_bounds(beta, gamma)
+    masks = [_BreadcrumbsMask(task_vector, beta, gamma) for task_vector in task_vectors]
+    return _by_chunks(task_vectors, lambda pieces: float(scaling) * _sum(
+        [torch.where(mask(piece), piece, 0.0) for mask, piece in zip(masks, pieces)]))
+
+
+def _check_della(drop_rate: float, epsilon: float) -> tuple[float, float]:
+    drop_rate, epsilon = float(drop_rate), float(epsilon)
+    if epsilon < 0 or drop_rate - epsilon / 2 < 0 or drop_rate + epsilon / 2 >= 1:
+        raise ValueError(
+            f"della needs 0 <= drop_rate - epsilon/2 and drop_rate + epsilon/2 < 1, "
+            f"got drop_rate={drop_rate}, epsilon={epsilon}"
+        )
+    return drop_rate, epsilon
+
+
+def _magprune_probability(rows: torch.Tensor, drop_rate: float, epsilon: float) -> torch.Tensor:
+    """p_i = p − ε/2 + (ε/n) r_i per row of a (rows, n) view, r_i the magnitude rank from the largest (float64)."""
+    width = rows.shape[1]
+    order = torch.argsort(rows.abs(), dim=1, descending=True, stable=True)
+    ranks = torch.empty_like(order)
+    ranks.scatter_(1, order, torch.arange(width, device=rows.device).expand_as(order).contiguous())
+    return drop_rate - epsilon / 2 + (epsilon / width) * ranks.to(torch.float64)
+
+
+def _as_rows(values: torch.Tensor) -> torch.Tensor:
+    return values.reshape(1, -1) if values.ndim < 2 else values.reshape(values.shape[0], -1)
+
+
+def _magprune_draw(task_vector: torch.Tensor, drop_rate: float, epsilon: float, generator) -> _Drawn:
+    rows_view = _as_rows(task_vector)
+
+    def probability(piece, rows):
+        return _magprune_probability(_as_rows(piece), drop_rate, epsilon).reshape(piece.shape)
+
+    kept = _draw_kept(tuple(rows_view.shape), lambda rows: _magprune_probability(rows_view[rows], drop_rate, epsilon),
+                      generator, task_vector.device)
+    return _Drawn(kept.reshape(task_vector.shape), probability)
 
 
 def magprune(task_vector: torch.Tensor, drop_rate: float, epsilon: float, generator: torch.Generator) -> torch.Tensor:
@@ -328,22 +520,8 @@ def magprune(task_vector: torch.Tensor, drop_rate: float, epsilon: float, genera
     "higher rank for larger magnitude" would do the opposite). Rows: the last dimension
     of a matrix (a >2-D tensor is viewed as (shape[0], −1)); a vector is one row.
     """
-    drop_rate = float(drop_rate)
-    epsilon = float(epsilon)
-    if epsilon < 0 or drop_rate - epsilon / 2 < 0 or drop_rate + epsilon / 2 >= 1:
-        raise ValueError(
-            f"della needs 0 <= drop_rate - epsilon/2 and drop_rate + epsilon/2 < 1, "
-            f"got drop_rate={drop_rate}, epsilon={epsilon}"
-        )
-    values = task_vector.to(COMPUTE_DTYPE)
-    rows = values.reshape(1, -1) if values.ndim < 2 else values.reshape(values.shape[0], -1)
-    width = rows.shape[1]
-    order = torch.argsort(rows.abs(), dim=1, descending=True, stable=True)
-    ranks = torch.empty_like(order)
-    ranks.scatter_(1, order, torch.arange(width, device=rows.device).expand_as(order).contiguous())
-    drop_probability = drop_rate - epsilon / 2 + (epsilon / width) * ranks.to(COMPUTE_DTYPE)
-    dropped = torch.bernoulli(drop_probability, generator=generator)
-    return ((1 - dropped) * rows / (1 - drop_probability)).reshape(task_vector.shape)
+    drop_rate, epsilon = _check_della(drop_rate, epsilon)
+    return _magprune_draw(task_vector, drop_rate, epsilon, generator)(_compute(task_vector))
 
 
 def della(
@@ -362,9 +540,11 @@ def della(
     grid, λ = 1. A seeded ``torch.Generator`` draws the masks in task order.
     """
     _check_task_vectors(task_vectors)
+    drop_rate, epsilon = _check_della(drop_rate, epsilon)
     generator = _generator(seed, task_vectors[0].device)
-    pruned = torch.stack([magprune(task_vector, drop_rate, epsilon, generator) for task_vector in task_vectors])
-    return _as_output(float(scaling) * elect_sign_disjoint_mean(pruned), task_vectors[0])
+    drawn = [_magprune_draw(task_vector, drop_rate, epsilon, generator) for task_vector in task_vectors]
+    return _by_chunks(task_vectors, lambda pieces: float(scaling) * elect_sign_disjoint_mean(
+        torch.stack([draw(piece) for draw, piece in zip(drawn, pieces)])))
 
 
 # --------------------------------------------------------------------------- matrix methods
@@ -446,7 +626,7 @@ def iso_c(task_vectors: Sequence[torch.Tensor], *, scaling: float = 1.0) -> torc
     """
     _check_task_vectors(task_vectors, matrix=True)
     shape = tuple(task_vectors[0].shape)
-    left, singular_values, right = _thin_svd(_stack(task_vectors).sum(dim=0))
+    left, singular_values, right = _thin_svd(_sum_in(task_vectors))
     scale = float(singular_values[0]) if singular_values.numel() else 0.0
     rank = _numerical_rank(singular_values, scale, shape, task_vectors[0].dtype)
     if rank == 0:
@@ -475,17 +655,17 @@ def iso_cts(
     shape = tuple(task_vectors[0].shape)
     full_rank = min(shape)
     task_count = len(task_vectors)
-    stacked = _stack(task_vectors)
     per_task = min(round((full_rank - math.floor(common_fraction * full_rank)) / task_count), full_rank // task_count)
     common_rank = full_rank - task_count * per_task
 
-    left, singular_values, right = _thin_svd(stacked.sum(dim=0))
+    left, singular_values, right = _thin_svd(_sum_in(task_vectors))
     scale = float(singular_values[0]) if singular_values.numel() else 0.0
     common_rank = min(common_rank, _numerical_rank(singular_values, scale, shape, task_vectors[0].dtype))
     common_left = left[:, :common_rank]
     lefts, values, rights = [common_left], [singular_values[:common_rank]], [right[:, :common_rank]]
     if per_task > 0:
-        for task_matrix in stacked:
+        for task_vector in task_vectors:
+            task_matrix = task_vector.to(COMPUTE_DTYPE)
             residual = task_matrix - common_left @ (common_left.mT @ task_matrix)
             task_left, task_values, task_right = _thin_svd(residual)
             task_scale = float(torch.linalg.matrix_norm(task_matrix))
@@ -495,7 +675,7 @@ def iso_cts(
             rights.append(task_right[:, :keep])
     kept_values = torch.cat(values)
     if kept_values.numel() == 0:
-        return _as_output(torch.zeros(shape, dtype=COMPUTE_DTYPE, device=stacked.device), task_vectors[0])
+        return torch.zeros_like(task_vectors[0])
     orthonormal_left = procrustes_orthonormalise(torch.cat(lefts, dim=1))
     orthonormal_right = procrustes_orthonormalise(torch.cat(rights, dim=1))
     merged = kept_values.mean() * (orthonormal_left @ orthonormal_right.mT)
@@ -513,15 +693,14 @@ def cart(task_vectors: Sequence[torch.Tensor], *, rank_ratio: float = 0.08, scal
     """
     _check_task_vectors(task_vectors, matrix=True)
     rank_ratio = _check_fraction(rank_ratio, "rank_ratio")
-    stacked = _stack(task_vectors)
-    mean = stacked.mean(dim=0)
+    mean = _sum_in(task_vectors) / len(task_vectors)
     full_rank = min(mean.shape)
     rank = _count_from_fraction(rank_ratio, full_rank)
     if rank == 0 or rank >= full_rank:
         return _as_output(mean, task_vectors[0])
     low_rank_sum = torch.zeros_like(mean)
-    for task_matrix in stacked:
-        left, singular_values, right = _thin_svd(task_matrix - mean)
+    for task_vector in task_vectors:
+        left, singular_values, right = _thin_svd(task_vector.to(COMPUTE_DTYPE) - mean)
         low_rank_sum += (left[:, :rank] * singular_values[:rank]) @ right[:, :rank].mT
     return _as_output(mean + float(scaling) * low_rank_sum, task_vectors[0])
 
@@ -551,8 +730,10 @@ def star(task_vectors: Sequence[torch.Tensor], *, energy_fraction: float = 0.4) 
     Default η = 40 % (the survey: "typically set to 40"). No extra scaling.
     """
     _check_task_vectors(task_vectors, matrix=True)
-    truncated = torch.stack([star_truncate(task_vector, energy_fraction) for task_vector in task_vectors])
-    return _as_output(truncated.mean(dim=0), task_vectors[0])
+    total = star_truncate(task_vectors[0], energy_fraction)
+    for task_vector in task_vectors[1:]:
+        total += star_truncate(task_vector, energy_fraction)
+    return _as_output(total / len(task_vectors), task_vectors[0])
 
 
 class SftmSystem(NamedTuple):

@@ -12,6 +12,7 @@ with the plan or options used.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -24,10 +25,10 @@ from diagnostics.progress import progress_bar
 from diagnostics.store import provenance
 from diagnostics.tensors import TensorInfo, TensorTable
 from merge.rules import MergeError, ParameterRule, method_rule, regmean_rule
-from merge.strategies import merge_parameter, weighted_task_arithmetic
+from merge.strategies import compute_dtype, merge_parameter, weighted_task_arithmetic
 
-__all__ = ["MergeError", "ParameterRule", "ShardWriter", "merge_tensor", "method_rule", "parse_size",
-           "prepare_output", "regmean_rule", "write_merge"]
+__all__ = ["MergeError", "ParameterRule", "ShardWriter", "check_not_an_input", "check_output", "merge_tensor",
+           "method_rule", "parse_size", "regmean_rule", "write_merge"]
 
 _COPIED_FILES = (
     "config.json",
@@ -44,24 +45,72 @@ _COPIED_FILES = (
 )
 
 
-def parse_size(value: str | int) -> int:
-    if isinstance(value, int):
-        return value
-    text = value.strip().upper()
-    for suffix, factor in (("GB", 1024**3), ("MB", 1024**2), ("KB", 1024), ("B", 1)):
-        if text.endswith(suffix):
-            return int(float(text[: -len(suffix)]) * factor)
-    return int(text)
+def parse_size(value: str | int, option: str = "--shard-size") -> int:
+    """Bytes in a size such as ``2GB``, ``500MB``, ``64KB``, ``100B`` or a plain integer (powers of 1024)."""
+    size = None
+    if isinstance(value, int) and not isinstance(value, bool):
+        size = value
+    else:
+        text = str(value).strip().upper()
+        suffix = next((s for s in _SIZE_FACTORS if text.endswith(s)), "")
+        try:
+            size = int(float(text[: len(text) - len(suffix)]) * _SIZE_FACTORS.get(suffix, 1))
+        except ValueError:
+            pass
+    if size is None or size <= 0:
+        raise MergeError(f"{option}: cannot read {value!r} as a size; use e.g. 2GB, 500MB, 64KB or a number of bytes")
+    return size
 
 
-def prepare_output(out_dir: Path, force: bool) -> Path:
+_SIZE_FACTORS = {"GB": 1024**3, "MB": 1024**2, "KB": 1024, "B": 1}
+
+
+def check_output(out_dir: Path, force: bool) -> None:
+    """Refuse an existing non-empty `out_dir` (or a file) without `force`. Nothing is deleted here."""
     out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()):
-        if not force:
-            raise MergeError(f"output directory {out_dir} exists and is not empty; pass --force to overwrite it")
-        shutil.rmtree(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    return out_dir
+    if (out_dir.is_file() or (out_dir.is_dir() and any(out_dir.iterdir()))) and not force:
+        raise MergeError(f"output directory {out_dir} exists and is not empty; pass --force to overwrite it "
+                         "(the old output is replaced only once the new one is complete)")
+
+
+def check_not_an_input(out_dir: Path, inputs: dict[str, Path]) -> None:
+    """Refuse an output that is, contains or is inside an input model's directory.
+
+    `inputs` maps a description ("base model", "fine-tune 'math'") to its checkpoint path; for a
+    single-file checkpoint the output may not be the file, contain it or be its directory."""
+    out = Path(out_dir).resolve()
+    for what, path in inputs.items():
+        path = Path(path).resolve()
+        if path.is_dir():
+            clash = out == path or path in out.parents or out in path.parents
+        else:
+            clash = out in (path, path.parent) or out in path.parents
+        if clash:
+            raise MergeError(f"--out {out_dir} would overwrite the {what} ({path}): choose a directory that is "
+                             "neither an input model's directory nor inside or around one")
+
+
+def _staging_directory(out_dir: Path) -> Path:
+    """A sibling of `out_dir` that the merge is written into, renamed into place once complete."""
+    staging = out_dir.with_name(f"{out_dir.name}.partial-{os.getpid()}")
+    if staging.exists():
+        shutil.rmtree(staging)
+    staging.mkdir(parents=True)
+    return staging
+
+
+def _replace(staging: Path, out_dir: Path) -> None:
+    """Move the complete merge into place; an old output (``--force``) is removed only after that."""
+    if not out_dir.exists():
+        staging.rename(out_dir)
+        return
+    old = out_dir.with_name(f"{out_dir.name}.old-{os.getpid()}")
+    out_dir.rename(old)
+    staging.rename(out_dir)
+    if old.is_dir():
+        shutil.rmtree(old)
+    else:
+        old.unlink()
 
 
 def merge_tensor(info: TensorInfo, base_tensor: torch.Tensor, task_vectors: Mapping[str, torch.Tensor],
@@ -91,7 +140,8 @@ def merge_tensor(info: TensorInfo, base_tensor: torch.Tensor, task_vectors: Mapp
             raise MergeError(f"merging '{info.name}' {tuple(base_tensor.shape)}: {exc}") from exc
         if transposed:
             delta = delta.T
-    merged = (base_tensor.to(torch.float32) + delta).to(dtype or base_tensor.dtype)
+    compute = compute_dtype(base_tensor.dtype)
+    merged = (base_tensor.to(compute) + delta.to(compute)).to(dtype or base_tensor.dtype)
     if not torch.isfinite(merged).all():
         raise MergeError(f"merged tensor '{info.name}' has NaN/Inf values (rule: {rule.describe()})")
     return merged
@@ -165,13 +215,38 @@ def write_merge(
 ) -> Path:
     """Merge `finetuned` into `base` tensor by tensor with the rule `rule_for(info)` gives (info: the tensor table's).
 
+    Tensors are written in `dtype` (default: each base tensor's). The checkpoint is written into a
+    sibling directory ``<out>.partial-<pid>`` and renamed to `out_dir` once complete; with `force` an
+    existing output is removed only then, so a failed merge leaves it as it was. An `out_dir` that is,
+    contains or is inside an input model's directory is refused before anything is written.
     Returns the output directory, loadable with `AutoModelForCausalLM.from_pretrained`.
     """
-    out_dir = prepare_output(Path(out_dir), force)
+    out_dir = Path(out_dir)
+    check_output(out_dir, force)
+    limit = parse_size(shard_size)
     base_reader = open_checkpoint(base, allow_pickle=allow_pickle)
     task_vectors, report = open_finetunes(base_reader, finetuned, allow_pickle=allow_pickle, vocab=vocab)
+    check_not_an_input(out_dir, {"base model": base_reader.path,
+                                 **{f"fine-tune '{t}'": tv.finetuned.path for t, tv in task_vectors.items()}})
+    staging = _staging_directory(out_dir)
+    try:
+        shards = ShardWriter(staging, limit)
+        used = _stream_tensors(base_reader, task_vectors, rule_for, shards, dtype=dtype, device=device,
+                               gram_matrices=gram_matrices, progress=progress)
+        shards.finish()
+        _copy_model_files(base, staging, allow_pickle)
+        _write_record(staging, record, used, base, task_vectors, report)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    _replace(staging, out_dir)
+    return out_dir
+
+
+def _stream_tensors(base_reader, task_vectors, rule_for, shards: ShardWriter, *, dtype, device, gram_matrices,
+                    progress) -> dict[str, str]:
+    """Merge every tensor of the base in checkpoint order into `shards`; returns name → rule description."""
     table = TensorTable.from_reader(base_reader)
-    shards = ShardWriter(out_dir, parse_size(shard_size))
     used: dict[str, str] = {}
     names = base_reader.names()
     with progress_bar(progress) as bar:
@@ -186,12 +261,10 @@ def write_merge(
                 grams = gram_matrices(name) if (gram_matrices and rule.method == "regmean") else None
                 merged = merge_tensor(info, base_tensor, vectors, rule, grams, dtype=dtype)
                 used[name] = rule.describe()
+                del vectors
             shards.add(name, merged)
             bar.advance(job)
-    shards.finish()
-    _copy_model_files(base, out_dir, allow_pickle)
-    _write_record(out_dir, record, used, base, task_vectors, report)
-    return out_dir
+    return used
 
 
 def _write_record(out_dir: Path, record: dict | None, used: dict[str, str], base: str, task_vectors, report) -> None:

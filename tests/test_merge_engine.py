@@ -659,3 +659,78 @@ def test_run_merge_needs_data_for_data_methods_and_one_of_plan_or_method(kit, tm
     name = _layer(1, "mlp.up_proj")
     base = load_file(str(Path(kit.base) / "model.safetensors"))[name]
     assert (_tensors(out)[name] - base - 0.5 * sum(_task_vectors(kit, name))).abs().max().item() <= 1e-6
+
+
+# --------------------------------------------------------- 6. output safety, dtypes, options
+
+
+def _digest(directory: Path) -> dict[str, str]:
+    import hashlib
+
+    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(Path(directory).rglob("*")) if p.is_file()}
+
+
+def test_a_failing_merge_with_force_keeps_the_old_output(kit, tmp_path):
+    out = write_merge(kit.base, kit.finetuned, tmp_path / "merged", method_rule("task-arithmetic"), progress=False)
+    before = _digest(out)
+
+    def fails_in_layer_1(info):
+        return ParameterRule("ties", {"k": 1}) if info.layer == 1 else ParameterRule()
+
+    with pytest.raises(MergeError, match=r"merging 'model.layers.1\..*unknown option 'k'"):
+        write_merge(kit.base, kit.finetuned, out, fails_in_layer_1, force=True, shard_size="20KB", progress=False)
+    assert _digest(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["merged"]  # no .partial-<pid> or .old-<pid> left
+    # a successful --force replaces it, again without leftovers
+    write_merge(kit.base, kit.finetuned, out, method_rule("task-arithmetic", {"scaling": 0.5}), force=True,
+                progress=False)
+    assert _digest(out) != before and sorted(p.name for p in tmp_path.iterdir()) == ["merged"]
+
+
+def test_out_that_is_inside_or_around_an_input_is_refused_and_the_inputs_are_untouched(kit, tmp_path):
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    base, math = Path(kit.base), Path(kit.finetuned["math"])
+    before = {path: _digest(path) for path in (base, math)}
+    for out, what in ((base, "base model"), (base / "merged", "base model"), (math, "fine-tune 'math'"),
+                      (base.parent, "base model")):
+        result = CliRunner().invoke(app, ["merge", "--method", "task-arithmetic", "-m", kit.base,
+                                          *_finetuned_options(kit), "--out", str(out), "--force", "--no-progress"])
+        assert result.exit_code == 2, (out, result.output)
+        assert f"would overwrite the {what}" in " ".join(result.output.split()), result.output
+        with pytest.raises(MergeError, match="would overwrite"):
+            write_merge(kit.base, kit.finetuned, out, method_rule("task-arithmetic"), force=True, progress=False)
+    assert {path: _digest(path) for path in (base, math)} == before
+    assert not (base / "merged").exists()
+
+
+@pytest.mark.parametrize("option, value, message", [("--shard-size", "2XB", "--shard-size: cannot read '2XB'"),
+                                                     ("--shard-size", "-1GB", "--shard-size: cannot read"),
+                                                     ("--out-dtype", "float8", "--out-dtype: unknown dtype 'float8'")])
+def test_bad_size_or_dtype_is_a_clear_error(kit, tmp_path, option, value, message):
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    result = CliRunner().invoke(app, ["merge", "--method", "ties", "-m", kit.base, *_finetuned_options(kit),
+                                      "--out", str(tmp_path / "m"), option, value, "--no-progress"])
+    assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "m").exists()
+
+
+def test_out_dtype_rounds_once_and_mergekit_spelling_on_the_command_line(kit, tmp_path):
+    _invoke(["merge", "--method", "task_arithmetic", "--option", "scaling=0.5", "-m", kit.base,
+             *_finetuned_options(kit), "--out", str(tmp_path / "bf16"), "--out-dtype", "bfloat16", "--no-progress"])
+    _invoke(["merge", "--method", "task-arithmetic", "--option", "scaling=0.5", "-m", kit.base,
+             *_finetuned_options(kit), "--out", str(tmp_path / "f32"), "--no-progress"])
+    rounded, full = _tensors(tmp_path / "bf16"), _tensors(tmp_path / "f32")
+    assert set(rounded) == set(full)
+    for name, tensor in rounded.items():
+        assert tensor.dtype == torch.bfloat16 and full[name].dtype == torch.float32
+        assert torch.equal(tensor, full[name].to(torch.bfloat16)), name
+    record = yaml.safe_load((tmp_path / "bf16" / "submerge_merge.yaml").read_text())
+    assert record["out_dtype"] == "bfloat16" and record["method"] == "task_arithmetic"
+    assert any(rule.startswith("task-arithmetic") for rule in record["rules"])

@@ -653,3 +653,74 @@ def test_scaling_is_linear(params, scaling):
     torch.testing.assert_close(task_arithmetic(tasks, scaling=scaling), scaling * task_arithmetic(tasks))
     torch.testing.assert_close(ties(tasks, top_k=0.5, scaling=scaling), scaling * ties(tasks, top_k=0.5))
     torch.testing.assert_close(tsv_m(tasks, scaling=scaling), scaling * tsv_m(tasks), atol=1e-10, rtol=1e-10)
+
+
+# ----------------------------------------------------------------- precision and row chunks
+
+_ELEMENT_WISE = {
+    "weight-average": {},
+    "task-arithmetic": {"scaling": 0.7},
+    "ties": {"top_k": 0.3, "scaling": 0.9},
+    "dare": {"drop_rate": 0.5, "seed": 4},
+    "dare-ties": {"drop_rate": 0.3, "seed": 5, "base": "ties", "top_k": 0.4},
+    "breadcrumbs": {"beta": 0.2, "gamma": 0.9},
+    "della": {"drop_rate": 0.4, "epsilon": 0.2, "seed": 6},
+}
+
+
+def _element_wise(name, tasks):
+    method = "dare" if name == "dare-ties" else name
+    return STRATEGIES[method].function(tasks, **_ELEMENT_WISE[name])
+
+
+@pytest.mark.parametrize("name", list(_ELEMENT_WISE))
+def test_row_chunks_give_the_whole_tensor_result(monkeypatch, name):
+    """Above CHUNK_THRESHOLD the element-wise methods run row chunk by row chunk: bitwise the same merge
+    (same trim thresholds, same random stream), including equal magnitudes across chunk borders."""
+    import merge.strategies as module
+
+    generator = torch.Generator().manual_seed(30)
+    tasks = [torch.randint(-6, 7, (37, 11), generator=generator).float() * 0.25 for _ in range(3)]  # many ties
+    tasks += [torch.randn(37, 11, generator=generator)]
+    whole = _element_wise(name, tasks)
+    monkeypatch.setattr(module, "CHUNK_THRESHOLD", 50)
+    monkeypatch.setattr(module, "CHUNK_ELEMENTS", 40)  # 3 rows per chunk, 13 chunks
+    assert len(module._row_chunks((37, 11))) == 13
+    chunked = _element_wise(name, tasks)
+    assert chunked.dtype == torch.float32 and torch.equal(chunked, whole), name
+
+
+def test_trim_with_equal_magnitudes_keeps_exactly_k_the_later_ones_first(monkeypatch):
+    import merge.strategies as module
+
+    values = torch.tensor([[1.0, -2.0, 2.0], [2.0, 3.0, -2.0], [2.0, 0.5, 1.0]])
+    # top 4 of 9: 3 and the last three of the five 2s in row-major order (a stable ascending sort's ranks)
+    expected = torch.tensor([[0.0, 0.0, 0.0], [2.0, 3.0, -2.0], [2.0, 0.0, 0.0]])
+    assert torch.equal(keep_top_magnitude(values, 4 / 9), expected)
+    monkeypatch.setattr(module, "CHUNK_THRESHOLD", 1)
+    monkeypatch.setattr(module, "CHUNK_ELEMENTS", 3)
+    assert torch.equal(ties([values], top_k=4 / 9), expected)
+    reference = torch.zeros(9, dtype=torch.bool)
+    reference[torch.argsort(values.abs().reshape(-1), stable=True)[-4:]] = True
+    assert torch.equal(expected != 0, reference.reshape(3, 3))
+
+
+@pytest.mark.parametrize("name", list(_ELEMENT_WISE))
+def test_float32_computation_is_within_1e6_of_float64(name):
+    tasks32 = _random_tasks(3, (16, 12), seed=31, dtype=torch.float32)
+    in32 = _element_wise(name, tasks32)
+    in64 = _element_wise(name, [t.to(f64) for t in tasks32])
+    assert in32.dtype == torch.float32 and in64.dtype == f64
+    assert (in32.to(f64) - in64).abs().max().item() <= 1e-6, name
+    # half-precision inputs are computed in float32, then rounded once
+    half = [t.to(torch.float16) for t in tasks32]
+    from_half = _element_wise(name, half)
+    assert from_half.dtype == torch.float16
+    assert torch.equal(from_half, _element_wise(name, [t.float() for t in half]).to(torch.float16)), name
+
+
+def test_compute_dtype_is_at_least_float32():
+    from merge.strategies import compute_dtype
+
+    assert compute_dtype(torch.bfloat16) == torch.float32 and compute_dtype(torch.float16) == torch.float32
+    assert compute_dtype(torch.float32) == torch.float32 and compute_dtype(f64) == f64
