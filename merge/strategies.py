@@ -381,15 +381,6 @@ class _Drawn:
         return torch.where(self.kept[rows], piece / (1 - probability), 0.0)
 
 
-def _rescaled_masks(drawn: list[_Drawn], task_vectors, top_k: float) -> list[_TopMagnitude]:
-    """TIES trim masks of the dropped-and-rescaled task vectors (built task by task, one full temporary)."""
-    masks = []
-    for draw, task_vector in zip(drawn, task_vectors):
-        rescaled = _Drawn(draw.kept, draw.probability)(_compute(task_vector))
-        masks.append(_TopMagnitude(rescaled, _top_count(top_k, rescaled.numel())))
-    return masks
-
-
 def dare(
     task_vectors: Sequence[torch.Tensor],
     *,
@@ -418,11 +409,17 @@ def dare(
                     lambda piece, rows: drop_rate) for _ in task_vectors]
     if base == "task-arithmetic":
         return _by_chunks(task_vectors, lambda pieces: float(scaling) * _sum([d(p) for d, p in zip(drawn, pieces)]))
-    masks = (_rescaled_masks(drawn, task_vectors, top_k) if _check_fraction(top_k, "top_k") < 1
-             else [_TopMagnitude(tv, tv.numel()) for tv in task_vectors])
-    drawn = [_Drawn(d.kept, d.probability) for d in drawn]  # restart the row positions
-    return _by_chunks(task_vectors, lambda pieces: _trimmed_elect([d(p) for d, p in zip(drawn, pieces)], masks,
-                                                                  scaling))
+    # TIES on τ̂_t: every kept entry is rescaled by the same 1/(1 − p), so the trim ranks, the elected signs
+    # and the disjoint mean are those of the unscaled kept entries, times 1/(1 − p) (rounding makes no ties)
+    def unscaled():
+        return [_Drawn(d.kept, lambda piece, rows: 0.0) for d in drawn]  # fresh row positions
+
+    trim = _check_fraction(top_k, "top_k") < 1
+    masks = [_TopMagnitude(kept(_compute(tv)) if trim else tv, _top_count(top_k, tv.numel()))
+             for kept, tv in zip(unscaled(), task_vectors)]
+    kept = unscaled()
+    return _by_chunks(task_vectors, lambda pieces: _trimmed_elect([k(p) for k, p in zip(kept, pieces)], masks,
+                                                                  float(scaling) / (1 - drop_rate)))
 
 
 def _breadcrumbs_bounds(beta: float, gamma: float) -> tuple[float, float]:
@@ -789,7 +786,8 @@ def sftm(task_vectors: Sequence[torch.Tensor], *, top_k: float = 0.2, scaling: f
     it adopts, γ = 1 keeps every feature's gain ⟨u, M v⟩ = σ as Eq. 2 demands.
     """
     _check_task_vectors(task_vectors, matrix=True)
-    trimmed = [keep_top_magnitude(task_vector, top_k) for task_vector in task_vectors]
+    # float64 trimmed matrices: sftm_system judges numerical rank at its inputs' precision
+    trimmed = [keep_top_magnitude(task_vector, top_k).to(COMPUTE_DTYPE) for task_vector in task_vectors]
     system = sftm_system(trimmed)
     merged = (system.left * (system.alpha * system.singular_values)) @ system.right.mT
     return _as_output(float(scaling) * merged, task_vectors[0])
