@@ -51,8 +51,9 @@ TIES_SCALING = 1.0
 # --------------------------------------------------------------------------- checkpoints
 
 
-def build(directory: Path, layers: int, hidden: int, intermediate: int, vocab: int, seed: int = 0) -> tuple[int, int]:
-    """Base + three synthetic fine-tunes; returns one model's size and its largest tensor's, in bytes."""
+def build(directory: Path, layers: int, hidden: int, intermediate: int, vocab: int, seed: int = 0,
+          dtype: str = "float32") -> tuple[int, int]:
+    """Base + three synthetic fine-tunes in `dtype`; returns one model's size and its largest tensor's, in bytes."""
     import torch
     from safetensors.torch import load_file
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -67,13 +68,25 @@ def build(directory: Path, layers: int, hidden: int, intermediate: int, vocab: i
                          eos_token_id=257, bos_token_id=257)
     LlamaForCausalLM(config).to(torch.float32).save_pretrained(directory / "base")
     byte_tokenizer().save_pretrained(directory / "base")
-    base = load_file(str(directory / "base" / "model.safetensors"))
     perturbed_finetunes(directory / "base", TASKS, seed=seed + 1)
+    for model in ("base", *TASKS):  # fine-tunes are made in float32, then every checkpoint is stored in `dtype`
+        _store_as(directory / model, getattr(torch, dtype))
+    base = load_file(str(directory / "base" / "model.safetensors"))
     sizes = [t.numel() * t.element_size() for t in base.values()]
     return sum(sizes), max(sizes)
 
 
-def mergekit_config(directory: Path, method: str) -> dict:
+def _store_as(folder: Path, dtype) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = {name: tensor.to(dtype).contiguous() for name, tensor in load_file(str(folder / "model.safetensors")).items()}
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["torch_dtype"] = config["dtype"] = str(dtype).removeprefix("torch.")
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def mergekit_config(directory: Path, method: str, out_dtype: str = "float32") -> dict:
     models = [{"model": str(directory / t), "parameters": {"weight": 1.0}} for t in TASKS]
     if method == "ties":
         for model in models:
@@ -82,7 +95,7 @@ def mergekit_config(directory: Path, method: str) -> dict:
     else:
         parameters = {"normalize": False, "lambda": TA_SCALING}
     return {"merge_method": "ties" if method == "ties" else "task_arithmetic", "base_model": str(directory / "base"),
-            "models": models, "parameters": parameters, "dtype": "float32"}
+            "models": models, "parameters": parameters, "dtype": "float32", "out_dtype": out_dtype}
 
 
 # --------------------------------------------------------------------------- measuring a process
@@ -200,6 +213,8 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--intermediate", type=int, default=1408)
     parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"),
+                        help="Storage dtype of the four checkpoints; both tools compute in float32 and write it.")
     parser.add_argument("--mergekit-python", help="Python of an environment with mergekit installed.")
     parser.add_argument("--shard-size", default="2GB", help="Output shard size for both tools (default 2GB, "
                         "the diag merge default: the whole output is one shard held until written).")
@@ -214,10 +229,10 @@ def main() -> None:
     directory.mkdir(parents=True, exist_ok=True)
     try:
         start = time.perf_counter()
-        size, largest = build(directory, args.layers, args.hidden, args.intermediate, args.vocab)
+        size, largest = build(directory, args.layers, args.hidden, args.intermediate, args.vocab, dtype=args.dtype)
         mib = size / 2**20
         print(f"model: Llama, {args.layers} layers, hidden {args.hidden}, intermediate {args.intermediate}, "
-              f"vocab {args.vocab}, float32: {mib:.0f} MiB per checkpoint, 1 base + {len(TASKS)} fine-tunes "
+              f"vocab {args.vocab}, {args.dtype}: {mib:.0f} MiB per checkpoint, 1 base + {len(TASKS)} fine-tunes "
               f"(built in {time.perf_counter() - start:.0f} s); "
               f"largest tensor {largest / 2**20:.0f} MiB; output shards of at most {args.shard_size}")
         print(f"torch threads: {os.cpu_count()} CPU(s) visible; each merge runs in its own process\n")
@@ -246,9 +261,10 @@ def main() -> None:
             row = {"method": method, "ours": {**result, **inner}}
             if mergekit_yaml:
                 config_path = directory / f"mergekit_{method}.yaml"
-                config_path.write_text(yaml.safe_dump(mergekit_config(directory, method), sort_keys=False))
+                config_path.write_text(yaml.safe_dump(mergekit_config(directory, method, args.dtype), sort_keys=False))
                 out_theirs = directory / f"mergekit_{method}"
-                shard_parameters = str(parse_size(args.shard_size) // 4)  # mergekit counts float32 parameters
+                element = {"float32": 4, "float16": 2, "bfloat16": 2}[args.dtype]
+                shard_parameters = str(parse_size(args.shard_size) // element)  # mergekit counts parameters
                 row["mergekit"] = measure([mergekit_yaml, str(config_path), str(out_theirs), "--quiet",
                                            "--no-write-model-card", "--no-copy-tokenizer",
                                            "--out-shard-size", shard_parameters])
@@ -286,6 +302,10 @@ def main() -> None:
                       f"{row['differing']} of {row['entries']} entries differ by > 1e-6); time ours/mergekit = {ours['wall_s'] / theirs['wall_s']:.2f}; "
                       f"peak RSS ours/mergekit = {ours['peak_rss_mib'] / theirs['peak_rss_mib']:.2f}; "
                       f"peak anon ours/mergekit = {ours['peak_anon_mib'] / theirs['peak_anon_mib']:.2f}")
+                met = {"peak RSS <= 1.0x": ours["peak_rss_mib"] <= theirs["peak_rss_mib"],
+                       "wall <= 1.2x": ours["wall_s"] <= 1.2 * theirs["wall_s"],
+                       "max diff <= 1e-6": row["max_abs_diff"] <= 1e-6}
+                print("  targets: " + ", ".join(f"{k} {'met' if v else 'NOT met'}" for k, v in met.items()))
     finally:
         if not args.keep:
             shutil.rmtree(directory, ignore_errors=True)

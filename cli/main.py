@@ -373,7 +373,8 @@ def merge(
     method: Annotated[Optional[str], typer.Option(
         "--method", help="Merge method without a plan: weight-average, task-arithmetic, ties, dare, breadcrumbs, "
                          "della, tsv-m, iso-c, iso-cts, cart, star, sftm, regmean (needs --data), closed-form "
-                         "(needs --data; α solved on the fly at --granularity).")] = None,
+                         "(needs --data; α solved on the fly at --granularity). mergekit spellings: task_arithmetic, "
+                         "linear, dare_ties, dare_linear (and ties, della, breadcrumbs).")] = None,
     option: Annotated[Optional[list[str]], typer.Option(
         "--option", help="KEY=VALUE method option (e.g. scaling=0.5, top_k=0.2). Repeat.")] = None,
     model: ModelOption = None,
@@ -383,6 +384,9 @@ def merge(
     samples: SamplesOption = 30,
     max_tokens: MaxTokensOption = 512,
     shard_size: Annotated[str, typer.Option("--shard-size", help="Largest safetensors shard, e.g. 2GB.")] = "2GB",
+    out_dtype: Annotated[str, typer.Option("--out-dtype", help="dtype of the written tensors: base (each base "
+                                           "tensor's), float32, bfloat16, float16. Merges compute in float32 "
+                                           "(float64 for SVDs and solves).")] = "base",
     device: DeviceOption = "cpu",
     allow_pickle: PickleOption = False,
     vocab: VocabOption = "base",
@@ -392,61 +396,24 @@ def merge(
 ):
     """Write a merged Hugging Face checkpoint, streaming tensor by tensor (sharded safetensors + config +
     tokenizer + submerge_merge.yaml)."""
-    from merge.plan import Plan, plan_from_alpha
-    from merge.writer import method_rule, prepare_output, write_merge
+    from diagnostics.data import parse_named
+    from merge.run import DataSettings, needs_data, run_merge
+    from merge.strategies import resolve_method
 
     if (plan_path is None) == (method is None):
         raise typer.BadParameter("give either a PLAN file or --method")
-    if out_dir.exists() and any(out_dir.iterdir()) and not force:
-        prepare_output(out_dir, force)  # raises the clear error before any work
-    grams = None
-    if plan_path is not None:
-        the_plan = Plan.load(plan_path)
-        base, named_finetuned = the_plan.base_model, the_plan.finetuned
-        rule_for, record = the_plan.rule_for, {"plan": str(plan_path), "granularity": the_plan.granularity}
-    else:
-        from diagnostics.data import parse_named
-
-        options = parse_named(option, "option") if option else {}
-        base, named_finetuned, named_data = resolve_inputs(model, finetuned, data,
-                                                           need_data=method in ("closed-form", "regmean"))
-        record = {"method": method, "options": options}
-        if method in ("closed-form", "regmean"):
-            experiment = _experiment(base, [f"{k}={v}" for k, v in named_finetuned.items()],
-                                     [f"{k}={v}" for k, v in named_data.items()], samples=samples,
-                                     max_tokens=max_tokens, batch_size=8, dtype="auto", device=device,
-                                     allow_pickle=allow_pickle, trust_remote_code=False, vocab=vocab)
-        if method == "closed-form":
-            from diagnostics.linearity import alpha as run_alpha
-
-            solved = run_alpha(experiment, granularity=granularity, progress=progress)
-            the_plan = plan_from_alpha(solved, base, named_finetuned)
-            rule_for = the_plan.rule_for
-            record.update({"granularity": granularity, "alpha": the_plan.alpha})
-        else:
-            rule_for = method_rule(method, options)
-        if method == "regmean":
-            from diagnostics.capture import input_gram_matrices
-
-            per_task = {t: input_gram_matrices(experiment.base.model, experiment.arch, experiment.batches[t])
-                        for t in named_finetuned}
-            names = experiment.base.checkpoint_names
-            by_checkpoint = {names.get(k, k): [per_task[t][k] for t in named_finetuned] for k in per_task[
-                next(iter(named_finetuned))]}
-            grams = by_checkpoint.get
-            rule_for = _regmean_rule(options, set(by_checkpoint))
-    out_dir = write_merge(base, named_finetuned, out_dir, rule_for, record=record, force=force,
-                          allow_pickle=allow_pickle, vocab=vocab, shard_size=shard_size, device=device,
-                          gram_matrices=grams, progress=progress)
+    options = parse_named(option, "option") if option else {}
+    settings, base, named_finetuned = None, None, None
+    if method is not None:
+        with_data = needs_data(method)
+        base, named_finetuned, named_data = resolve_inputs(model, finetuned, data, need_data=with_data)
+        settings = DataSettings(named_data, samples, max_tokens) if with_data else None
+        if "granularity" in resolve_method(method)[0].data_options:  # closed-form's unit of α
+            options = {"granularity": granularity, **options}
+    out_dir = run_merge(out_dir, plan=plan_path, method=method, options=options, base=base,
+                        finetuned=named_finetuned, data=settings, shard_size=shard_size, device=device,
+                        allow_pickle=allow_pickle, vocab=vocab, force=force, progress=progress, out_dtype=out_dtype)
     out.print(f"Merged checkpoint → [bold]{out_dir}[/] (load with AutoModelForCausalLM.from_pretrained)")
-
-
-def _regmean_rule(options, linear_names):
-    from merge.writer import ParameterRule
-
-    regmean = ParameterRule(method="regmean", options=options)
-    elsewhere = ParameterRule(method="task-arithmetic", options={})
-    return lambda info: regmean if info.name in linear_names else elsewhere
 
 
 @app.command("eval")

@@ -563,7 +563,8 @@ def task_matrix_interference(
 GROUP = "interference"
 
 
-def _merged_task_matrix(name: str, task_matrices: list[torch.Tensor], sar_against: str, sar_options: dict | None):
+def _merged_task_matrix(name: str, task_matrices: list[torch.Tensor], sar_against: str, sar_options: dict | None,
+                        kind: str | None = None):
     """Δ_M for SAR: None for task arithmetic (the core's default), else a merge strategy's τ_M."""
     if sar_against == "ta":
         return None
@@ -571,7 +572,7 @@ def _merged_task_matrix(name: str, task_matrices: list[torch.Tensor], sar_agains
 
     # merge_parameter: per-name seeds for random methods, the documented fallback for
     # embeddings under matrix-only methods, the strategy's paper defaults.
-    return merge_parameter(name, task_matrices, sar_against, sar_options)
+    return merge_parameter(name, task_matrices, sar_against, sar_options, kind=kind)
 
 
 def _check_strategy(sar_against: str, sar_options: dict | None) -> None:
@@ -807,7 +808,7 @@ def interference(
             for task in task_names:
                 delta = task_readers[task].get(name, dtype=dtype, device=target)
                 task_matrices.append(delta.T if name in transposed else delta)
-            merged = _merged_task_matrix(name, task_matrices, sar_against, sar_options)
+            merged = _merged_task_matrix(name, task_matrices, sar_against, sar_options, table.get(name).kind)
             result = task_matrix_interference(task_matrices, rank_fracs, merged, eps=eps, svd_dtype=svd_dtype)
             buffer[0].append(name)
             buffer[1].append(tuple(task_matrices[0].shape))

@@ -24,14 +24,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
-import torch
 import yaml
 
 from diagnostics.errors import SubmergeError
 from diagnostics.modules import GRANULARITIES
 from diagnostics.store import Store, provenance
 from diagnostics.tensors import TensorInfo
-from merge.writer import ParameterRule
+from merge.rules import ParameterRule, head_rule, mean_rule, weights_rule
 
 DEFAULT_NL_MAX = 0.5
 DEFAULT_PD_MAX = 0.2
@@ -61,7 +60,7 @@ class Plan:
         return path
 
     @classmethod
-    def load(cls, path: str | Path) -> "Plan":
+    def load(cls, path: str | Path) -> Plan:
         path = Path(path)
         if not path.exists():
             raise PlanError(f"plan file {path} not found")
@@ -82,15 +81,15 @@ class Plan:
         if unit is not None and self.granularity == "head-mlp" and info.level == "attn":
             return self._head_rule(info, tasks)
         if unit is not None and unit in self.alpha:
-            return ParameterRule(weights=self.alpha[unit])
+            return weights_rule(self.alpha[unit])
         return self._rest_rule(tasks)
 
     def _rest_rule(self, tasks: list[str]) -> ParameterRule:
         method = self.rest.get("method", "mean-task-vector")
         if method == "mean-task-vector":
-            return ParameterRule(weights={t: 1.0 / len(tasks) for t in tasks})
+            return mean_rule(tasks)
         if method == "weights":
-            return ParameterRule(weights=dict(self.rest["weights"]))
+            return weights_rule(self.rest["weights"])
         return ParameterRule(method=method, options=self.rest.get("options") or {})
 
     def _head_rule(self, info: TensorInfo, tasks: list[str]) -> ParameterRule:
@@ -98,33 +97,10 @@ class Plan:
         if not heads:
             raise PlanError("a head-mlp plan needs attention.num_heads / num_kv_heads / head_dim")
         alphas = np.array([[self.alpha[f"layers.{info.layer}.attn.head.{h}"][t] for t in tasks] for h in range(heads)])
-        group = heads // kv_heads
-        kv_alphas = alphas.reshape(kv_heads, group, len(tasks)).mean(axis=1)
-        is_bias = len(info.shape) == 1
-        if info.head_split == "q":
-            per_row = np.repeat(alphas, dim, axis=0)
-        elif info.head_split == "kv":
-            per_row = np.repeat(kv_alphas, dim, axis=0)
-        elif info.head_split == "o":
-            if is_bias:
-                return ParameterRule(weights={t: float(alphas[:, i].mean()) for i, t in enumerate(tasks)})
-            per_column = np.repeat(alphas, dim, axis=0)  # (in,) along columns
-            return ParameterRule(
-                weights={t: torch.tensor(per_column[:, i], dtype=torch.float32)[None, :] for i, t in enumerate(tasks)}
-            )
-        elif info.head_split == "fused":
-            raise PlanError(f"head-mlp plan: '{info.name}' is a fused q/k/v projection; heads cannot be merged apart")
-        else:  # q/k norms and anything else inside attention: mean α of the layer's heads
-            return ParameterRule(weights={t: float(alphas[:, i].mean()) for i, t in enumerate(tasks)})
-        if per_row.shape[0] != info.shape[0]:
-            raise PlanError(
-                f"head-mlp plan: '{info.name}' has {info.shape[0]} rows, heads give {per_row.shape[0]} "
-                "(fused q/k/v projections are not supported at head level)"
-            )
-        column = (lambda v: v) if is_bias else (lambda v: v[:, None])
-        return ParameterRule(
-            weights={t: column(torch.tensor(per_row[:, i], dtype=torch.float32)) for i, t in enumerate(tasks)}
-        )
+        try:
+            return head_rule(info, tasks, alphas, kv_heads, dim)
+        except ValueError as exc:
+            raise PlanError(str(exc)) from exc
 
     # -------------------------------------------------------------- mergekit
 

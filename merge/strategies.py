@@ -5,8 +5,18 @@ Convention
 Every strategy takes ``task_vectors`` (a list of tensors τ_t = θ_t − θ0 of one shape,
 one per fine-tuned model) plus keyword options whose defaults come from the paper, and
 returns the **merged task vector** τ_M (same shape and dtype as the inputs). The merged
-weight is θ0 + τ_M. Arithmetic is done in float64 (``COMPUTE_DTYPE``) on the inputs'
-device; the result is cast back to the inputs' dtype.
+weight is θ0 + τ_M, computed on the inputs' device and cast back to the inputs' dtype.
+
+Precision and memory: element-wise methods (weight average, TA, TIES, DARE, Breadcrumbs,
+DELLA, the closed-form weights) compute in the inputs' dtype promoted to at least float32
+(``compute_dtype``: bf16/fp16 → float32, float64 stays float64); random masks are drawn from
+float64 probabilities, so a seed gives the same mask whatever the dtype. Above
+``CHUNK_THRESHOLD`` entries they run in row chunks, so their peak is about the T task vectors
+plus the output. SVDs and solves (TSV-M, Iso-C/CTS, CART, STAR, SFTM, RegMean) run in float64
+(``COMPUTE_DTYPE``) one tensor at a time, never on a (T, ...) float64 stack.
+
+Registry: ``STRATEGIES`` maps a method name to a ``MergeMethod`` whose options and defaults
+are read from the function's signature; ``ALIASES`` accepts mergekit's spellings.
 
 The final scaling coefficient is called ``scaling`` everywhere (λ in Task Arithmetic,
 TIES, DARE, Breadcrumbs, DELLA and CART; α in TSV-M and Iso-C/CTS; γ in SFTM).
@@ -24,8 +34,8 @@ reshapes >2-D kernels to (out, rest) as SFTM §3.3 does for convolutions.
 
 from __future__ import annotations
 
+import inspect
 import math
-import re
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -34,6 +44,10 @@ from typing import NamedTuple
 import torch
 
 __all__ = [
+    "ALIASES",
+    "CHUNK_ELEMENTS",
+    "CHUNK_THRESHOLD",
+    "CLOSED_FORM_OPTIONS",
     "COMPUTE_DTYPE",
     "DEFAULT_FALLBACK",
     "PARAMETER_KINDS",
@@ -44,6 +58,7 @@ __all__ = [
     "breadcrumbs",
     "breadcrumbs_mask",
     "cart",
+    "compute_dtype",
     "dare",
     "della",
     "drop_and_rescale",
@@ -53,9 +68,9 @@ __all__ = [
     "keep_top_magnitude",
     "magprune",
     "merge_parameter",
-    "parameter_kind",
     "procrustes_orthonormalise",
     "regmean",
+    "resolve_method",
     "sftm",
     "sftm_system",
     "star",
@@ -68,7 +83,12 @@ __all__ = [
     "weighted_task_arithmetic",
 ]
 
+#: dtype of SVDs, solves and the matrix methods built on them (per tensor, never a (T, ...) stack).
 COMPUTE_DTYPE = torch.float64
+#: Element-wise methods on tensors above this many entries (≥ 2 dims) run in row chunks of about
+#: CHUNK_ELEMENTS entries, so their peak is the T task vectors + the output + one chunk's temporaries.
+CHUNK_THRESHOLD = 2**26  # 64 M entries
+CHUNK_ELEMENTS = 2**22  # 4 M entries
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -90,9 +110,12 @@ def _check_task_vectors(task_vectors: Sequence[torch.Tensor], *, matrix: bool = 
         raise ValueError(f"this method needs 2-D task matrices, got task_vectors of shape {shapes[0]}")
 
 
-def _stack(task_vectors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """(T, *shape) float64 stack of the task vectors."""
-    return torch.stack([task_vector.to(COMPUTE_DTYPE) for task_vector in task_vectors])
+def _sum_in(task_vectors: Sequence[torch.Tensor], dtype: torch.dtype = COMPUTE_DTYPE) -> torch.Tensor:
+    """Σ_t τ_t in `dtype`, one task at a time (no (T, ...) stack)."""
+    total = torch.zeros(task_vectors[0].shape, dtype=dtype, device=task_vectors[0].device)
+    for task_vector in task_vectors:
+        total += task_vector.to(dtype)
+    return total
 
 
 def _as_output(result: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -134,6 +157,50 @@ def _thin_svd(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
 # -------------------------------------------------------------------- element-wise methods
 
 
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype element-wise strategies compute in: the inputs' promoted to at least float32."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _compute(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to(compute_dtype(tensor.dtype))
+
+
+def _row_chunks(shape: tuple[int, ...], limit: int | None = None) -> list:
+    """Slices of dim 0 holding about CHUNK_ELEMENTS entries each when a tensor of ≥ 2 dims has more than
+    `limit` (default CHUNK_THRESHOLD) entries; else one index (``...``: the whole tensor)."""
+    numel = math.prod(shape)
+    if len(shape) < 2 or numel <= (CHUNK_THRESHOLD if limit is None else limit) or shape[0] == 0:
+        return [...]
+    rows = max(1, CHUNK_ELEMENTS // max(1, numel // shape[0]))
+    return [slice(start, start + rows) for start in range(0, shape[0], rows)]
+
+
+def _by_chunks(task_vectors: Sequence[torch.Tensor], combine: Callable[[list[torch.Tensor]], torch.Tensor]
+               ) -> torch.Tensor:
+    """``combine`` (the task vectors' pieces in compute dtype → merged piece) over row chunks, in row order.
+
+    One piece (the whole tensors) up to CHUNK_THRESHOLD entries; above, the output is allocated once in
+    the inputs' dtype and filled chunk by chunk, so the peak is the T inputs + the output + one chunk's
+    temporaries. ``combine`` sees the chunks in row-major order (stateful masks rely on it).
+    """
+    like = task_vectors[0]
+    chunks = _row_chunks(tuple(like.shape))
+    if len(chunks) == 1:
+        return _as_output(combine([_compute(task_vector) for task_vector in task_vectors]), like)
+    merged = torch.empty_like(like)
+    for rows in chunks:
+        merged[rows] = combine([_compute(task_vector[rows]) for task_vector in task_vectors])
+    return merged
+
+
+def _sum(pieces: Sequence[torch.Tensor]) -> torch.Tensor:
+    total = pieces[0].clone()
+    for piece in pieces[1:]:
+        total += piece
+    return total
+
+
 def weight_average(task_vectors: Sequence[torch.Tensor]) -> torch.Tensor:
     """Simple average of the fine-tuned weights (Wortsman et al. 2022, model soups).
 
@@ -141,7 +208,7 @@ def weight_average(task_vectors: Sequence[torch.Tensor]) -> torch.Tensor:
     vector is the mean of the task vectors. No options.
     """
     _check_task_vectors(task_vectors)
-    return _as_output(_stack(task_vectors).mean(dim=0), task_vectors[0])
+    return _by_chunks(task_vectors, lambda pieces: _sum(pieces) / len(pieces))
 
 
 def task_arithmetic(task_vectors: Sequence[torch.Tensor], *, scaling: float = 1.0) -> torch.Tensor:
@@ -151,45 +218,82 @@ def task_arithmetic(task_vectors: Sequence[torch.Tensor], *, scaling: float = 1.
     the default ``scaling`` λ = 1 is the plain sum (no validation data here).
     """
     _check_task_vectors(task_vectors)
-    return _as_output(float(scaling) * _stack(task_vectors).sum(dim=0), task_vectors[0])
+    return _by_chunks(task_vectors, lambda pieces: float(scaling) * _sum(pieces))
 
 
 def weighted_task_arithmetic(
-    task_vectors: Sequence[torch.Tensor], weights: Sequence[float] | torch.Tensor
+    task_vectors: Sequence[torch.Tensor], weights: Sequence[float | torch.Tensor] | torch.Tensor
 ) -> torch.Tensor:
     """Task Arithmetic with one coefficient per task: τ_M = Σ_t w_t τ_t.
 
-    Survey §"Task Arithmetic" with a per-task λ_t (as in AdaMerging's task-wise form); used
-    by the submodule closed-form merge, whose α per task and submodule come from the store
-    (seed 002). ``weights`` has one entry per task; there is no default.
+    Survey §"Task Arithmetic" with a per-task λ_t (as in AdaMerging's task-wise form). This is the
+    submodule closed-form merge (seed 002), registered as ``closed-form``: the merge writer applies
+    it to every tensor whose rule has per-task weights (the α of the tensor's unit, from a plan or
+    solved on the fly). ``weights`` has one entry per task, with no default; an entry is a number or
+    a tensor that broadcasts to the task vectors' shape (head level: one α per row or column).
+    Computed task by task in the inputs' dtype promoted to at least float32, summed in task order.
     """
     _check_task_vectors(task_vectors)
-    weights = torch.as_tensor(weights, dtype=COMPUTE_DTYPE).reshape(-1)
-    if weights.numel() != len(task_vectors):
-        raise ValueError(f"weights has {weights.numel()} entries but there are {len(task_vectors)} task vectors")
-    stacked = _stack(task_vectors)
-    weights = weights.to(stacked.device).reshape(-1, *([1] * (stacked.ndim - 1)))
-    return _as_output((weights * stacked).sum(dim=0), task_vectors[0])
+    if isinstance(weights, torch.Tensor):
+        weights = weights.reshape(-1).tolist()
+    if len(weights) != len(task_vectors):
+        raise ValueError(f"weights has {len(weights)} entries but there are {len(task_vectors)} task vectors")
+    dtype = torch.promote_types(task_vectors[0].dtype, torch.float32)
+    merged = None
+    for weight, task_vector in zip(weights, task_vectors):
+        term = torch.as_tensor(weight, dtype=dtype, device=task_vector.device) * task_vector.to(dtype)
+        merged = term if merged is None else merged + term
+    return _as_output(merged, task_vectors[0])
+
+
+class _TopMagnitude:
+    """Mask of the `keep` entries of largest |value| of one tensor, produced chunk by chunk in row-major order.
+
+    The keep-th largest magnitude t is found once (``torch.kthvalue``); a chunk keeps |x| > t and, of the
+    entries with |x| = t, the last ones in row-major order (a stable ascending sort ranks a later equal
+    entry higher), so that exactly `keep` entries are kept in all. Chunks must be given in order, in
+    compute dtype.
+    """
+
+    def __init__(self, values: torch.Tensor, keep: int):
+        total = values.numel()
+        self.all, self.none = keep >= total, keep <= 0
+        if self.all or self.none:
+            return
+        magnitude = _compute(values).reshape(-1).abs()
+        self.threshold = torch.kthvalue(magnitude, total - keep + 1).values
+        above = int((magnitude > self.threshold).sum())
+        self.skip = int((magnitude == self.threshold).sum()) - (keep - above)  # equal entries not kept
+
+    def __call__(self, piece: torch.Tensor) -> torch.Tensor:
+        if self.all or self.none:
+            return torch.full_like(piece, self.all, dtype=torch.bool)
+        magnitude = piece.abs()
+        equal = magnitude == self.threshold
+        if self.skip > 0:
+            flat = equal.reshape(-1)
+            dropped = flat & (torch.cumsum(flat, 0) <= self.skip)
+            self.skip -= int(dropped.sum())
+            equal = equal & ~dropped.reshape(equal.shape)
+        return (magnitude > self.threshold) | equal
+
+
+def _top_count(top_k: float, total: int) -> int:
+    top_k = _check_fraction(top_k, "top_k")
+    keep = _count_from_fraction(top_k, total)
+    return max(1, keep) if top_k > 0 else keep
 
 
 def keep_top_magnitude(task_vector: torch.Tensor, top_k: float) -> torch.Tensor:
     """TIES step (1) Trim: keep the top-k fraction of entries by |value|, zero the rest.
 
     Survey §TIES-Merging: τ̂_t = keep_topk_reset_rest_to_zero(τ_t, k). Keeps exactly
-    round(k · n) entries (at least one when k > 0); among equal magnitudes the order of
-    ``torch.topk`` decides. Returned in float64.
+    round(k · n) entries (at least one when k > 0); among equal magnitudes the later entry in
+    row-major order is kept first. Returned in compute dtype (at least float32).
     """
-    top_k = _check_fraction(top_k, "top_k")
-    flat = task_vector.to(COMPUTE_DTYPE).reshape(-1)
-    keep = _count_from_fraction(top_k, flat.numel())
-    if top_k > 0:
-        keep = max(1, keep)
-    if keep >= flat.numel():
-        return flat.reshape(task_vector.shape).clone()
-    mask = torch.zeros_like(flat, dtype=torch.bool)
-    if keep > 0:
-        mask[torch.topk(flat.abs(), keep).indices] = True
-    return torch.where(mask, flat, torch.zeros_like(flat)).reshape(task_vector.shape)
+    values = _compute(task_vector)
+    mask = _TopMagnitude(values, _top_count(top_k, values.numel()))(values)
+    return torch.where(mask, values, torch.zeros_like(values))
 
 
 def elect_sign_disjoint_mean(task_vectors: torch.Tensor) -> torch.Tensor:
@@ -206,6 +310,11 @@ def elect_sign_disjoint_mean(task_vectors: torch.Tensor) -> torch.Tensor:
     return selected.sum(dim=0) / count
 
 
+def _trimmed_elect(pieces: list[torch.Tensor], masks: Sequence[_TopMagnitude], scaling: float) -> torch.Tensor:
+    trimmed = torch.stack([torch.where(mask(piece), piece, 0.0) for piece, mask in zip(pieces, masks)])
+    return float(scaling) * elect_sign_disjoint_mean(trimmed)
+
+
 def ties(task_vectors: Sequence[torch.Tensor], *, top_k: float = 0.2, scaling: float = 1.0) -> torch.Tensor:
     """TIES-Merging (Yadav et al. 2023, Algorithm 1): trim, elect sign, disjoint mean, scale by λ.
 
@@ -216,8 +325,8 @@ def ties(task_vectors: Sequence[torch.Tensor], *, top_k: float = 0.2, scaling: f
     trims over the whole model's task vector.
     """
     _check_task_vectors(task_vectors)
-    trimmed = torch.stack([keep_top_magnitude(task_vector, top_k) for task_vector in task_vectors])
-    return _as_output(float(scaling) * elect_sign_disjoint_mean(trimmed), task_vectors[0])
+    masks = [_TopMagnitude(tv, _top_count(top_k, tv.numel())) for tv in task_vectors]
+    return _by_chunks(task_vectors, lambda pieces: _trimmed_elect(pieces, masks, scaling))
 
 
 def _generator(seed: int, device: torch.device) -> torch.Generator:
@@ -226,18 +335,50 @@ def _generator(seed: int, device: torch.device) -> torch.Generator:
     return generator
 
 
+def _draw_kept(shape: tuple[int, ...], probability: Callable[[object], torch.Tensor | float],
+               generator: torch.Generator, device) -> torch.Tensor:
+    """Bool mask of kept entries: entry i dropped with m_i ~ Bernoulli(p_i), drawn in row-major order.
+
+    ``probability(rows)`` gives p for a row slice (a float64 tensor, or a number). Drawn in row chunks
+    of about CHUNK_ELEMENTS (the generator's stream is the same as one draw over the whole tensor)."""
+    kept = torch.empty(shape, dtype=torch.bool, device=device)
+    for rows in _row_chunks(shape, limit=CHUNK_ELEMENTS):
+        p = probability(rows)
+        p = p if isinstance(p, torch.Tensor) else torch.full(kept[rows].shape, p, dtype=torch.float64, device=device)
+        kept[rows] = torch.bernoulli(p, generator=generator) == 0
+    return kept
+
+
 def drop_and_rescale(task_vector: torch.Tensor, drop_rate: float, generator: torch.Generator) -> torch.Tensor:
     """DARE on one task vector (Yu et al. 2024): m ~ Bernoulli(p), τ̂ = (1 − m) ⊙ τ / (1 − p).
 
     Survey eq. (dare); the 1/(1 − p) rescale keeps E[τ̂] = τ (survey App. "Theoretical Analysis
-    for DARE"). Returned in float64.
+    for DARE"). Returned in compute dtype (at least float32).
     """
     drop_rate = _check_fraction(drop_rate, "drop_rate", high_open=True)
-    values = task_vector.to(COMPUTE_DTYPE)
+    values = _compute(task_vector)
     if drop_rate == 0:
         return values.clone()
-    dropped = torch.bernoulli(torch.full_like(values, drop_rate), generator=generator)
-    return (1 - dropped) * values / (1 - drop_rate)
+    kept = _draw_kept(tuple(values.shape), lambda rows: drop_rate, generator, values.device)
+    return torch.where(kept, values / (1 - drop_rate), 0.0)
+
+
+class _Drawn:
+    """A task vector's drop mask (bool, drawn once) applied chunk by chunk with its rescale: where(kept, τ/(1 − p), 0)."""
+
+    def __init__(self, kept: torch.Tensor | None, probability: Callable[[torch.Tensor, object], torch.Tensor | float]):
+        self.kept, self.probability, self.position = kept, probability, 0
+
+    def __call__(self, piece: torch.Tensor) -> torch.Tensor:
+        rows = ... if piece.ndim < 2 or self.kept is None or piece.shape == self.kept.shape else \
+            slice(self.position, self.position + piece.shape[0])
+        self.position += piece.shape[0] if piece.ndim else 0
+        if self.kept is None:
+            return piece
+        probability = self.probability(piece, rows)
+        if isinstance(probability, torch.Tensor):
+            probability = probability.to(piece.dtype)
+        return torch.where(self.kept[rows], piece / (1 - probability), 0.0)
 
 
 def dare(
@@ -261,14 +402,44 @@ def dare(
     _check_task_vectors(task_vectors)
     if base not in ("task-arithmetic", "ties"):
         raise ValueError(f"dare base must be 'task-arithmetic' or 'ties', got {base!r}")
+    drop_rate = _check_fraction(drop_rate, "drop_rate", high_open=True)
     generator = _generator(seed, task_vectors[0].device)
-    rescaled = torch.stack([drop_and_rescale(task_vector, drop_rate, generator) for task_vector in task_vectors])
+    shape, device = tuple(task_vectors[0].shape), task_vectors[0].device
+    drawn = [_Drawn(None if drop_rate == 0 else _draw_kept(shape, lambda rows: drop_rate, generator, device),
+                    lambda piece, rows: drop_rate) for _ in task_vectors]
     if base == "task-arithmetic":
-        merged = rescaled.sum(dim=0)
-    else:
-        trimmed = torch.stack([keep_top_magnitude(task_vector, top_k) for task_vector in rescaled])
-        merged = elect_sign_disjoint_mean(trimmed)
-    return _as_output(float(scaling) * merged, task_vectors[0])
+        return _by_chunks(task_vectors, lambda pieces: float(scaling) * _sum([d(p) for d, p in zip(drawn, pieces)]))
+    # TIES on τ̂_t: every kept entry is rescaled by the same 1/(1 − p), so the trim ranks, the elected signs
+    # and the disjoint mean are those of the unscaled kept entries, times 1/(1 − p) (rounding makes no ties)
+    def unscaled():
+        return [_Drawn(d.kept, lambda piece, rows: 0.0) for d in drawn]  # fresh row positions
+
+    trim = _check_fraction(top_k, "top_k") < 1
+    masks = [_TopMagnitude(kept(_compute(tv)) if trim else tv, _top_count(top_k, tv.numel()))
+             for kept, tv in zip(unscaled(), task_vectors)]
+    kept = unscaled()
+    return _by_chunks(task_vectors, lambda pieces: _trimmed_elect([k(p) for k, p in zip(kept, pieces)], masks,
+                                                                  float(scaling) / (1 - drop_rate)))
+
+
+def _breadcrumbs_bounds(beta: float, gamma: float) -> tuple[float, float]:
+    beta = _check_fraction(beta, "beta")
+    gamma = _check_fraction(gamma, "gamma")
+    if beta > gamma:
+        raise ValueError(f"breadcrumbs needs beta <= gamma, got beta={beta}, gamma={gamma}")
+    return beta, gamma
+
+
+class _BreadcrumbsMask:
+    """m^{β,γ} chunk by chunk: kept when in the top n − round(β n) but not in the top n − round(γ n) magnitudes."""
+
+    def __init__(self, values: torch.Tensor, beta: float, gamma: float):
+        total = values.numel()
+        self.upper = _TopMagnitude(values, total - _count_from_fraction(beta, total))
+        self.largest = _TopMagnitude(values, total - _count_from_fraction(gamma, total))
+
+    def __call__(self, piece: torch.Tensor) -> torch.Tensor:
+        return self.upper(piece) & ~self.largest(piece)
 
 
 def breadcrumbs_mask(task_vector: torch.Tensor, beta: float, gamma: float) -> torch.Tensor:
@@ -277,21 +448,12 @@ def breadcrumbs_mask(task_vector: torch.Tensor, beta: float, gamma: float) -> to
     Survey eq. (mask): sort |w| ascending with index i; m = 0 if i ≤ β or i ≥ γ, else 1.
     β and γ are read as fractions of the n entries: the round(β n) smallest and the
     n − round(γ n) largest magnitudes are masked (0-based ascending index i is masked when
-    i < round(β n) or i ≥ round(γ n)). Returns a bool tensor of the input's shape.
+    i < round(β n) or i ≥ round(γ n), with equal magnitudes in row-major order as a stable sort
+    gives). Returns a bool tensor of the input's shape.
     """
-    beta = _check_fraction(beta, "beta")
-    gamma = _check_fraction(gamma, "gamma")
-    if beta > gamma:
-        raise ValueError(f"breadcrumbs needs beta <= gamma, got beta={beta}, gamma={gamma}")
-    flat = task_vector.to(COMPUTE_DTYPE).reshape(-1)
-    total = flat.numel()
-    order = torch.argsort(flat.abs(), stable=True)
-    ascending_index = torch.empty_like(order)
-    ascending_index[order] = torch.arange(total, device=order.device)
-    keep = (ascending_index >= _count_from_fraction(beta, total)) & (
-        ascending_index < _count_from_fraction(gamma, total)
-    )
-    return keep.reshape(task_vector.shape)
+    beta, gamma = _breadcrumbs_bounds(beta, gamma)
+    values = _compute(task_vector)
+    return _BreadcrumbsMask(values, beta, gamma)(values)
 
 
 def breadcrumbs(
@@ -305,8 +467,44 @@ def breadcrumbs(
     no values); λ = 1.
     """
     _check_task_vectors(task_vectors)
-    masked = [torch.where(breadcrumbs_mask(tv, beta, gamma), tv.to(COMPUTE_DTYPE), 0.0) for tv in task_vectors]
-    return _as_output(float(scaling) * torch.stack(masked).sum(dim=0), task_vectors[0])
+    beta, gamma = _breadcrumbs_bounds(beta, gamma)
+    masks = [_BreadcrumbsMask(task_vector, beta, gamma) for task_vector in task_vectors]
+    return _by_chunks(task_vectors, lambda pieces: float(scaling) * _sum(
+        [torch.where(mask(piece), piece, 0.0) for mask, piece in zip(masks, pieces)]))
+
+
+def _check_della(drop_rate: float, epsilon: float) -> tuple[float, float]:
+    drop_rate, epsilon = float(drop_rate), float(epsilon)
+    if epsilon < 0 or drop_rate - epsilon / 2 < 0 or drop_rate + epsilon / 2 >= 1:
+        raise ValueError(
+            f"della needs 0 <= drop_rate - epsilon/2 and drop_rate + epsilon/2 < 1, "
+            f"got drop_rate={drop_rate}, epsilon={epsilon}"
+        )
+    return drop_rate, epsilon
+
+
+def _magprune_probability(rows: torch.Tensor, drop_rate: float, epsilon: float) -> torch.Tensor:
+    """p_i = p − ε/2 + (ε/n) r_i per row of a (rows, n) view, r_i the magnitude rank from the largest (float64)."""
+    width = rows.shape[1]
+    order = torch.argsort(rows.abs(), dim=1, descending=True, stable=True)
+    ranks = torch.empty_like(order)
+    ranks.scatter_(1, order, torch.arange(width, device=rows.device).expand_as(order).contiguous())
+    return drop_rate - epsilon / 2 + (epsilon / width) * ranks.to(torch.float64)
+
+
+def _as_rows(values: torch.Tensor) -> torch.Tensor:
+    return values.reshape(1, -1) if values.ndim < 2 else values.reshape(values.shape[0], -1)
+
+
+def _magprune_draw(task_vector: torch.Tensor, drop_rate: float, epsilon: float, generator) -> _Drawn:
+    rows_view = _as_rows(task_vector)
+
+    def probability(piece, rows):
+        return _magprune_probability(_as_rows(piece), drop_rate, epsilon).reshape(piece.shape)
+
+    kept = _draw_kept(tuple(rows_view.shape), lambda rows: _magprune_probability(rows_view[rows], drop_rate, epsilon),
+                      generator, task_vector.device)
+    return _Drawn(kept.reshape(task_vector.shape), probability)
 
 
 def magprune(task_vector: torch.Tensor, drop_rate: float, epsilon: float, generator: torch.Generator) -> torch.Tensor:
@@ -319,22 +517,8 @@ def magprune(task_vector: torch.Tensor, drop_rate: float, epsilon: float, genera
     "higher rank for larger magnitude" would do the opposite). Rows: the last dimension
     of a matrix (a >2-D tensor is viewed as (shape[0], −1)); a vector is one row.
     """
-    drop_rate = float(drop_rate)
-    epsilon = float(epsilon)
-    if epsilon < 0 or drop_rate - epsilon / 2 < 0 or drop_rate + epsilon / 2 >= 1:
-        raise ValueError(
-            f"della needs 0 <= drop_rate - epsilon/2 and drop_rate + epsilon/2 < 1, "
-            f"got drop_rate={drop_rate}, epsilon={epsilon}"
-        )
-    values = task_vector.to(COMPUTE_DTYPE)
-    rows = values.reshape(1, -1) if values.ndim < 2 else values.reshape(values.shape[0], -1)
-    width = rows.shape[1]
-    order = torch.argsort(rows.abs(), dim=1, descending=True, stable=True)
-    ranks = torch.empty_like(order)
-    ranks.scatter_(1, order, torch.arange(width, device=rows.device).expand_as(order).contiguous())
-    drop_probability = drop_rate - epsilon / 2 + (epsilon / width) * ranks.to(COMPUTE_DTYPE)
-    dropped = torch.bernoulli(drop_probability, generator=generator)
-    return ((1 - dropped) * rows / (1 - drop_probability)).reshape(task_vector.shape)
+    drop_rate, epsilon = _check_della(drop_rate, epsilon)
+    return _magprune_draw(task_vector, drop_rate, epsilon, generator)(_compute(task_vector))
 
 
 def della(
@@ -353,9 +537,11 @@ def della(
     grid, λ = 1. A seeded ``torch.Generator`` draws the masks in task order.
     """
     _check_task_vectors(task_vectors)
+    drop_rate, epsilon = _check_della(drop_rate, epsilon)
     generator = _generator(seed, task_vectors[0].device)
-    pruned = torch.stack([magprune(task_vector, drop_rate, epsilon, generator) for task_vector in task_vectors])
-    return _as_output(float(scaling) * elect_sign_disjoint_mean(pruned), task_vectors[0])
+    drawn = [_magprune_draw(task_vector, drop_rate, epsilon, generator) for task_vector in task_vectors]
+    return _by_chunks(task_vectors, lambda pieces: float(scaling) * elect_sign_disjoint_mean(
+        torch.stack([draw(piece) for draw, piece in zip(drawn, pieces)])))
 
 
 # --------------------------------------------------------------------------- matrix methods
@@ -437,7 +623,7 @@ def iso_c(task_vectors: Sequence[torch.Tensor], *, scaling: float = 1.0) -> torc
     """
     _check_task_vectors(task_vectors, matrix=True)
     shape = tuple(task_vectors[0].shape)
-    left, singular_values, right = _thin_svd(_stack(task_vectors).sum(dim=0))
+    left, singular_values, right = _thin_svd(_sum_in(task_vectors))
     scale = float(singular_values[0]) if singular_values.numel() else 0.0
     rank = _numerical_rank(singular_values, scale, shape, task_vectors[0].dtype)
     if rank == 0:
@@ -466,17 +652,17 @@ def iso_cts(
     shape = tuple(task_vectors[0].shape)
     full_rank = min(shape)
     task_count = len(task_vectors)
-    stacked = _stack(task_vectors)
     per_task = min(round((full_rank - math.floor(common_fraction * full_rank)) / task_count), full_rank // task_count)
     common_rank = full_rank - task_count * per_task
 
-    left, singular_values, right = _thin_svd(stacked.sum(dim=0))
+    left, singular_values, right = _thin_svd(_sum_in(task_vectors))
     scale = float(singular_values[0]) if singular_values.numel() else 0.0
     common_rank = min(common_rank, _numerical_rank(singular_values, scale, shape, task_vectors[0].dtype))
     common_left = left[:, :common_rank]
     lefts, values, rights = [common_left], [singular_values[:common_rank]], [right[:, :common_rank]]
     if per_task > 0:
-        for task_matrix in stacked:
+        for task_vector in task_vectors:
+            task_matrix = task_vector.to(COMPUTE_DTYPE)
             residual = task_matrix - common_left @ (common_left.mT @ task_matrix)
             task_left, task_values, task_right = _thin_svd(residual)
             task_scale = float(torch.linalg.matrix_norm(task_matrix))
@@ -486,7 +672,7 @@ def iso_cts(
             rights.append(task_right[:, :keep])
     kept_values = torch.cat(values)
     if kept_values.numel() == 0:
-        return _as_output(torch.zeros(shape, dtype=COMPUTE_DTYPE, device=stacked.device), task_vectors[0])
+        return torch.zeros_like(task_vectors[0])
     orthonormal_left = procrustes_orthonormalise(torch.cat(lefts, dim=1))
     orthonormal_right = procrustes_orthonormalise(torch.cat(rights, dim=1))
     merged = kept_values.mean() * (orthonormal_left @ orthonormal_right.mT)
@@ -504,15 +690,14 @@ def cart(task_vectors: Sequence[torch.Tensor], *, rank_ratio: float = 0.08, scal
     """
     _check_task_vectors(task_vectors, matrix=True)
     rank_ratio = _check_fraction(rank_ratio, "rank_ratio")
-    stacked = _stack(task_vectors)
-    mean = stacked.mean(dim=0)
+    mean = _sum_in(task_vectors) / len(task_vectors)
     full_rank = min(mean.shape)
     rank = _count_from_fraction(rank_ratio, full_rank)
     if rank == 0 or rank >= full_rank:
         return _as_output(mean, task_vectors[0])
     low_rank_sum = torch.zeros_like(mean)
-    for task_matrix in stacked:
-        left, singular_values, right = _thin_svd(task_matrix - mean)
+    for task_vector in task_vectors:
+        left, singular_values, right = _thin_svd(task_vector.to(COMPUTE_DTYPE) - mean)
         low_rank_sum += (left[:, :rank] * singular_values[:rank]) @ right[:, :rank].mT
     return _as_output(mean + float(scaling) * low_rank_sum, task_vectors[0])
 
@@ -542,8 +727,10 @@ def star(task_vectors: Sequence[torch.Tensor], *, energy_fraction: float = 0.4) 
     Default η = 40 % (the survey: "typically set to 40"). No extra scaling.
     """
     _check_task_vectors(task_vectors, matrix=True)
-    truncated = torch.stack([star_truncate(task_vector, energy_fraction) for task_vector in task_vectors])
-    return _as_output(truncated.mean(dim=0), task_vectors[0])
+    total = star_truncate(task_vectors[0], energy_fraction)
+    for task_vector in task_vectors[1:]:
+        total += star_truncate(task_vector, energy_fraction)
+    return _as_output(total / len(task_vectors), task_vectors[0])
 
 
 class SftmSystem(NamedTuple):
@@ -599,7 +786,8 @@ def sftm(task_vectors: Sequence[torch.Tensor], *, top_k: float = 0.2, scaling: f
     it adopts, γ = 1 keeps every feature's gain ⟨u, M v⟩ = σ as Eq. 2 demands.
     """
     _check_task_vectors(task_vectors, matrix=True)
-    trimmed = [keep_top_magnitude(task_vector, top_k) for task_vector in task_vectors]
+    # float64 trimmed matrices: sftm_system judges numerical rank at its inputs' precision
+    trimmed = [keep_top_magnitude(task_vector, top_k).to(COMPUTE_DTYPE) for task_vector in task_vectors]
     system = sftm_system(trimmed)
     merged = (system.left * (system.alpha * system.singular_values)) @ system.right.mT
     return _as_output(float(scaling) * merged, task_vectors[0])
@@ -653,13 +841,46 @@ def regmean(
 
 @dataclass(frozen=True)
 class MergeMethod:
-    """A registered strategy: ``function(task_vectors, **options)`` returns the merged task vector."""
+    """A registered strategy: ``function(task_vectors, **options, **inputs)`` returns the merged task vector.
+
+    Its options and their defaults are read from ``function``'s signature (keyword parameters
+    with a default), so the paper defaults live in one place, the function. Parameters without
+    a default besides ``task_vectors`` are ``inputs`` that come from data, not from the user
+    (RegMean's ``gram_matrices``, the closed-form merge's ``weights``); ``merge.run`` computes
+    them before merging, with ``data_options`` (the data step's own options, e.g. the
+    closed-form α's granularity) among the method's options.
+    """
 
     name: str
     function: Callable[..., torch.Tensor]
-    defaults: Mapping[str, object] = field(default_factory=dict)
     description: str = ""
     matrix_only: bool = False
+    data_options: Mapping[str, object] = field(default_factory=dict)
+
+    @property
+    def options(self) -> dict[str, object]:
+        """The function's own options with their defaults (from its signature)."""
+        return {name: parameter.default for name, parameter in self._parameters()
+                if parameter.default is not inspect.Parameter.empty}
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        """Parameters without a default that data must supply (empty for a plain strategy)."""
+        return tuple(name for name, parameter in self._parameters() if parameter.default is inspect.Parameter.empty)
+
+    @property
+    def needs_data(self) -> bool:
+        return bool(self.inputs)
+
+    @property
+    def defaults(self) -> dict[str, object]:
+        """Every option the method takes, with its default: the function's and the data step's."""
+        return {**self.options, **self.data_options}
+
+    def _parameters(self):
+        parameters = list(inspect.signature(self.function).parameters.items())[1:]  # [0]: task_vectors
+        return [(name, parameter) for name, parameter in parameters
+                if parameter.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)]
 
     def resolve_options(self, options: Mapping[str, object] | None = None) -> dict[str, object]:
         """Defaults updated by ``options``; unknown keys raise, strings (from the CLI) are coerced.
@@ -667,13 +888,20 @@ class MergeMethod:
         A string value takes the type of the default: "0.2" or "20%" for a float, "3" for an
         int, "true"/"false" for a bool.
         """
-        resolved = dict(self.defaults)
+        defaults = self.defaults
+        resolved = dict(defaults)
         for key, value in (options or {}).items():
-            if key not in self.defaults:
-                known = ", ".join(sorted(self.defaults)) or "none"
+            if key not in defaults:
+                known = ", ".join(sorted(defaults)) or "none"
                 raise ValueError(f"unknown option {key!r} for merge method {self.name!r} (options: {known})")
-            resolved[key] = _coerce(value, self.defaults[key], f"{self.name} option {key!r}")
+            resolved[key] = _coerce(value, defaults[key], f"{self.name} option {key!r}")
         return resolved
+
+    def split_options(self, options: Mapping[str, object] | None = None) -> tuple[dict, dict]:
+        """Resolved options as (the function's, the data step's)."""
+        resolved = self.resolve_options(options)
+        data = {key: resolved.pop(key) for key in self.data_options}
+        return resolved, data
 
 
 def _coerce(value: object, default: object, what: str) -> object:
@@ -697,93 +925,67 @@ def _coerce(value: object, default: object, what: str) -> object:
     return value
 
 
+# name, function, matrix-only, description
+_REGISTERED = (
+    ("weight-average", weight_average, False, "mean of the fine-tuned weights (Wortsman et al. 2022, model soups)"),
+    ("task-arithmetic", task_arithmetic, False, "θ0 + λ·Σ task vectors (Ilharco et al. 2023, Task Arithmetic)"),
+    ("ties", ties, False, "trim to top-k %, elect sign, disjoint mean (Yadav et al. 2023, TIES-Merging)"),
+    ("dare", dare, False,
+     "random drop p and rescale 1/(1-p), then task arithmetic or TIES (Yu et al. 2024, DARE)"),
+    ("breadcrumbs", breadcrumbs, False,
+     "mask the smallest β and largest 1-γ magnitudes per tensor (Davari & Belilovsky 2024, Model Breadcrumbs)"),
+    ("della", della, False, "magnitude-ranked drop and rescale, elect sign, fuse (Deep et al. 2024, DELLA-Merging)"),
+    ("tsv-m", tsv_m, True,
+     "top r/T singular vectors per task, Procrustes-decorrelated (Gargiulo et al. 2025, TSV-Merge)"),
+    ("iso-c", iso_c, True, "task-arithmetic sum with a flat singular spectrum (Marczak et al. 2025, Iso-C)"),
+    ("iso-cts", iso_cts, True,
+     "Iso-C on a common subspace plus task-specific directions (Marczak et al. 2025, Iso-CTS)"),
+    ("cart", cart, True, "weight average plus low-rank centred task matrices (Choi et al. 2025, CART)"),
+    ("star", star, True, "spectral truncation to η of the nuclear norm, rescale, average (Lee et al. 2025, STAR)"),
+    ("sftm", sftm, True, "trim, then superpose singular features by solving (Σ∘U∘V)α = σ (Qiu et al., SFTM)"),
+    ("regmean", regmean, True,
+     "closed-form least squares on recorded input Gram matrices (Jin et al. 2023, RegMean; needs data)"),
+)
+#: Options of the closed-form merge's data step (`diagnostics.linearity.alpha`): the unit α is fitted and
+#: applied at, and whether the objective is balanced (seed 002 Eq. 33–34) or plain (Eq. 10–14).
+CLOSED_FORM_OPTIONS = {"granularity": "attn-mlp", "balance": True}
+
 STRATEGIES: dict[str, MergeMethod] = {
-    method.name: method
-    for method in (
-        MergeMethod(
-            "weight-average", weight_average, {}, "mean of the fine-tuned weights (Wortsman et al. 2022, model soups)"
-        ),
-        MergeMethod(
-            "task-arithmetic",
-            task_arithmetic,
-            {"scaling": 1.0},
-            "θ0 + λ·Σ task vectors (Ilharco et al. 2023, Task Arithmetic)",
-        ),
-        MergeMethod(
-            "ties",
-            ties,
-            {"top_k": 0.2, "scaling": 1.0},
-            "trim to top-k %, elect sign, disjoint mean (Yadav et al. 2023, TIES-Merging)",
-        ),
-        MergeMethod(
-            "dare",
-            dare,
-            {"drop_rate": 0.9, "seed": 0, "base": "task-arithmetic", "top_k": 1.0, "scaling": 1.0},
-            "random drop p and rescale 1/(1-p), then task arithmetic or TIES (Yu et al. 2024, DARE)",
-        ),
-        MergeMethod(
-            "breadcrumbs",
-            breadcrumbs,
-            {"beta": 0.85, "gamma": 0.993, "scaling": 1.0},
-            "mask the smallest β and largest 1-γ magnitudes per tensor (Davari & Belilovsky 2024, Model Breadcrumbs)",
-        ),
-        MergeMethod(
-            "della",
-            della,
-            {"drop_rate": 0.5, "epsilon": 0.1, "seed": 0, "scaling": 1.0},
-            "magnitude-ranked drop and rescale, elect sign, fuse (Deep et al. 2024, DELLA-Merging)",
-        ),
-        MergeMethod(
-            "tsv-m",
-            tsv_m,
-            {"scaling": 1.0},
-            "top r/T singular vectors per task, Procrustes-decorrelated (Gargiulo et al. 2025, TSV-Merge)",
-            matrix_only=True,
-        ),
-        MergeMethod(
-            "iso-c",
-            iso_c,
-            {"scaling": 1.0},
-            "task-arithmetic sum with a flat singular spectrum (Marczak et al. 2025, Iso-C)",
-            matrix_only=True,
-        ),
-        MergeMethod(
-            "iso-cts",
-            iso_cts,
-            {"common_fraction": 0.8, "scaling": 1.0},
-            "Iso-C on a common subspace plus task-specific directions (Marczak et al. 2025, Iso-CTS)",
-            matrix_only=True,
-        ),
-        MergeMethod(
-            "cart",
-            cart,
-            {"rank_ratio": 0.08, "scaling": 1.0},
-            "weight average plus low-rank centred task matrices (Choi et al. 2025, CART)",
-            matrix_only=True,
-        ),
-        MergeMethod(
-            "star",
-            star,
-            {"energy_fraction": 0.4},
-            "spectral truncation to η of the nuclear norm, rescale, average (Lee et al. 2025, STAR)",
-            matrix_only=True,
-        ),
-        MergeMethod(
-            "sftm",
-            sftm,
-            {"top_k": 0.2, "scaling": 1.0},
-            "trim, then superpose singular features by solving (Σ∘U∘V)α = σ (Qiu et al., SFTM)",
-            matrix_only=True,
-        ),
-        MergeMethod(
-            "regmean",
-            regmean,
-            {"off_diagonal_scale": 0.9},
-            "closed-form least squares on recorded input Gram matrices (Jin et al. 2023, RegMean)",
-            matrix_only=True,
-        ),
-    )
+    **{name: MergeMethod(name, function, description, matrix_only) for name, function, matrix_only, description
+       in _REGISTERED},
+    "closed-form": MergeMethod(
+        "closed-form", weighted_task_arithmetic,
+        "θ0 + Σ_t α_t τ_t with α per submodule solved on task data (seed 002 Eq. 12–14, 33–34; needs data)",
+        data_options=CLOSED_FORM_OPTIONS,
+    ),
 }
+
+#: mergekit's spellings of methods that mean the same merge here → (method, options it implies).
+#: Only the method is translated, not mergekit's parameters: mergekit's ``density`` is our ``top_k`` (TIES)
+#: or ``1 - drop_rate`` (DARE), its ``lambda`` our ``scaling``. Not aliased, because the merge differs:
+#: ``breadcrumbs_ties`` (ours has no sign election), ``della_linear`` (ours elects signs), ``slerp``,
+#: ``model_stock``, ``sce``, ``nuslerp``, ``karcher``, ``passthrough``.
+ALIASES: dict[str, tuple[str, dict[str, object]]] = {
+    "task_arithmetic": ("task-arithmetic", {}),
+    "linear": ("weight-average", {}),  # mergekit's linear with equal weights (its default normalize) is the mean
+    "dare_linear": ("dare", {"base": "task-arithmetic"}),
+    "dare_ties": ("dare", {"base": "ties"}),
+    "weight_average": ("weight-average", {}),
+    "closed_form": ("closed-form", {}),
+}
+
+
+def resolve_method(method: str | MergeMethod, options: Mapping[str, object] | None = None
+                   ) -> tuple[MergeMethod, dict[str, object]]:
+    """(registered method, options) for a name or a mergekit alias; an alias's implied options come first."""
+    if isinstance(method, MergeMethod):
+        return method, dict(options or {})
+    name, implied = ALIASES.get(method, (method, {}))
+    if name not in STRATEGIES:
+        raise ValueError(f"unknown merge method {method!r}; known: {', '.join(STRATEGIES)} "
+                         f"(mergekit spellings: {', '.join(ALIASES)})")
+    return STRATEGIES[name], {**implied, **(options or {})}
+
 
 # ------------------------------------------------------------------- per-parameter helper
 
@@ -796,27 +998,6 @@ DEFAULT_FALLBACK: dict[str, tuple[str, dict[str, object]]] = {
     "bias": ("task-arithmetic", {}),
     "norm": ("weight-average", {}),
 }
-
-_EMBEDDING_NAME = re.compile(r"embed|(^|\.)(wte|wpe|shared|lm_head)(\.|$)")
-_NORM_NAME = re.compile(r"norm|(^|[._])ln(\d*|_\w*)?(\.|$)")
-
-
-def parameter_kind(name: str, shape: Sequence[int]) -> str:
-    """Classify a parameter as "matrix", "embedding", "bias" or "norm" from its name and shape.
-
-    - "norm": 0/1-D tensors named *norm* or *ln* (ln_1, ln_f, embeddings.LayerNorm, …),
-      weights and biases;
-    - "embedding": other names containing "embed" or a module wte / wpe / shared / lm_head
-      (the output embedding), any shape;
-    - "bias": any other 0/1-D tensor;
-    - "matrix": any other tensor with 2 or more dimensions.
-    """
-    lowered = name.lower()
-    if len(shape) < 2 and _NORM_NAME.search(lowered):
-        return "norm"
-    if _EMBEDDING_NAME.search(lowered):
-        return "embedding"
-    return "bias" if len(shape) < 2 else "matrix"
 
 
 def _parameter_seed(seed: int, name: str) -> int:
@@ -836,45 +1017,30 @@ def merge_parameter(
 ) -> torch.Tensor:
     """Merge the task vectors of the parameter ``name`` with ``method``; returns τ_M.
 
-    ``kind`` (default: ``parameter_kind(name, shape)``) decides the route. A matrix-only
-    method given an embedding, bias or norm uses ``fallback[kind]`` instead: a method name
-    or (name, options); the caller's ``fallback`` entries replace those of
+    ``kind`` ("matrix", "embedding", "bias" or "norm") decides the route; it comes from the
+    tensor table (``diagnostics.tensors.TensorInfo.kind``), the one place that classifies
+    tensors. Without it the decision is by shape only: "matrix" for 2 or more dimensions,
+    else "bias" (so a norm or an embedding is only recognised when ``kind`` says so). A
+    matrix-only method given an embedding, bias or norm uses ``fallback[kind]`` instead: a
+    method name or (name, options); the caller's ``fallback`` entries replace those of
     ``DEFAULT_FALLBACK``. Element-wise methods (TA, TIES, DARE, …) apply to every kind, as
     their papers do. Tensors with more than two dimensions are merged by matrix-only methods
     as (shape[0], −1) matrices (SFTM §3.3) and reshaped back. A ``seed`` option is mixed with
     ``name`` so that tensors of equal shape do not share one random mask. ``gram_matrices``
-    (one per task) is forwarded to RegMean.
+    (one per task) is forwarded to RegMean. ``method`` may be a mergekit spelling (``ALIASES``).
     """
-    merge_method = _lookup(method)
+    merge_method, options = resolve_method(method, options)
     _check_task_vectors(task_vectors)
     shape = tuple(task_vectors[0].shape)
-    kind = kind or parameter_kind(name, shape)
+    kind = kind or ("matrix" if len(shape) >= 2 else "bias")
     if kind not in PARAMETER_KINDS:
         raise ValueError(f"{name}: kind must be one of {PARAMETER_KINDS}, got {kind!r}")
-    resolved = merge_method.resolve_options(options)
-
+    resolved, _ = merge_method.split_options(options)
     if merge_method.matrix_only and kind != "matrix":
-        routes = {**DEFAULT_FALLBACK, **(fallback or {})}
-        if kind not in routes:
-            raise ValueError(f"{name}: no fallback for kind {kind!r} under matrix-only method {merge_method.name!r}")
-        route = routes[kind]
-        fallback_name, fallback_options = (route, {}) if isinstance(route, str) else route
-        fallback_method = _lookup(fallback_name)
-        if fallback_method.matrix_only:
-            raise ValueError(
-                f"{name}: fallback for kind {kind!r} must be an element-wise method, got {fallback_name!r}"
-            )
-        return merge_parameter(name, task_vectors, fallback_method, fallback_options, kind=kind)
-
+        return _fallback(name, task_vectors, merge_method, kind, fallback)
     if "seed" in resolved:
         resolved["seed"] = _parameter_seed(resolved["seed"], name)
-    if merge_method.name == "regmean":
-        if gram_matrices is None:
-            raise ValueError(f"{name}: regmean needs gram_matrices (the inputs' X_tᵀX_t per task) for this linear map")
-        resolved["gram_matrices"] = gram_matrices
-    elif gram_matrices is not None:
-        raise ValueError(f"{name}: gram_matrices are only used by regmean, not {merge_method.name!r}")
-
+    resolved.update(_inputs(name, merge_method, gram_matrices))
     if merge_method.matrix_only:
         if len(shape) < 2:
             raise ValueError(f"{name}: method {merge_method.name!r} needs a matrix, got shape {shape}")
@@ -884,9 +1050,27 @@ def merge_parameter(
     return merge_method.function(list(task_vectors), **resolved)
 
 
-def _lookup(method: str | MergeMethod) -> MergeMethod:
-    if isinstance(method, MergeMethod):
-        return method
-    if method not in STRATEGIES:
-        raise ValueError(f"unknown merge method {method!r}; known: {', '.join(STRATEGIES)}")
-    return STRATEGIES[method]
+def _fallback(name, task_vectors, merge_method: MergeMethod, kind: str, fallback) -> torch.Tensor:
+    routes = {**DEFAULT_FALLBACK, **(fallback or {})}
+    if kind not in routes:
+        raise ValueError(f"{name}: no fallback for kind {kind!r} under matrix-only method {merge_method.name!r}")
+    route = routes[kind]
+    fallback_name, fallback_options = (route, {}) if isinstance(route, str) else route
+    fallback_method, fallback_options = resolve_method(fallback_name, fallback_options)
+    if fallback_method.matrix_only or fallback_method.needs_data:
+        raise ValueError(f"{name}: fallback for kind {kind!r} must be an element-wise method, got {fallback_name!r}")
+    return merge_parameter(name, task_vectors, fallback_method, fallback_options, kind=kind)
+
+
+def _inputs(name: str, merge_method: MergeMethod, gram_matrices) -> dict[str, object]:
+    """The data inputs of a method: RegMean's Gram matrices (a weighted method's weights are not per name)."""
+    if "gram_matrices" in merge_method.inputs:
+        if gram_matrices is None:
+            raise ValueError(f"{name}: regmean needs gram_matrices (the inputs' X_tᵀX_t per task) for this linear map")
+        return {"gram_matrices": gram_matrices}
+    if gram_matrices is not None:
+        raise ValueError(f"{name}: gram_matrices are only used by regmean, not {merge_method.name!r}")
+    if merge_method.inputs:
+        raise ValueError(f"{name}: merge method {merge_method.name!r} needs {', '.join(merge_method.inputs)} "
+                         "from data (run it through merge.run / diag merge with --data)")
+    return {}

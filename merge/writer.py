@@ -12,20 +12,23 @@ with the plan or options used.
 from __future__ import annotations
 
 import json
+import os
 import shutil
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
 import yaml
 
-from diagnostics.errors import SubmergeError
 from diagnostics.models import local_path, open_checkpoint, open_finetunes
 from diagnostics.progress import progress_bar
 from diagnostics.store import provenance
 from diagnostics.tensors import TensorInfo, TensorTable
-from merge.strategies import merge_parameter
+from merge.rules import MergeError, ParameterRule, method_rule, regmean_rule
+from merge.strategies import compute_dtype, merge_parameter, weighted_task_arithmetic
+
+__all__ = ["MergeError", "ParameterRule", "ShardWriter", "check_not_an_input", "check_output", "merge_tensor",
+           "method_rule", "parse_size", "regmean_rule", "write_merge"]
 
 _COPIED_FILES = (
     "config.json",
@@ -42,44 +45,156 @@ _COPIED_FILES = (
 )
 
 
-class MergeError(SubmergeError):
-    """The merge cannot be written (output exists, bad method options ...)."""
+def parse_size(value: str | int, option: str = "--shard-size") -> int:
+    """Bytes in a size such as ``2GB``, ``500MB``, ``64KB``, ``100B`` or a plain integer (powers of 1024)."""
+    size = None
+    if isinstance(value, int) and not isinstance(value, bool):
+        size = value
+    else:
+        text = str(value).strip().upper()
+        suffix = next((s for s in _SIZE_FACTORS if text.endswith(s)), "")
+        try:
+            size = int(float(text[: len(text) - len(suffix)]) * _SIZE_FACTORS.get(suffix, 1))
+        except ValueError:
+            pass
+    if size is None or size <= 0:
+        raise MergeError(f"{option}: cannot read {value!r} as a size; use e.g. 2GB, 500MB, 64KB or a number of bytes")
+    return size
 
 
-@dataclass
-class ParameterRule:
-    """How one tensor is merged: a registered method with options, or fixed per-task weights."""
-
-    method: str = "task-arithmetic"
-    options: dict | None = None
-    weights: dict[str, float] | None = None  # θ0 + Σ_t w_t τ_t (closed-form α)
-
-    def describe(self) -> str:
-        if self.weights is not None:
-            return "weights " + ", ".join(
-                f"{t}={w:.4g}" if isinstance(w, (int, float)) else f"{t}=per-head" for t, w in self.weights.items()
-            )
-        return self.method + (f" {self.options}" if self.options else "")
+_SIZE_FACTORS = {"GB": 1024**3, "MB": 1024**2, "KB": 1024, "B": 1}
 
 
-def parse_size(value: str | int) -> int:
-    if isinstance(value, int):
-        return value
-    text = value.strip().upper()
-    for suffix, factor in (("GB", 1024**3), ("MB", 1024**2), ("KB", 1024), ("B", 1)):
-        if text.endswith(suffix):
-            return int(float(text[: -len(suffix)]) * factor)
-    return int(text)
-
-
-def prepare_output(out_dir: Path, force: bool) -> Path:
+def check_output(out_dir: Path, force: bool) -> None:
+    """Refuse an existing non-empty `out_dir` (or a file) without `force`. Nothing is deleted here."""
     out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()):
-        if not force:
-            raise MergeError(f"output directory {out_dir} exists and is not empty; pass --force to overwrite it")
-        shutil.rmtree(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    return out_dir
+    if (out_dir.is_file() or (out_dir.is_dir() and any(out_dir.iterdir()))) and not force:
+        raise MergeError(f"output directory {out_dir} exists and is not empty; pass --force to overwrite it "
+                         "(the old output is replaced only once the new one is complete)")
+
+
+def check_not_an_input(out_dir: Path, inputs: dict[str, Path]) -> None:
+    """Refuse an output that is, contains or is inside an input model's directory.
+
+    `inputs` maps a description ("base model", "fine-tune 'math'") to its checkpoint path; for a
+    single-file checkpoint the output may not be the file, contain it or be its directory."""
+    out = Path(out_dir).resolve()
+    for what, path in inputs.items():
+        path = Path(path).resolve()
+        if path.is_dir():
+            clash = out == path or path in out.parents or out in path.parents
+        else:
+            clash = out in (path, path.parent) or out in path.parents
+        if clash:
+            raise MergeError(f"--out {out_dir} would overwrite the {what} ({path}): choose a directory that is "
+                             "neither an input model's directory nor inside or around one")
+
+
+def _staging_directory(out_dir: Path) -> Path:
+    """A sibling of `out_dir` that the merge is written into, renamed into place once complete."""
+    staging = out_dir.with_name(f"{out_dir.name}.partial-{os.getpid()}")
+    if staging.exists():
+        shutil.rmtree(staging)
+    staging.mkdir(parents=True)
+    return staging
+
+
+def _replace(staging: Path, out_dir: Path) -> None:
+    """Move the complete merge into place; an old output (``--force``) is removed only after that."""
+    if not out_dir.exists():
+        staging.rename(out_dir)
+        return
+    old = out_dir.with_name(f"{out_dir.name}.old-{os.getpid()}")
+    out_dir.rename(old)
+    staging.rename(out_dir)
+    if old.is_dir():
+        shutil.rmtree(old)
+    else:
+        old.unlink()
+
+
+def merge_tensor(info: TensorInfo, base_tensor: torch.Tensor, task_vectors: Mapping[str, torch.Tensor],
+                 rule: ParameterRule, grams: list[torch.Tensor] | None = None, *,
+                 dtype: torch.dtype | None = None) -> torch.Tensor:
+    """θ0 + τ_M of one tensor: `task_vectors` (task → τ_t) merged by `rule`, added to `base_tensor`.
+
+    A weights rule is `weighted_task_arithmetic` with each task's weight (0 for a task it does
+    not name); a method rule is `merge_parameter` with the table's ``kind`` (and RegMean's input
+    Grams `grams`, one per task; a Conv1D weight stored (in, out) is transposed around it). The sum
+    is taken in float32 and returned in `dtype` (default: the base tensor's). Non-floating tensors
+    (integer buffers) are returned as they are. A NaN/Inf result is a `MergeError` naming the tensor.
+    """
+    if not base_tensor.is_floating_point():
+        return base_tensor
+    vectors = list(task_vectors.values())
+    if rule.weights is not None:
+        delta = weighted_task_arithmetic(vectors, [rule.weights.get(task, 0.0) for task in task_vectors])
+    else:
+        transposed = bool(grams) and info.transposed
+        if transposed:  # GPT-2 Conv1D stores (in, out)
+            vectors = [v.T for v in vectors]
+        try:
+            delta = merge_parameter(info.name, vectors, rule.method, rule.options, kind=info.kind,
+                                    gram_matrices=grams)
+        except ValueError as exc:
+            raise MergeError(f"merging '{info.name}' {tuple(base_tensor.shape)}: {exc}") from exc
+        if transposed:
+            delta = delta.T
+    compute = compute_dtype(base_tensor.dtype)
+    merged = (base_tensor.to(compute) + delta.to(compute)).to(dtype or base_tensor.dtype)
+    if not torch.isfinite(merged).all():
+        raise MergeError(f"merged tensor '{info.name}' has NaN/Inf values (rule: {rule.describe()})")
+    return merged
+
+
+class ShardWriter:
+    """Sharded safetensors written as tensors arrive: a shard is flushed once it holds `limit` bytes.
+
+    Shards are written as ``*.partial`` files and renamed by `finish` to ``model.safetensors``
+    (one shard) or ``model-0000i-of-0000n.safetensors`` with ``model.safetensors.index.json``.
+    """
+
+    def __init__(self, directory: Path, limit: int):
+        self.directory, self.limit = Path(directory), limit
+        self.current: dict[str, torch.Tensor] = {}
+        self.current_bytes = 0
+        self.written: list[Path] = []
+        self.weight_map: dict[str, int] = {}
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        tensor = tensor.contiguous().cpu()
+        self.current[name] = tensor
+        self.weight_map[name] = len(self.written)
+        self.current_bytes += tensor.numel() * tensor.element_size()
+        if self.current_bytes >= self.limit:
+            self._flush()
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if self.current:
+            path = self.directory / f"model-{len(self.written) + 1:05d}.safetensors.partial"
+            save_file(self.current, str(path), metadata={"format": "pt"})
+            self.written.append(path)
+            self.current, self.current_bytes = {}, 0
+
+    def finish(self) -> list[str]:
+        """Flush the last shard, give the shards their final names, write the index; returns the file names."""
+        self._flush()
+        total = len(self.written)
+        final_names = []
+        for index, path in enumerate(self.written, start=1):
+            final = self.directory / (f"model-{index:05d}-of-{total:05d}.safetensors" if total > 1
+                                      else "model.safetensors")
+            path.rename(final)
+            final_names.append(final.name)
+        if total > 1:
+            index = {
+                "metadata": {"total_size": sum((self.directory / n).stat().st_size for n in final_names)},
+                "weight_map": {name: final_names[shard] for name, shard in self.weight_map.items()},
+            }
+            (self.directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        return final_names
 
 
 def write_merge(
@@ -100,98 +215,69 @@ def write_merge(
 ) -> Path:
     """Merge `finetuned` into `base` tensor by tensor with the rule `rule_for(info)` gives (info: the tensor table's).
 
+    Tensors are written in `dtype` (default: each base tensor's). The checkpoint is written into a
+    sibling directory ``<out>.partial-<pid>`` and renamed to `out_dir` once complete; with `force` an
+    existing output is removed only then, so a failed merge leaves it as it was. An `out_dir` that is,
+    contains or is inside an input model's directory is refused before anything is written.
     Returns the output directory, loadable with `AutoModelForCausalLM.from_pretrained`.
     """
-    from safetensors.torch import save_file
-
-    out_dir = prepare_output(Path(out_dir), force)
+    out_dir = Path(out_dir)
+    check_output(out_dir, force)
+    limit = parse_size(shard_size)
     base_reader = open_checkpoint(base, allow_pickle=allow_pickle)
     task_vectors, report = open_finetunes(base_reader, finetuned, allow_pickle=allow_pickle, vocab=vocab)
-    limit = parse_size(shard_size)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    shard_bytes = 0
-    weight_map: dict[str, int] = {}
+    check_not_an_input(out_dir, {"base model": base_reader.path,
+                                 **{f"fine-tune '{t}'": tv.finetuned.path for t, tv in task_vectors.items()}})
+    staging = _staging_directory(out_dir)
+    try:
+        shards = ShardWriter(staging, limit)
+        used = _stream_tensors(base_reader, task_vectors, rule_for, shards, dtype=dtype, device=device,
+                               gram_matrices=gram_matrices, progress=progress)
+        shards.finish()
+        _copy_model_files(base, staging, allow_pickle)
+        _write_record(staging, record, used, base, task_vectors, report)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    _replace(staging, out_dir)
+    return out_dir
+
+
+def _stream_tensors(base_reader, task_vectors, rule_for, shards: ShardWriter, *, dtype, device, gram_matrices,
+                    progress) -> dict[str, str]:
+    """Merge every tensor of the base in checkpoint order into `shards`; returns name → rule description."""
+    table = TensorTable.from_reader(base_reader)
     used: dict[str, str] = {}
     names = base_reader.names()
-    temporary: list[Path] = []
-    table = TensorTable.from_reader(base_reader)
-
-    def flush():
-        nonlocal shard_bytes
-        if shards[-1]:
-            path = out_dir / f"model-{len(temporary) + 1:05d}.safetensors.partial"
-            save_file(shards[-1], str(path), metadata={"format": "pt"})
-            temporary.append(path)
-            shards[-1] = {}
-            shard_bytes = 0
-
     with progress_bar(progress) as bar:
         job = bar.add_task("Merging tensors", total=len(names))
         for name in names:
             base_tensor = base_reader.get(name, device=device)
-            target_dtype = dtype or base_tensor.dtype
-            if not base_tensor.is_floating_point():
-                merged = base_tensor
-            else:
+            merged = base_tensor
+            if base_tensor.is_floating_point():
                 info = table.get(name, tuple(base_tensor.shape))
                 rule = rule_for(info)
-                vectors = [tv.get(name, torch.float32, device) for tv in task_vectors.values()]
-                if rule.weights is not None:
-                    delta = sum(rule.weights.get(task, 0.0) * vector for task, vector in zip(task_vectors, vectors))
-                else:
-                    grams = gram_matrices(name) if (gram_matrices and rule.method == "regmean") else None
-                    transposed = bool(grams) and info.transposed
-                    if transposed:  # GPT-2 Conv1D stores (in, out)
-                        vectors = [v.T for v in vectors]
-                    try:
-                        delta = merge_parameter(name, vectors, rule.method, rule.options, kind=info.kind,
-                                                gram_matrices=grams)
-                    except ValueError as exc:
-                        raise MergeError(f"merging '{name}' {tuple(base_tensor.shape)}: {exc}") from exc
-                    if transposed:
-                        delta = delta.T
-                merged = (base_tensor.to(torch.float32) + delta).to(target_dtype)
+                vectors = {task: reader.get(name, torch.float32, device) for task, reader in task_vectors.items()}
+                grams = gram_matrices(name) if (gram_matrices and rule.method == "regmean") else None
+                merged = merge_tensor(info, base_tensor, vectors, rule, grams, dtype=dtype)
                 used[name] = rule.describe()
-                if not torch.isfinite(merged).all():
-                    raise MergeError(f"merged tensor '{name}' has NaN/Inf values (rule: {rule.describe()})")
-            merged = merged.contiguous().cpu()
-            shards[-1][name] = merged
-            weight_map[name] = len(temporary)
-            shard_bytes += merged.numel() * merged.element_size()
-            if shard_bytes >= limit:
-                flush()
+                del vectors
+            shards.add(name, merged)
             bar.advance(job)
-        flush()
-    total = len(temporary)
-    final_names = []
-    for index, path in enumerate(temporary, start=1):
-        final = out_dir / (f"model-{index:05d}-of-{total:05d}.safetensors" if total > 1 else "model.safetensors")
-        path.rename(final)
-        final_names.append(final.name)
-    if total > 1:
-        index = {
-            "metadata": {"total_size": sum((out_dir / n).stat().st_size for n in final_names)},
-            "weight_map": {name: final_names[shard] for name, shard in weight_map.items()},
-        }
-        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    _copy_model_files(base, out_dir, allow_pickle)
-    summary = _rule_summary(used)
-    (out_dir / "submerge_merge.yaml").write_text(
-        yaml.safe_dump(
-            {
-                **(record or {}),
-                "rules": summary,
-                "provenance": provenance(
-                    base_model={"spec": base},
-                    finetuned={t: tv.finetuned.fingerprint() for t, tv in task_vectors.items()},
-                    preflight=report,
-                ),
-            },
-            sort_keys=False,
-            allow_unicode=True,
-        )
-    )
-    return out_dir
+    return used
+
+
+def _write_record(out_dir: Path, record: dict | None, used: dict[str, str], base: str, task_vectors, report) -> None:
+    content = {
+        **(record or {}),
+        "rules": _rule_summary(used),
+        "provenance": provenance(
+            base_model={"spec": base},
+            finetuned={t: tv.finetuned.fingerprint() for t, tv in task_vectors.items()},
+            preflight=report,
+        ),
+    }
+    (out_dir / "submerge_merge.yaml").write_text(yaml.safe_dump(content, sort_keys=False, allow_unicode=True))
 
 
 def _rule_summary(used: dict[str, str]) -> dict[str, list[str]]:
@@ -215,17 +301,3 @@ def _copy_model_files(base: str, out_dir: Path, allow_pickle: bool) -> None:
         content = json.loads(config.read_text())
         content.pop("quantization_config", None)
         config.write_text(json.dumps(content, indent=2))
-
-
-def method_rule(method: str, options: dict | None = None) -> Callable[[TensorInfo], ParameterRule]:
-    """The same registered method for every tensor."""
-    from merge.strategies import STRATEGIES
-
-    if method not in STRATEGIES:
-        raise MergeError(f"unknown merge method '{method}'; known: {', '.join(STRATEGIES)}")
-    try:
-        STRATEGIES[method].resolve_options(options)
-    except ValueError as exc:
-        raise MergeError(str(exc)) from exc
-    rule = ParameterRule(method=method, options=options or {})
-    return lambda info: rule

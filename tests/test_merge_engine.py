@@ -34,7 +34,9 @@ from diagnostics.store import Store
 from diagnostics.tensors import TensorTable
 from merge import strategies
 from merge.plan import AUTO_ORDER, Plan, PlanError, choose_granularity, make_plan, plan_from_alpha
-from merge.writer import MergeError, ParameterRule, method_rule, write_merge
+from merge.rules import regmean_rule
+from merge.run import DataSettings, run_merge
+from merge.writer import MergeError, ParameterRule, merge_tensor, method_rule, write_merge
 
 TASKS = ("math", "code", "story")
 STEPS = {"math": 12, "code": 4, "story": 8}  # different training lengths → task vectors of different size
@@ -201,6 +203,55 @@ def test_plan_merge_applies_alpha_per_module_and_the_mean_elsewhere(kit, tmp_pat
         expected = base[name] + sum(_task_vectors(kit, name)) / len(TASKS)
         assert (merged[name] - expected).abs().max().item() <= 1e-6, name
     assert len({round(plan.alpha[k]["math"], 6) for k in plan.alpha}) > 1  # α really differ per module
+
+
+def test_the_tensor_table_gives_the_kind_each_strategy_route_uses(kit):
+    """The merge reads a tensor's kind from the table only (no name regex): matrices, norms, embeddings."""
+    table = TensorTable.from_checkpoint(kit.base)
+    kinds = {name: table[name].kind for name in (_layer(0, "self_attn.q_proj"), _layer(1, "mlp.down_proj"),
+                                                _layer(0, "input_layernorm"), "model.norm.weight",
+                                                "model.embed_tokens.weight", "lm_head.weight")}
+    assert kinds == {_layer(0, "self_attn.q_proj"): "matrix", _layer(1, "mlp.down_proj"): "matrix",
+                     _layer(0, "input_layernorm"): "norm", "model.norm.weight": "norm",
+                     "model.embed_tokens.weight": "embedding", "lm_head.weight": "embedding"}
+    # so a matrix-only method takes the mean for norms and task arithmetic for embeddings (DEFAULT_FALLBACK)
+    base = load_file(str(Path(kit.base) / "model.safetensors"))
+    for name, expected in (("model.norm.weight", lambda v: sum(v) / 3), ("lm_head.weight", lambda v: sum(v))):
+        vectors = _task_vectors(kit, name)
+        merged = merge_tensor(table[name], base[name], dict(zip(TASKS, vectors)), ParameterRule("tsv-m"))
+        assert (merged - base[name] - expected(vectors)).abs().max().item() <= 1e-6, name
+
+
+def test_merge_tensor_is_a_pure_function_of_one_tensor(kit):
+    table = TensorTable.from_checkpoint(kit.base)
+    info = table[_layer(0, "mlp.up_proj")]
+    base = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    vectors = {"math": torch.tensor([[1.0, 0.0], [0.0, -2.0]]), "code": torch.tensor([[0.5, 0.5], [1.0, 1.0]])}
+    weighted = merge_tensor(info, base, vectors, ParameterRule(weights={"math": 2.0, "code": -1.0}))
+    assert torch.equal(weighted, torch.tensor([[2.5, 1.5], [2.0, -1.0]]))
+    # a task the weights do not name counts 0; per-row weights broadcast
+    per_row = ParameterRule(weights={"code": torch.tensor([[1.0], [0.0]])})
+    assert torch.equal(merge_tensor(info, base, vectors, per_row), torch.tensor([[1.5, 2.5], [3.0, 4.0]]))
+    summed = merge_tensor(info, base.to(torch.bfloat16), vectors, ParameterRule("task-arithmetic", {"scaling": 2.0}))
+    assert summed.dtype == torch.bfloat16 and torch.equal(summed.float(), torch.tensor([[4.0, 3.0], [5.0, 2.0]]))
+    assert merge_tensor(info, base, vectors, ParameterRule(), dtype=torch.float16).dtype == torch.float16
+    integers = torch.arange(4)
+    assert merge_tensor(info, integers, vectors, ParameterRule()) is integers  # buffers pass through
+    with pytest.raises(MergeError, match=r"merged tensor 'model.layers.0.mlp.up_proj.weight' has NaN/Inf"):
+        merge_tensor(info, base, {"math": torch.full((2, 2), float("inf")), "code": -torch.full((2, 2), float("inf"))},
+                     ParameterRule())
+    with pytest.raises(MergeError, match=r"merging 'model.layers.0.mlp.up_proj.weight' \(2, 2\): .*unknown option"):
+        merge_tensor(info, base, vectors, ParameterRule("ties", {"k": 1}))
+
+
+def test_mergekit_spelling_through_the_writer(kit, tmp_path):
+    out = write_merge(kit.base, kit.finetuned, tmp_path / "alias", method_rule("dare_ties", {"drop_rate": 0.0}),
+                      progress=False)
+    name = _layer(0, "self_attn.q_proj")
+    base = load_file(str(Path(kit.base) / "model.safetensors"))[name]
+    expected = base + strategies.ties(_task_vectors(kit, name), top_k=1.0)
+    assert (_tensors(out)[name] - expected).abs().max().item() <= 1e-6
+    assert method_rule("task_arithmetic")(None) == ParameterRule("task-arithmetic", {})
 
 
 # ------------------------------------------------------- 2. closed-form α versus task arithmetic
@@ -446,10 +497,7 @@ def test_regmean_through_the_writer_equals_regmean_on_one_linear_map(kit, tmp_pa
         torch.testing.assert_close(grams["math"][_layer(1, f"self_attn.{projection}")], inputs.T @ inputs,
                                    rtol=1e-5, atol=1e-5)
     assert grams["math"][_layer(0, "mlp.down_proj")].shape == (2 * HIDDEN, 2 * HIDDEN)
-    regmean = ParameterRule(method="regmean", options={"off_diagonal_scale": 0.9})
-    elsewhere = ParameterRule(method="task-arithmetic")
-    out = write_merge(kit.base, kit.finetuned, tmp_path / "regmean",
-                      lambda info: regmean if info.name in linear else elsewhere,
+    out = write_merge(kit.base, kit.finetuned, tmp_path / "regmean", regmean_rule({"off_diagonal_scale": 0.9}, linear),
                       gram_matrices=lambda name: [grams[t][name] for t in TASKS] if name in linear else None,
                       progress=False)
     _load_and_generate(out)
@@ -575,3 +623,114 @@ def test_cli_plan_merge_and_eval(kit, tmp_path):
     assert int(evaluated.tokens.sel(model="base", task="math")) == count
     assert math.isclose(float(evaluated.perplexity.sel(model="plan", task="code")),
                         math.exp(by("plan", "code")), rel_tol=1e-12)
+
+
+def test_cli_closed_form_is_the_plan_of_the_alpha_solved_on_the_same_data(kit, tmp_path):
+    """`--method closed-form` goes through the registry and merge.run like every method: α solved on the fit
+    records at --granularity, applied per unit; the same as a plan built from diag alpha's dataset."""
+    out = tmp_path / "closed"
+    data = [o for t in TASKS for o in ("-d", f"{t}={kit.data[t]}")]
+    _invoke(["merge", "--method", "closed-form", "--granularity", "layer", "-m", kit.base, *_finetuned_options(kit),
+             *data, "--samples", str(FIT), "--max-tokens", str(SETTINGS["max_tokens"]), "--device", "cpu",
+             "--out", str(out), "--no-progress"])
+    record = yaml.safe_load((out / "submerge_merge.yaml").read_text())
+    assert record["method"] == "closed-form" and record["granularity"] == "layer"
+    solved = solve_alpha_per_module(Experiment.load(kit.base, kit.finetuned, kit.data, samples=FIT, batch_size=8,
+                                                    max_tokens=SETTINGS["max_tokens"], dtype="auto", device="cpu"),
+                                    granularity="layer", progress=False)
+    plan = plan_from_alpha(solved, kit.base, kit.finetuned)
+    assert set(record["alpha"]) == set(plan.alpha) == {"layers.0", "layers.1"}
+    for unit, weights in plan.alpha.items():
+        assert record["alpha"][unit] == pytest.approx(weights, rel=1e-12)
+    merged = _tensors(out)
+    base = load_file(str(Path(kit.base) / "model.safetensors"))
+    for name, unit in ((_layer(0, "self_attn.q_proj"), "layers.0"), (_layer(1, "mlp.down_proj"), "layers.1")):
+        expected = base[name] + sum(plan.alpha[unit][t] * v for t, v in zip(TASKS, _task_vectors(kit, name)))
+        assert (merged[name] - expected).abs().max().item() <= 1e-6, name
+
+
+def test_run_merge_needs_data_for_data_methods_and_one_of_plan_or_method(kit, tmp_path):
+    with pytest.raises(ValueError, match="either a plan or a method"):
+        run_merge(tmp_path / "x", base=kit.base, finetuned=kit.finetuned)
+    with pytest.raises(MergeError, match="unknown merge method 'slerp'"):
+        run_merge(tmp_path / "x", method="slerp", base=kit.base, finetuned=kit.finetuned)
+    out = run_merge(tmp_path / "ta", method="task_arithmetic", options={"scaling": "0.5"}, base=kit.base,
+                    finetuned=kit.finetuned, data=DataSettings(), progress=False)
+    name = _layer(1, "mlp.up_proj")
+    base = load_file(str(Path(kit.base) / "model.safetensors"))[name]
+    assert (_tensors(out)[name] - base - 0.5 * sum(_task_vectors(kit, name))).abs().max().item() <= 1e-6
+
+
+# --------------------------------------------------------- 6. output safety, dtypes, options
+
+
+def _digest(directory: Path) -> dict[str, str]:
+    import hashlib
+
+    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(Path(directory).rglob("*")) if p.is_file()}
+
+
+def test_a_failing_merge_with_force_keeps_the_old_output(kit, tmp_path):
+    out = write_merge(kit.base, kit.finetuned, tmp_path / "merged", method_rule("task-arithmetic"), progress=False)
+    before = _digest(out)
+
+    def fails_in_layer_1(info):
+        return ParameterRule("ties", {"k": 1}) if info.layer == 1 else ParameterRule()
+
+    with pytest.raises(MergeError, match=r"merging 'model.layers.1\..*unknown option 'k'"):
+        write_merge(kit.base, kit.finetuned, out, fails_in_layer_1, force=True, shard_size="20KB", progress=False)
+    assert _digest(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["merged"]  # no .partial-<pid> or .old-<pid> left
+    # a successful --force replaces it, again without leftovers
+    write_merge(kit.base, kit.finetuned, out, method_rule("task-arithmetic", {"scaling": 0.5}), force=True,
+                progress=False)
+    assert _digest(out) != before and sorted(p.name for p in tmp_path.iterdir()) == ["merged"]
+
+
+def test_out_that_is_inside_or_around_an_input_is_refused_and_the_inputs_are_untouched(kit, tmp_path):
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    base, math = Path(kit.base), Path(kit.finetuned["math"])
+    before = {path: _digest(path) for path in (base, math)}
+    for out, what in ((base, "base model"), (base / "merged", "base model"), (math, "fine-tune 'math'"),
+                      (base.parent, "base model")):
+        result = CliRunner().invoke(app, ["merge", "--method", "task-arithmetic", "-m", kit.base,
+                                          *_finetuned_options(kit), "--out", str(out), "--force", "--no-progress"])
+        assert result.exit_code == 2, (out, result.output)
+        assert f"would overwrite the {what}" in " ".join(result.output.split()), result.output
+        with pytest.raises(MergeError, match="would overwrite"):
+            write_merge(kit.base, kit.finetuned, out, method_rule("task-arithmetic"), force=True, progress=False)
+    assert {path: _digest(path) for path in (base, math)} == before
+    assert not (base / "merged").exists()
+
+
+@pytest.mark.parametrize("option, value, message", [("--shard-size", "2XB", "--shard-size: cannot read '2XB'"),
+                                                     ("--shard-size", "-1GB", "--shard-size: cannot read"),
+                                                     ("--out-dtype", "float8", "--out-dtype: unknown dtype 'float8'")])
+def test_bad_size_or_dtype_is_a_clear_error(kit, tmp_path, option, value, message):
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    result = CliRunner().invoke(app, ["merge", "--method", "ties", "-m", kit.base, *_finetuned_options(kit),
+                                      "--out", str(tmp_path / "m"), option, value, "--no-progress"])
+    assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "m").exists()
+
+
+def test_out_dtype_rounds_once_and_mergekit_spelling_on_the_command_line(kit, tmp_path):
+    _invoke(["merge", "--method", "task_arithmetic", "--option", "scaling=0.5", "-m", kit.base,
+             *_finetuned_options(kit), "--out", str(tmp_path / "bf16"), "--out-dtype", "bfloat16", "--no-progress"])
+    _invoke(["merge", "--method", "task-arithmetic", "--option", "scaling=0.5", "-m", kit.base,
+             *_finetuned_options(kit), "--out", str(tmp_path / "f32"), "--no-progress"])
+    rounded, full = _tensors(tmp_path / "bf16"), _tensors(tmp_path / "f32")
+    assert set(rounded) == set(full)
+    for name, tensor in rounded.items():
+        assert tensor.dtype == torch.bfloat16 and full[name].dtype == torch.float32
+        assert torch.equal(tensor, full[name].to(torch.bfloat16)), name
+    record = yaml.safe_load((tmp_path / "bf16" / "submerge_merge.yaml").read_text())
+    assert record["out_dtype"] == "bfloat16" and record["method"] == "task_arithmetic"
+    assert any(rule.startswith("task-arithmetic") for rule in record["rules"])

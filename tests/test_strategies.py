@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from merge.strategies import (
     DEFAULT_FALLBACK,
     STRATEGIES,
+    MergeMethod,
     breadcrumbs,
     breadcrumbs_mask,
     cart,
@@ -21,9 +22,9 @@ from merge.strategies import (
     keep_top_magnitude,
     magprune,
     merge_parameter,
-    parameter_kind,
     procrustes_orthonormalise,
     regmean,
+    resolve_method,
     sftm,
     sftm_system,
     star,
@@ -432,6 +433,8 @@ def test_regmean_errors_name_the_shapes():
 def _options_for(name, tasks):
     if name == "regmean":
         return {"gram_matrices": [torch.eye(tasks[0].shape[1]) * (index + 1) for index in range(len(tasks))]}
+    if name == "closed-form":
+        return {"weights": [0.5, -0.25, 1.0]}
     return {}
 
 
@@ -440,7 +443,7 @@ def _options_for(name, tasks):
 def test_output_dtype_and_shape_preserved(name, dtype):
     tasks = _random_tasks(3, (6, 4), seed=18, dtype=dtype)
     method = STRATEGIES[name]
-    merged = method.function(tasks, **method.defaults, **_options_for(name, tasks))
+    merged = method.function(tasks, **method.options, **_options_for(name, tasks))
     assert merged.dtype == dtype and merged.shape == (6, 4)
     assert bool(torch.isfinite(merged.float()).all())
 
@@ -448,7 +451,7 @@ def test_output_dtype_and_shape_preserved(name, dtype):
 def test_registry_contents():
     expected = {
         "weight-average", "task-arithmetic", "ties", "dare", "breadcrumbs", "della", "tsv-m",
-        "iso-c", "iso-cts", "cart", "star", "sftm", "regmean",
+        "iso-c", "iso-cts", "cart", "star", "sftm", "regmean", "closed-form",
     }  # fmt: skip
     assert set(STRATEGIES) == expected
     matrix_only = {name for name, method in STRATEGIES.items() if method.matrix_only}
@@ -456,9 +459,75 @@ def test_registry_contents():
     assert STRATEGIES["ties"].defaults == {"top_k": 0.2, "scaling": 1.0}
     assert STRATEGIES["iso-cts"].defaults["common_fraction"] == 0.8
     assert STRATEGIES["star"].defaults["energy_fraction"] == 0.4
-    assert STRATEGIES["regmean"].defaults["off_diagonal_scale"] == 0.9
+    assert STRATEGIES["regmean"].defaults == {"off_diagonal_scale": 0.9}
+    assert STRATEGIES["regmean"].inputs == ("gram_matrices",)
+    assert STRATEGIES["closed-form"].inputs == ("weights",)
+    assert STRATEGIES["closed-form"].defaults == {"granularity": "attn-mlp", "balance": True}
+    assert STRATEGIES["closed-form"].function is weighted_task_arithmetic
+    assert {name for name, method in STRATEGIES.items() if method.needs_data} == {"regmean", "closed-form"}
     for method in STRATEGIES.values():
         assert method.description and method.function.__doc__
+
+
+def test_registry_defaults_are_the_function_signatures():
+    """One place for a default: change the function's and the registry follows."""
+
+    def halve(task_vectors, *, scaling: float = 0.5, top_k: float = 0.1, seed: int = 3):
+        """Test strategy."""
+        return task_arithmetic(task_vectors, scaling=scaling)
+
+    method = MergeMethod("halve", halve, "a test method")
+    assert method.defaults == {"scaling": 0.5, "top_k": 0.1, "seed": 3}
+    assert method.inputs == () and not method.needs_data
+    assert method.resolve_options({"top_k": "30%", "seed": "7"}) == {"scaling": 0.5, "top_k": 0.3, "seed": 7}
+    with pytest.raises(ValueError, match="unknown option 'k' for merge method 'halve' \\(options: scaling, seed, top_k\\)"):
+        method.resolve_options({"k": 1})
+    with pytest.raises(ValueError, match="cannot read 'many' as int"):
+        method.resolve_options({"seed": "many"})
+    import inspect
+
+    for name, registered in STRATEGIES.items():
+        signature = inspect.signature(registered.function).parameters
+        for option, default in registered.options.items():
+            assert signature[option].default == default, (name, option)
+
+
+@pytest.mark.parametrize(
+    "alias, method, implied",
+    [("task_arithmetic", "task-arithmetic", {}), ("dare_ties", "dare", {"base": "ties"}),
+     ("dare_linear", "dare", {"base": "task-arithmetic"}), ("linear", "weight-average", {}),
+     ("ties", "ties", {}), ("della", "della", {}), ("breadcrumbs", "breadcrumbs", {})],
+)
+def test_mergekit_spellings_are_aliases(alias, method, implied):
+    registered, options = resolve_method(alias, {"scaling": 0.5} if method != "weight-average" else {})
+    assert registered.name == method
+    assert options == {**implied, **({"scaling": 0.5} if method != "weight-average" else {})}
+    tasks = _random_tasks(3, (4, 6), seed=22)
+    torch.testing.assert_close(merge_parameter("w", tasks, alias, options), merge_parameter("w", tasks, method, options))
+
+
+def test_mergekit_aliases_mean_the_same_merge():
+    tasks = _random_tasks(3, (5, 4), seed=23)
+    # dare_ties with no drop and no trim is TIES without trim; dare_linear with no drop is task arithmetic
+    torch.testing.assert_close(merge_parameter("w", tasks, "dare_ties", {"drop_rate": 0.0}), ties(tasks, top_k=1.0))
+    torch.testing.assert_close(merge_parameter("w", tasks, "dare_linear", {"drop_rate": 0.0}), task_arithmetic(tasks))
+    torch.testing.assert_close(merge_parameter("w", tasks, "linear"), sum(tasks) / 3)
+    with pytest.raises(ValueError, match="unknown merge method 'slerp'.*mergekit spellings: task_arithmetic"):
+        resolve_method("slerp")
+
+
+def test_closed_form_is_weighted_task_arithmetic_and_needs_its_weights():
+    tasks = _random_tasks(3, (4, 5), seed=24)
+    with pytest.raises(ValueError, match="needs weights from data"):
+        merge_parameter("w", tasks, "closed-form")
+    per_row = [torch.arange(4, dtype=f64)[:, None], torch.ones(4, 1, dtype=f64), 0.5]
+    expected = per_row[0] * tasks[0] + tasks[1] + 0.5 * tasks[2]
+    torch.testing.assert_close(weighted_task_arithmetic(tasks, per_row), expected, rtol=0, atol=1e-15)
+    # float16 inputs are weighted and summed in float32, returned in float16
+    half = [t.to(torch.float16) for t in tasks]
+    merged = weighted_task_arithmetic(half, [0.1, 0.2, 0.3])
+    exact = sum(w * t.to(torch.float32) for w, t in zip([0.1, 0.2, 0.3], half))
+    assert merged.dtype == torch.float16 and torch.equal(merged, exact.to(torch.float16))
 
 
 def test_matrix_methods_reject_vectors():
@@ -473,28 +542,28 @@ def test_matrix_methods_reject_vectors():
 # ------------------------------------------------------------------------- merge_parameter
 
 
-def test_parameter_kind():
-    assert parameter_kind("model.layers.0.self_attn.q_proj.weight", (8, 8)) == "matrix"
-    assert parameter_kind("model.layers.0.self_attn.q_proj.bias", (8,)) == "bias"
-    assert parameter_kind("model.layers.0.input_layernorm.weight", (8,)) == "norm"
-    assert parameter_kind("transformer.h.0.ln_1.bias", (8,)) == "norm"
-    assert parameter_kind("bert.embeddings.LayerNorm.weight", (8,)) == "norm"
-    assert parameter_kind("model.embed_tokens.weight", (100, 8)) == "embedding"
-    assert parameter_kind("transformer.wte.weight", (100, 8)) == "embedding"
-    assert parameter_kind("lm_head.weight", (100, 8)) == "embedding"
-    assert parameter_kind("conv.weight", (4, 3, 2, 2)) == "matrix"
+def test_merge_parameter_kind_comes_from_the_table_or_the_shape():
+    """No name heuristics: without the table's kind a tensor is a matrix (2-D or more) or a bias."""
+    vectors = [torch.tensor([1.0, 2.0], dtype=f64), torch.tensor([3.0, -4.0], dtype=f64)]
+    # a 1-D "norm" by name is a bias without kind= (task arithmetic under a matrix-only method) ...
+    torch.testing.assert_close(merge_parameter("final_norm.weight", vectors, "iso-c"), torch.tensor([4.0, -2.0], dtype=f64))
+    # ... and a norm with it (mean)
+    torch.testing.assert_close(
+        merge_parameter("final_norm.weight", vectors, "iso-c", kind="norm"), torch.tensor([2.0, -1.0], dtype=f64)
+    )
+    embeddings = _random_tasks(2, (10, 4), seed=19)
+    torch.testing.assert_close(merge_parameter("model.embed_tokens.weight", embeddings, "iso-c"), iso_c(embeddings))
+    with pytest.raises(ValueError, match="kind must be one of"):
+        merge_parameter("w", vectors, "ties", kind="vector")
 
 
 def test_merge_parameter_fallbacks():
     vectors = [torch.tensor([1.0, 2.0], dtype=f64), torch.tensor([3.0, -4.0], dtype=f64)]
-    # Matrix-only method on a bias -> task arithmetic; on a norm -> mean.
+    # Matrix-only method on a bias -> task arithmetic (on a norm -> mean: test above).
     torch.testing.assert_close(merge_parameter("layer.bias", vectors, "tsv-m"), torch.tensor([4.0, -2.0], dtype=f64))
-    torch.testing.assert_close(
-        merge_parameter("final_norm.weight", vectors, "iso-c"), torch.tensor([2.0, -1.0], dtype=f64)
-    )
     embeddings = _random_tasks(2, (10, 4), seed=19)
     torch.testing.assert_close(
-        merge_parameter("model.embed_tokens.weight", embeddings, "sftm"), task_arithmetic(embeddings)
+        merge_parameter("model.embed_tokens.weight", embeddings, "sftm", kind="embedding"), task_arithmetic(embeddings)
     )
     # The caller overrides the fallback or the kind.
     torch.testing.assert_close(
@@ -584,3 +653,74 @@ def test_scaling_is_linear(params, scaling):
     torch.testing.assert_close(task_arithmetic(tasks, scaling=scaling), scaling * task_arithmetic(tasks))
     torch.testing.assert_close(ties(tasks, top_k=0.5, scaling=scaling), scaling * ties(tasks, top_k=0.5))
     torch.testing.assert_close(tsv_m(tasks, scaling=scaling), scaling * tsv_m(tasks), atol=1e-10, rtol=1e-10)
+
+
+# ----------------------------------------------------------------- precision and row chunks
+
+_ELEMENT_WISE = {
+    "weight-average": {},
+    "task-arithmetic": {"scaling": 0.7},
+    "ties": {"top_k": 0.3, "scaling": 0.9},
+    "dare": {"drop_rate": 0.5, "seed": 4},
+    "dare-ties": {"drop_rate": 0.3, "seed": 5, "base": "ties", "top_k": 0.4},
+    "breadcrumbs": {"beta": 0.2, "gamma": 0.9},
+    "della": {"drop_rate": 0.4, "epsilon": 0.2, "seed": 6},
+}
+
+
+def _element_wise(name, tasks):
+    method = "dare" if name == "dare-ties" else name
+    return STRATEGIES[method].function(tasks, **_ELEMENT_WISE[name])
+
+
+@pytest.mark.parametrize("name", list(_ELEMENT_WISE))
+def test_row_chunks_give_the_whole_tensor_result(monkeypatch, name):
+    """Above CHUNK_THRESHOLD the element-wise methods run row chunk by row chunk: bitwise the same merge
+    (same trim thresholds, same random stream), including equal magnitudes across chunk borders."""
+    import merge.strategies as module
+
+    generator = torch.Generator().manual_seed(30)
+    tasks = [torch.randint(-6, 7, (37, 11), generator=generator).float() * 0.25 for _ in range(3)]  # many ties
+    tasks += [torch.randn(37, 11, generator=generator)]
+    whole = _element_wise(name, tasks)
+    monkeypatch.setattr(module, "CHUNK_THRESHOLD", 50)
+    monkeypatch.setattr(module, "CHUNK_ELEMENTS", 40)  # 3 rows per chunk, 13 chunks
+    assert len(module._row_chunks((37, 11))) == 13
+    chunked = _element_wise(name, tasks)
+    assert chunked.dtype == torch.float32 and torch.equal(chunked, whole), name
+
+
+def test_trim_with_equal_magnitudes_keeps_exactly_k_the_later_ones_first(monkeypatch):
+    import merge.strategies as module
+
+    values = torch.tensor([[1.0, -2.0, 2.0], [2.0, 3.0, -2.0], [2.0, 0.5, 1.0]])
+    # top 4 of 9: 3 and the last three of the five 2s in row-major order (a stable ascending sort's ranks)
+    expected = torch.tensor([[0.0, 0.0, 0.0], [2.0, 3.0, -2.0], [2.0, 0.0, 0.0]])
+    assert torch.equal(keep_top_magnitude(values, 4 / 9), expected)
+    monkeypatch.setattr(module, "CHUNK_THRESHOLD", 1)
+    monkeypatch.setattr(module, "CHUNK_ELEMENTS", 3)
+    assert torch.equal(ties([values], top_k=4 / 9), expected)
+    reference = torch.zeros(9, dtype=torch.bool)
+    reference[torch.argsort(values.abs().reshape(-1), stable=True)[-4:]] = True
+    assert torch.equal(expected != 0, reference.reshape(3, 3))
+
+
+@pytest.mark.parametrize("name", list(_ELEMENT_WISE))
+def test_float32_computation_is_within_1e6_of_float64(name):
+    tasks32 = _random_tasks(3, (16, 12), seed=31, dtype=torch.float32)
+    in32 = _element_wise(name, tasks32)
+    in64 = _element_wise(name, [t.to(f64) for t in tasks32])
+    assert in32.dtype == torch.float32 and in64.dtype == f64
+    assert (in32.to(f64) - in64).abs().max().item() <= 1e-6, name
+    # half-precision inputs are computed in float32, then rounded once
+    half = [t.to(torch.float16) for t in tasks32]
+    from_half = _element_wise(name, half)
+    assert from_half.dtype == torch.float16
+    assert torch.equal(from_half, _element_wise(name, [t.float() for t in half]).to(torch.float16)), name
+
+
+def test_compute_dtype_is_at_least_float32():
+    from merge.strategies import compute_dtype
+
+    assert compute_dtype(torch.bfloat16) == torch.float32 and compute_dtype(torch.float16) == torch.float32
+    assert compute_dtype(torch.float32) == torch.float32 and compute_dtype(f64) == f64

@@ -1,0 +1,162 @@
+"""The merge driver behind `diag merge`: a plan or a registered method → rules → the streaming writer.
+
+`run_merge` takes either a plan file (`merge.plan.Plan`) or a method name (any of
+``merge.strategies.STRATEGIES`` or a mergekit alias). Methods that need data (``inputs`` in the
+registry) get them here, on the base model θ0 and the task data, before any tensor is written:
+
+- ``closed-form``: α per unit solved by `diagnostics.linearity.alpha` (seed 002 Eq. 12–14, 33–34)
+  at the option ``granularity``; every tensor of a unit gets θ0 + Σ_t α_t τ_t (the plan's rules);
+- ``regmean``: the Gram matrix of each linear map's inputs per task (`diagnostics.capture`),
+  RegMean on those maps and task arithmetic elsewhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from merge.rules import RuleFunction, checked_method, method_rule, regmean_rule
+from merge.strategies import STRATEGIES
+from merge.writer import MergeError, check_not_an_input, check_output, parse_size, write_merge
+
+
+@dataclass
+class MergeSetup:
+    """What the writer needs besides the checkpoints: a rule per tensor, RegMean's Grams, what to record."""
+
+    rule_for: RuleFunction
+    record: dict
+    gram_matrices: Callable[[str], list[torch.Tensor] | None] | None = None
+
+
+@dataclass
+class DataSettings:
+    """Task data for the methods that need it (closed-form, regmean): records read per task and their length."""
+
+    data: dict[str, str] = field(default_factory=dict)
+    samples: int = 30
+    max_tokens: int = 512
+    batch_size: int = 8
+
+
+def needs_data(method: str) -> bool:
+    """Whether `method` (a name or mergekit alias) needs task data; unknown names are a MergeError."""
+    return STRATEGIES[checked_method(method)[0]].needs_data
+
+
+def run_merge(
+    out_dir: str | Path,
+    *,
+    plan: str | Path | None = None,
+    method: str | None = None,
+    options: dict | None = None,
+    base: str | None = None,
+    finetuned: dict[str, str] | None = None,
+    data: DataSettings | None = None,
+    shard_size: str | int = "2GB",
+    device: str = "cpu",
+    allow_pickle: bool = False,
+    vocab: str = "base",
+    force: bool = False,
+    progress: bool = True,
+    out_dtype: str | torch.dtype | None = None,
+) -> Path:
+    """Write the merged checkpoint of a plan file or of `method` (+ `options`) on `base` + `finetuned`.
+
+    Every setting is checked before any work (output, shard size, out dtype, outputs that would
+    overwrite an input); tensors are written in `out_dtype` ("base" or None: each base tensor's dtype).
+    """
+    out_dir = Path(out_dir)
+    if (plan is None) == (method is None):
+        raise ValueError("give either a plan or a method")
+    check_output(out_dir, force)
+    parse_size(shard_size)
+    dtype = parse_out_dtype(out_dtype)
+    if plan is not None:
+        from merge.plan import Plan
+
+        the_plan = Plan.load(plan)
+        base, finetuned = the_plan.base_model, the_plan.finetuned
+        setup = MergeSetup(the_plan.rule_for, {"plan": str(plan), "granularity": the_plan.granularity})
+    _refuse_inputs(out_dir, base, finetuned, allow_pickle)
+    if plan is None:
+        setup = method_setup(method, options or {}, base, finetuned, data or DataSettings(), device=device,
+                             allow_pickle=allow_pickle, vocab=vocab, progress=progress)
+    setup.record["out_dtype"] = str(dtype).removeprefix("torch.") if dtype else "base"
+    return write_merge(base, finetuned, out_dir, setup.rule_for, record=setup.record, force=force,
+                       allow_pickle=allow_pickle, vocab=vocab, shard_size=shard_size, dtype=dtype, device=device,
+                       gram_matrices=setup.gram_matrices, progress=progress)
+
+
+OUT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+              "float64": torch.float64}
+
+
+def parse_out_dtype(value: str | torch.dtype | None) -> torch.dtype | None:
+    """None for "base"/"auto"/None (each tensor keeps the base's dtype), else one of OUT_DTYPES."""
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    if value in ("base", "auto"):
+        return None
+    if value not in OUT_DTYPES:
+        raise MergeError(f"--out-dtype: unknown dtype '{value}' (base, {', '.join(OUT_DTYPES)})")
+    return OUT_DTYPES[value]
+
+
+def _refuse_inputs(out_dir: Path, base: str, finetuned: dict[str, str], allow_pickle: bool) -> None:
+    """`check_not_an_input` on the inputs' local paths, before any data step (the writer checks again)."""
+    from diagnostics.models import local_path
+
+    inputs = {}
+    for what, spec in {"base model": base, **{f"fine-tune '{t}'": s for t, s in (finetuned or {}).items()}}.items():
+        with contextlib.suppress(Exception):  # an input that cannot be resolved fails with its own message later
+            inputs[what] = local_path(spec, allow_pickle=allow_pickle)
+    check_not_an_input(out_dir, inputs)
+
+
+def method_setup(method: str, options: dict, base: str, finetuned: dict[str, str], data: DataSettings, *,
+                 device: str = "cpu", allow_pickle: bool = False, vocab: str = "base",
+                 progress: bool = True) -> MergeSetup:
+    """Rules (and data inputs) of a registered method; a method with ``inputs`` gets them from `data`."""
+    name, options = checked_method(method, options)
+    record = {"method": method, "options": options}
+    registered = STRATEGIES[name]
+    if not registered.needs_data:
+        return MergeSetup(method_rule(name, options), record)
+    from diagnostics.experiment import Experiment
+
+    experiment = Experiment.load(base, finetuned, data.data, samples=data.samples, max_tokens=data.max_tokens,
+                                 batch_size=data.batch_size, dtype="auto", device=device,
+                                 allow_pickle=allow_pickle, trust_remote_code=False, vocab=vocab)
+    _, data_options = registered.split_options(options)
+    return _DATA_STEPS[name](experiment, base, finetuned, record, options, data_options, progress)
+
+
+def _closed_form(experiment, base, finetuned, record, options, data_options, progress) -> MergeSetup:
+    from diagnostics.linearity import alpha
+    from merge.plan import plan_from_alpha
+
+    solved = alpha(experiment, granularity=data_options["granularity"], balance=data_options["balance"],
+                   progress=progress)
+    the_plan = plan_from_alpha(solved, base, finetuned)
+    record.update({"granularity": data_options["granularity"], "alpha": the_plan.alpha})
+    return MergeSetup(the_plan.rule_for, record)
+
+
+def _regmean(experiment, base, finetuned, record, options, data_options, progress) -> MergeSetup:
+    from diagnostics.capture import input_gram_matrices
+
+    per_task = {t: input_gram_matrices(experiment.base.model, experiment.arch, experiment.batches[t])
+                for t in finetuned}
+    names = experiment.base.checkpoint_names
+    first = per_task[next(iter(finetuned))]
+    by_checkpoint = {names.get(k, k): [per_task[t][k] for t in finetuned] for k in first}
+    return MergeSetup(regmean_rule(options, set(by_checkpoint)), record, by_checkpoint.get)
+
+
+#: The data step of each registered method that has ``inputs`` (tests check every such method has one).
+_DATA_STEPS = {"closed-form": _closed_form, "regmean": _regmean}
