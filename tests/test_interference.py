@@ -328,6 +328,43 @@ def test_sar_in_unit_interval(seed, shape, eps):
         assert sar(task_matrix, merged, 0.0, svd_dtype="float64")[0] == pytest.approx(1.0, abs=1e-9)
 
 
+# ------------------------------------------------------- diagnostics.spectral (shared with merge)
+
+
+def test_numerical_rank_known_spectra():
+    from diagnostics.spectral import numerical_rank
+
+    spectrum = torch.tensor([2.0, 1.0, 1e-9, 0.0], dtype=F64)
+    # float64 eps·σ_max·max(m, n) = 2.2e-16·2·4 ≈ 1.8e-15: 1e-9 counts; float32 eps ≈ 1.2e-7: it does not
+    assert numerical_rank(spectrum, (4, 3), torch.float64) == 3
+    assert numerical_rank(spectrum, (4, 3), torch.float32) == 2
+    assert numerical_rank(spectrum, (4, 3), torch.bfloat16) == 2  # judged at float32 precision
+    assert numerical_rank(spectrum, (4, 3), torch.float64, scale=1e7) == 2  # 1e7·4·2.2e-16 ≈ 8.9e-9 > 1e-9
+    assert numerical_rank(torch.zeros(3, dtype=F64), (3, 3), torch.float64) == 0
+    assert numerical_rank(torch.zeros(0, dtype=F64), (3, 3), torch.float64) == 0
+
+
+def test_concat_top_blocks_and_thin_svd():
+    from diagnostics.spectral import concat_top, svd_dtype, thin_svd
+
+    first_matrix = outer([1, 0, 0], [0, 1]) * 3 + outer([0, 1, 0], [1, 0])  # σ = (3, 1)
+    second_matrix = outer([0, 0, 1], [1, 0]) * 2  # σ = (2, 0)
+    first, second = thin_svd(first_matrix, "float64"), thin_svd(second_matrix, torch.float64)
+    assert first.S.dtype == F64 and thin_svd(second_matrix, "float32").U.dtype == torch.float32
+    kept = concat_top([first, second], [2, 1])
+    assert tuple(kept.U.shape) == (3, 3) and tuple(kept.Vh.shape) == (3, 2)
+    np.testing.assert_allclose(kept.S.numpy(), [3.0, 1.0, 2.0], atol=1e-12)
+    # block t rebuilds its own matrix from its kept triplets
+    np.testing.assert_allclose(((kept.U[:, :2] * kept.S[:2]) @ kept.Vh[:2]).numpy(), first_matrix.numpy(), atol=1e-12)
+    np.testing.assert_allclose(((kept.U[:, 2:] * kept.S[2:]) @ kept.Vh[2:]).numpy(), second_matrix.numpy(), atol=1e-12)
+    empty = concat_top([first], [0])
+    assert tuple(empty.U.shape) == (3, 0) and tuple(empty.S.shape) == (0,) and tuple(empty.Vh.shape) == (0, 2)
+    with pytest.raises(ValueError, match="2 decompositions but 1"):
+        concat_top([first, first], [1])
+    with pytest.raises(ValueError, match="svd_dtype"):
+        svd_dtype("float16")
+
+
 # ---------------------------------------------------------------- streaming driver
 
 
@@ -452,7 +489,7 @@ def test_interference_driver_lora_and_strategies(tiny_checkpoints, tmp_path):
 
 
 def test_interference_store_resumes(tiny_checkpoints, tmp_path, monkeypatch):
-    import diagnostics.interference as interference_module
+    import diagnostics.interference.driver as interference_module
     from diagnostics.store import Store
 
     base, finetuned, _, _ = tiny_checkpoints
@@ -487,3 +524,15 @@ def test_interference_store_resumes(tiny_checkpoints, tmp_path, monkeypatch):
     assert stored.attrs["sar_eps"] == 0.05 and stored.attrs["svd_dtype"] == "float32"
     with pytest.raises(Exception, match="other settings"):
         interference_module.interference(base, finetuned, rank_fracs=(0.25,), progress=False, store=store)
+
+
+def test_interference_driver_empty_selection(tiny_checkpoints, tmp_path):
+    from diagnostics.interference import interference
+    from diagnostics.store import Store
+
+    base, finetuned, _, _ = tiny_checkpoints
+    store = Store(tmp_path / "empty.zarr")
+    ds = interference(base, finetuned, matrices=[], rank_fracs=(0.5, 1.0), progress=False, device="cpu", store=store)
+    assert ds.sizes == {"matrix": 0, "task": 2, "task_other": 2, "rank_frac": 2, "centered": 2}
+    assert ds["sti"].dtype == np.float64 and ds["sar_k"].dtype == np.int64
+    assert store.is_complete("interference") and ds.attrs["sar_against"] == "ta"
