@@ -536,3 +536,64 @@ def test_interference_driver_empty_selection(tiny_checkpoints, tmp_path):
     assert ds.sizes == {"matrix": 0, "task": 2, "task_other": 2, "rank_frac": 2, "centered": 2}
     assert ds["sti"].dtype == np.float64 and ds["sar_k"].dtype == np.int64
     assert store.is_complete("interference") and ds.attrs["sar_against"] == "ta"
+
+
+def test_group_matrices_for_ray_tasks():
+    from diagnostics.interference.scale_out import GROUP_ELEMENTS, group_matrices
+
+    # 10 elements, 1 worker: groups of ≥ ⌈10 / 4⌉ = 3 elements, in order
+    assert group_matrices(["a", "b", "c", "d"], [3, 1, 5, 1], 1) == [["a"], ["b", "c"], ["d"]]
+    # 2 workers: ≥ ⌈10 / 8⌉ = 2 elements
+    assert group_matrices(["a", "b", "c", "d"], [1, 1, 6, 2], 2) == [["a", "b"], ["c"], ["d"]]
+    # a matrix of 2²⁰ elements is a task of its own however many there are
+    big = [GROUP_ELEMENTS] * 3
+    assert group_matrices(["a", "b", "c"], big, 1) == [["a"], ["b"], ["c"]]
+    assert group_matrices([], [], 2) == []
+
+
+def test_interference_on_ray_equals_one_process_and_survives_a_killed_worker(tiny_checkpoints, tmp_path, monkeypatch):
+    """2 local Ray workers give bitwise the single-process results, in the store too, though one is killed."""
+    ray = pytest.importorskip("ray")
+    import os
+    import signal
+
+    from ray.util import ActorPool
+
+    from diagnostics.interference import interference, scale_out
+    from diagnostics.store import Store
+
+    base, finetuned, _, _ = tiny_checkpoints
+    options = {"rank_fracs": (0.25, 1.0), "progress": False, "device": "cpu", "sar_against": "ties"}
+    fresh = interference(base, finetuned, **options)
+
+    killed = []
+
+    class KillsItsFirstWorker(ActorPool):
+        def submit(self, fn, value):
+            def kill_after_submitting(actor, group):
+                pid = ray.get(actor.stats.remote())["pid"]
+                reference = fn(actor, group)  # this group is now queued or running on that process
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+                return reference
+
+            super().submit(fn if killed else kill_after_submitting, value)
+
+    monkeypatch.setattr(scale_out, "_pool", KillsItsFirstWorker)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        store, report = Store(tmp_path / "ray.zarr"), {}
+        spread = interference(base, finetuned, **options, store=store, flush_every=2, ray="auto", workers=2,
+                              ray_options={"report": report})
+        assert ray.is_initialized()  # a Ray this process started itself is left running
+    finally:
+        ray.shutdown()
+    assert len(killed) == 1 and killed[0] not in [worker["pid"] for worker in report["workers"]]  # restarted
+    stored = store.dataset("interference")
+    for dataset in (spread, stored):
+        assert [str(m) for m in dataset["matrix"].values] == [str(m) for m in fresh["matrix"].values]
+        for name, variable in fresh.data_vars.items():
+            assert variable.dtype == dataset[name].dtype
+            assert np.array_equal(variable.values, dataset[name].values, equal_nan=True), name
+    assert stored.attrs["provenance"]["scale_out"] == {"ray": "auto", "workers": 2}
+    assert spread.attrs == fresh.attrs

@@ -8,6 +8,15 @@ writes the store group ``interference`` through ``diagnostics.store.UnitWriter``
 (resume, provenance); :func:`summarize_interference` gives the per-level /
 per-layer means.
 
+The dataset has dims matrix, task, task_other, rank_frac, centered (False:
+plain Δ_t, True: centred Δ̄_t) and variables task_vector_norm, effective_rank,
+sar (matrix, task); cosine, sign_conflict (matrix, task, task_other); sti,
+sti_normalized, sti_k, sar_k (matrix); rank (matrix, rank_frac);
+row_space_interference, reconstruction_error (matrix, rank_frac, centered).
+Coordinates along matrix: the parameter name, and module, layer, level (from
+the tensor table), rows, cols.  The attrs name every rule (k, ε, norms, SVD
+dtype).
+
 What each tensor is (matrix order, level / layer / module coordinates, tied
 embeddings, GPT-2 ``Conv1D`` weights stored (in, out)) comes from the tensor
 table ``diagnostics.tensors.TensorTable``.
@@ -21,6 +30,7 @@ Nothing in ``diagnostics`` imports ``merge`` at module import time.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from contextlib import closing
 from dataclasses import dataclass
 
 import numpy as np
@@ -208,7 +218,8 @@ def _notes(job: MatrixJob, device, duplicates: dict[str, str]) -> dict:
     }
 
 
-def _open_writer(store, job: MatrixJob, base, task_readers: dict, matrices, *, force: bool, command: str | None):
+def _open_writer(store, job: MatrixJob, base, task_readers: dict, matrices, *, force: bool, command: str | None,
+                 scale_out: dict | None = None):
     """The `UnitWriter` of group ``interference`` (store None: results are only gathered)."""
     from diagnostics.store import UnitWriter, provenance
 
@@ -223,6 +234,8 @@ def _open_writer(store, job: MatrixJob, base, task_readers: dict, matrices, *, f
     base_info = base.fingerprint()
     inputs = {"base_model": base_info,
               "finetuned": {task: reader.finetuned.fingerprint() for task, reader in task_readers.items()}}
+    if scale_out:
+        inputs["scale_out"] = scale_out  # provenance only: a run resumes across single-process and Ray
     return UnitWriter(store, GROUP, settings, dim="matrix", force=force,
                       root=provenance(command, base_model=base_info),
                       attrs={"provenance": provenance(command, **inputs)})
@@ -242,11 +255,26 @@ def _task_readers(base, finetuned: dict) -> dict:
             for task, reader in finetuned.items()}
 
 
-def _local_results(names: list[str], task_readers: dict, job: MatrixJob, device, on_start) -> Iterator:
+def _results(names: list[str], base, task_readers: dict, job: MatrixJob, device: str, scale_out: dict | None,
+             ray_options: dict | None, describe) -> Iterator:
+    """(name, shape, result) of every matrix in order, measured here or (``scale_out``) by Ray workers."""
+    if scale_out is not None:
+        from diagnostics.interference.scale_out import ray_results
+
+        describe(f"{scale_out['workers']} Ray worker(s)")
+        return ray_results(scale_out["ray"], names, base, task_readers, job, device=device,
+                           workers=scale_out["workers"], **(ray_options or {}))
+    return _local_results(names, task_readers, job, device, describe)
+
+
+def _local_results(names: list[str], task_readers: dict, job: MatrixJob, device: str, on_start) -> Iterator:
     """(name, shape, result) of every matrix in order, measured in this process."""
+    from diagnostics.models import pick_device
+
+    target = pick_device(device)
     for name in names:
         on_start(name)
-        yield (name, *measure_matrix(name, task_readers, job, device))
+        yield (name, *measure_matrix(name, task_readers, job, target))
 
 
 def _write_in_groups(writer, results: Iterator, flush_every: int, make_piece, on_done) -> None:
@@ -280,6 +308,9 @@ def interference(
     force: bool = False,
     command: str | None = None,
     flush_every: int = 8,
+    ray: str | None = None,
+    workers: int = 1,
+    ray_options: dict | None = None,
 ):
     """Weight-space interference of every 2-D weight matrix, streamed one matrix at a time.
 
@@ -289,13 +320,11 @@ def interference(
     matrices of one matrix (in ``svd_dtype``, on ``device``) plus about ten copies of it for the SVDs
     and float64 products (``benchmarks/interference.py`` measures it).
 
-    Matrices: every weight matrix of the tensor table ``table``
-    (``TensorInfo.is_weight_matrix``: 2-D, no size cap; built from the base's
-    config when not given), ordered by layer, or the names in ``matrices``.  An
-    embedding-level matrix stored twice with equal values in the base and every
-    fine-tune (tied ``lm_head`` = embedding) is measured once; the skipped name
-    is listed in ``attrs["tied_duplicates"]``.  Weights stored (in, out) (GPT-2
-    ``Conv1D``: ``TensorInfo.transposed``, or the names in ``transposed``) are
+    Matrices: every weight matrix of the tensor table ``table`` (``TensorInfo.is_weight_matrix``: 2-D,
+    no size cap; built from the base's config when not given), ordered by layer, or the names in
+    ``matrices``.  An embedding-level matrix stored twice with equal values in the base and every
+    fine-tune (tied ``lm_head`` = embedding) is measured once (``attrs["tied_duplicates"]``).  Weights
+    stored (in, out) (``TensorInfo.transposed``: GPT-2 ``Conv1D``, or the names in ``transposed``) are
     transposed to (out, in) first.
 
     SAR is taken against task arithmetic Σ_t Δ_t (``sar_against="ta"``) or
@@ -303,19 +332,16 @@ def interference(
     ``merge.strategies.STRATEGIES[sar_against]`` (its paper defaults, updated by
     ``sar_options``), computed per matrix by ``merge.strategies.merge_parameter``.
 
-    Returns an ``xarray.Dataset`` with dims matrix, task, task_other, rank_frac,
-    centered (False: plain Δ_t, True: centred Δ̄_t) and variables
-    task_vector_norm, effective_rank, sar (matrix, task); cosine, sign_conflict
-    (matrix, task, task_other); sti, sti_normalized, sti_k, sar_k (matrix);
-    rank (matrix, rank_frac); row_space_interference, reconstruction_error
-    (matrix, rank_frac, centered).  Coordinates along matrix: the parameter
-    name, and module, layer, level (from the tensor table), rows, cols.  The
-    attrs name every rule (k, ε, norms, SVD dtype).
+    Returns the ``xarray.Dataset`` described in this module's docstring.
 
-    With ``store`` (a :class:`diagnostics.store.Store`) the group
-    ``interference`` is written ``flush_every`` matrices at a time; a run that
-    stopped resumes after the last group of matrices written (same settings),
-    other settings are an error unless ``force``.
+    With ``store`` (a :class:`diagnostics.store.Store`) the group ``interference`` is written
+    ``flush_every`` matrices at a time; a run that stopped resumes after the last group written
+    (same settings), other settings are an error unless ``force``.
+
+    ``ray="auto"`` (a local Ray instance) or ``ray=ADDRESS`` (a cluster) measures the matrices in
+    ``workers`` Ray worker processes (``ray_options``: max_retries, gpus_per_worker,
+    threads_per_worker, report; see ``diagnostics.interference.scale_out``); this process alone
+    writes the store, so results, resume and provenance are as in one process.
     """
     from diagnostics.models import pick_device
     from diagnostics.progress import progress_bar
@@ -331,14 +357,16 @@ def interference(
         return _matrices_dataset(table, [i[0] for i in items], [i[1] for i in items], [i[2] for i in items],
                                  task_names, rank_fracs)
 
-    writer = _open_writer(store, job, base, task_readers, matrices, force=force, command=command)
+    scale_out = {"ray": ray, "workers": workers} if ray is not None else None
+    writer = _open_writer(store, job, base, task_readers, matrices, force=force, command=command, scale_out=scale_out)
     todo = [name for name in names if name not in writer.done]
     with progress_bar(progress) as bar:
         bar_job = bar.add_task("interference", total=len(names))
         bar.advance(bar_job, len(names) - len(todo))
-        results = _local_results(todo, task_readers, job, target,
-                                 lambda name: bar.update(bar_job, description=f"interference · {name}"))
-        _write_in_groups(writer, results, flush_every, make_piece, lambda name: bar.advance(bar_job))
+        results = _results(todo, base, task_readers, job, device, scale_out, ray_options,
+                           lambda text: bar.update(bar_job, description=f"interference · {text}"))
+        with closing(results):
+            _write_in_groups(writer, results, flush_every, make_piece, lambda name: bar.advance(bar_job))
     if not writer.pieces:  # nothing to measure and nothing resumed: an empty result, nothing appended
         writer.pieces.append(make_piece([]))
     return writer.finish(_notes(job, target, duplicates))
