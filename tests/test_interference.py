@@ -486,6 +486,8 @@ def test_interference_driver_lora_and_strategies(tiny_checkpoints, tmp_path):
         interference(base, finetuned, matrices=["nope.weight"], progress=False)
     with pytest.raises(ValueError, match="sar_against"):
         interference(base, finetuned, sar_against="no-such-merge", progress=False)
+    with pytest.raises(ValueError, match="workers=2.*only with ray"):
+        interference(base, finetuned, workers=2, progress=False)
 
 
 def test_interference_store_resumes(tiny_checkpoints, tmp_path, monkeypatch):

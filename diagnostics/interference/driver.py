@@ -85,8 +85,11 @@ def measure_matrix(name: str, task_readers: dict, job: MatrixJob, device) -> tup
     return tuple(task_matrices[0].shape), result
 
 
-def _check_settings(svd_dtype, rank_fracs: Sequence[float], sar_against: str, sar_options: dict | None) -> None:
-    """Fail on a bad SVD dtype, rank fraction or SAR strategy before any work."""
+def _check_settings(svd_dtype, rank_fracs: Sequence[float], sar_against: str, sar_options: dict | None,
+                    ray: str | None, workers: int) -> None:
+    """Fail on a bad SVD dtype, rank fraction, SAR strategy or worker count before any work."""
+    if not isinstance(workers, int) or workers < 1 or (ray is None and workers != 1):
+        raise ValueError(f"workers={workers!r}: give a count >= 1, and more than 1 only with ray='auto' or an address")
     _svd_dtype(svd_dtype)
     for frac in rank_fracs:
         rank_from_fraction(frac, 1)  # validates the fraction
@@ -347,7 +350,7 @@ def interference(
     from diagnostics.progress import progress_bar
 
     task_readers = _task_readers(base, finetuned)
-    _check_settings(svd_dtype, rank_fracs, sar_against, sar_options)
+    _check_settings(svd_dtype, rank_fracs, sar_against, sar_options, ray, workers)
     target = pick_device(device)
     table, names, duplicates, transposed = _plan_matrices(base, task_readers, table, matrices, transposed)
     job = MatrixJob(tuple(rank_fracs), sar_against, sar_options, eps, svd_dtype, transposed)
