@@ -236,6 +236,9 @@ def interference(
     sar_against: Annotated[str, typer.Option("--sar-against", help="Merged matrix for SAR: ta (Σ Δ_t) or a merge "
                                              "method (iso-c, ties, tsv-m ...).")] = "ta",
     svd_dtype: Annotated[str, typer.Option("--svd-dtype", help="float32 or float64 SVDs.")] = "float32",
+    ray: Annotated[Optional[str], typer.Option("--ray", help="Measure on Ray: 'auto' starts a local instance, "
+                                               "an ADDRESS joins a cluster (pip install 'submerge[ray]').")] = None,
+    workers: Annotated[int, typer.Option("--workers", min=1, help="Ray worker processes (with --ray).")] = 1,
     device: DeviceOption = "auto",
     allow_pickle: PickleOption = False,
     vocab: VocabOption = "base",
@@ -262,7 +265,7 @@ def interference(
     dataset = run_interference(base, task_vectors, rank_fracs=fractions, sar_against=sar_against,
                                svd_dtype=svd_dtype, device=device, progress=progress,
                                transposed=_conv1d_weights(base), store=Store(out_path), force=force,
-                               command=command_line())
+                               command=command_line(), ray=ray, workers=workers)
     short = {"matrices": "n", "task_vector_norm": "‖τ‖", "effective_rank": "eff.rank", "cosine": "cos",
              "sign_conflict": "sign≠", "sti_normalized": "STI/Σσ", "sar": "SAR"}
     for by, title in (("level", "Interference per level"), ("layer", "Interference per layer")):

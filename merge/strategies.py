@@ -43,6 +43,8 @@ from typing import NamedTuple
 
 import torch
 
+from diagnostics.spectral import concat_top, numerical_rank, thin_svd
+
 __all__ = [
     "ALIASES",
     "CHUNK_ELEMENTS",
@@ -137,20 +139,9 @@ def _count_from_fraction(fraction: float, total: int) -> int:
     return min(total, max(0, math.floor(fraction * total + 0.5)))
 
 
-def _rank_tolerance_dtype(dtype: torch.dtype) -> torch.dtype:
-    # Inputs narrower than float32 (bf16, fp16) are judged at float32 precision at least.
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _numerical_rank(singular_values: torch.Tensor, scale: float, shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    """Number of σ_i > scale · max(m, n) · eps(dtype) (numpy's matrix_rank tolerance, σ sorted descending)."""
-    tolerance = scale * max(shape) * torch.finfo(_rank_tolerance_dtype(dtype)).eps
-    return int((singular_values > tolerance).sum())
-
-
 def _thin_svd(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Thin SVD matrix = U diag(S) Vᵀ, returning (U, S, V) with V (n × r), not Vᵀ."""
-    left, singular_values, right_transposed = torch.linalg.svd(matrix, full_matrices=False)
+    """Thin SVD matrix = U diag(S) Vᵀ in the matrix's dtype (float64 here), returning (U, S, V) with V (n × r)."""
+    left, singular_values, right_transposed = thin_svd(matrix, matrix.dtype)
     return left, singular_values, right_transposed.mT
 
 
@@ -584,17 +575,11 @@ def tsv_bases(task_vectors: Sequence[torch.Tensor], rank_per_task: int | None = 
     rank_per_task = int(rank_per_task)
     if not 1 <= rank_per_task <= min(shape):
         raise ValueError(f"rank_per_task must be in [1, {min(shape)}] for shape {shape}, got {rank_per_task}")
-    lefts, values, rights = [], [], []
-    for task_vector in task_vectors:
-        left, singular_values, right = _thin_svd(task_vector.to(COMPUTE_DTYPE))
-        scale = float(singular_values[0]) if singular_values.numel() else 0.0
-        keep = min(rank_per_task, _numerical_rank(singular_values, scale, shape, task_vector.dtype))
-        lefts.append(left[:, :keep])
-        values.append(singular_values[:keep])
-        rights.append(right[:, :keep])
-    left = torch.cat(lefts, dim=1)
-    right = torch.cat(rights, dim=1)
-    singular_values = torch.cat(values)
+    svds = [thin_svd(task_vector, COMPUTE_DTYPE) for task_vector in task_vectors]
+    keep = [min(rank_per_task, numerical_rank(svd.S, shape, task_vector.dtype))
+            for svd, task_vector in zip(svds, task_vectors)]
+    left, singular_values, right_transposed = concat_top(svds, keep)
+    right = right_transposed.mT.contiguous()
     if singular_values.numel() == 0:
         return TsvBases(left, singular_values, right)
     return TsvBases(procrustes_orthonormalise(left), singular_values, procrustes_orthonormalise(right))
@@ -624,8 +609,7 @@ def iso_c(task_vectors: Sequence[torch.Tensor], *, scaling: float = 1.0) -> torc
     _check_task_vectors(task_vectors, matrix=True)
     shape = tuple(task_vectors[0].shape)
     left, singular_values, right = _thin_svd(_sum_in(task_vectors))
-    scale = float(singular_values[0]) if singular_values.numel() else 0.0
-    rank = _numerical_rank(singular_values, scale, shape, task_vectors[0].dtype)
+    rank = numerical_rank(singular_values, shape, task_vectors[0].dtype)
     if rank == 0:
         return _as_output(torch.zeros(shape, dtype=COMPUTE_DTYPE, device=left.device), task_vectors[0])
     mean_singular_value = singular_values[:rank].mean()
@@ -656,8 +640,7 @@ def iso_cts(
     common_rank = full_rank - task_count * per_task
 
     left, singular_values, right = _thin_svd(_sum_in(task_vectors))
-    scale = float(singular_values[0]) if singular_values.numel() else 0.0
-    common_rank = min(common_rank, _numerical_rank(singular_values, scale, shape, task_vectors[0].dtype))
+    common_rank = min(common_rank, numerical_rank(singular_values, shape, task_vectors[0].dtype))
     common_left = left[:, :common_rank]
     lefts, values, rights = [common_left], [singular_values[:common_rank]], [right[:, :common_rank]]
     if per_task > 0:
@@ -666,7 +649,7 @@ def iso_cts(
             residual = task_matrix - common_left @ (common_left.mT @ task_matrix)
             task_left, task_values, task_right = _thin_svd(residual)
             task_scale = float(torch.linalg.matrix_norm(task_matrix))
-            keep = min(per_task, _numerical_rank(task_values, task_scale, shape, task_vectors[0].dtype))
+            keep = min(per_task, numerical_rank(task_values, shape, task_vectors[0].dtype, scale=task_scale))
             lefts.append(task_left[:, :keep])
             values.append(task_values[:keep])
             rights.append(task_right[:, :keep])
@@ -755,17 +738,10 @@ def sftm_system(task_matrices: Sequence[torch.Tensor]) -> SftmSystem:
     """
     _check_task_vectors(task_matrices, matrix=True)
     shape = tuple(task_matrices[0].shape)
-    lefts, values, rights = [], [], []
-    for task_matrix in task_matrices:
-        left, singular_values, right = _thin_svd(task_matrix.to(COMPUTE_DTYPE))
-        scale = float(singular_values[0]) if singular_values.numel() else 0.0
-        rank = _numerical_rank(singular_values, scale, shape, task_matrices[0].dtype)
-        lefts.append(left[:, :rank])
-        values.append(singular_values[:rank])
-        rights.append(right[:, :rank])
-    left = torch.cat(lefts, dim=1)
-    right = torch.cat(rights, dim=1)
-    singular_values = torch.cat(values)
+    svds = [thin_svd(task_matrix, COMPUTE_DTYPE) for task_matrix in task_matrices]
+    keep = [numerical_rank(svd.S, shape, task_matrices[0].dtype) for svd in svds]
+    left, singular_values, right_transposed = concat_top(svds, keep)
+    right = right_transposed.mT.contiguous()
     gram = (left.mT @ left) * (right.mT @ right)
     coefficient_matrix = gram * singular_values.unsqueeze(0)
     if singular_values.numel() == 0:

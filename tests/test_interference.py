@@ -328,6 +328,43 @@ def test_sar_in_unit_interval(seed, shape, eps):
         assert sar(task_matrix, merged, 0.0, svd_dtype="float64")[0] == pytest.approx(1.0, abs=1e-9)
 
 
+# ------------------------------------------------------- diagnostics.spectral (shared with merge)
+
+
+def test_numerical_rank_known_spectra():
+    from diagnostics.spectral import numerical_rank
+
+    spectrum = torch.tensor([2.0, 1.0, 1e-9, 0.0], dtype=F64)
+    # float64 eps·σ_max·max(m, n) = 2.2e-16·2·4 ≈ 1.8e-15: 1e-9 counts; float32 eps ≈ 1.2e-7: it does not
+    assert numerical_rank(spectrum, (4, 3), torch.float64) == 3
+    assert numerical_rank(spectrum, (4, 3), torch.float32) == 2
+    assert numerical_rank(spectrum, (4, 3), torch.bfloat16) == 2  # judged at float32 precision
+    assert numerical_rank(spectrum, (4, 3), torch.float64, scale=1e7) == 2  # 1e7·4·2.2e-16 ≈ 8.9e-9 > 1e-9
+    assert numerical_rank(torch.zeros(3, dtype=F64), (3, 3), torch.float64) == 0
+    assert numerical_rank(torch.zeros(0, dtype=F64), (3, 3), torch.float64) == 0
+
+
+def test_concat_top_blocks_and_thin_svd():
+    from diagnostics.spectral import concat_top, svd_dtype, thin_svd
+
+    first_matrix = outer([1, 0, 0], [0, 1]) * 3 + outer([0, 1, 0], [1, 0])  # σ = (3, 1)
+    second_matrix = outer([0, 0, 1], [1, 0]) * 2  # σ = (2, 0)
+    first, second = thin_svd(first_matrix, "float64"), thin_svd(second_matrix, torch.float64)
+    assert first.S.dtype == F64 and thin_svd(second_matrix, "float32").U.dtype == torch.float32
+    kept = concat_top([first, second], [2, 1])
+    assert tuple(kept.U.shape) == (3, 3) and tuple(kept.Vh.shape) == (3, 2)
+    np.testing.assert_allclose(kept.S.numpy(), [3.0, 1.0, 2.0], atol=1e-12)
+    # block t rebuilds its own matrix from its kept triplets
+    np.testing.assert_allclose(((kept.U[:, :2] * kept.S[:2]) @ kept.Vh[:2]).numpy(), first_matrix.numpy(), atol=1e-12)
+    np.testing.assert_allclose(((kept.U[:, 2:] * kept.S[2:]) @ kept.Vh[2:]).numpy(), second_matrix.numpy(), atol=1e-12)
+    empty = concat_top([first], [0])
+    assert tuple(empty.U.shape) == (3, 0) and tuple(empty.S.shape) == (0,) and tuple(empty.Vh.shape) == (0, 2)
+    with pytest.raises(ValueError, match="2 decompositions but 1"):
+        concat_top([first, first], [1])
+    with pytest.raises(ValueError, match="svd_dtype"):
+        svd_dtype("float16")
+
+
 # ---------------------------------------------------------------- streaming driver
 
 
@@ -449,10 +486,12 @@ def test_interference_driver_lora_and_strategies(tiny_checkpoints, tmp_path):
         interference(base, finetuned, matrices=["nope.weight"], progress=False)
     with pytest.raises(ValueError, match="sar_against"):
         interference(base, finetuned, sar_against="no-such-merge", progress=False)
+    with pytest.raises(ValueError, match="workers=2.*only with ray"):
+        interference(base, finetuned, workers=2, progress=False)
 
 
 def test_interference_store_resumes(tiny_checkpoints, tmp_path, monkeypatch):
-    import diagnostics.interference as interference_module
+    import diagnostics.interference.driver as interference_module
     from diagnostics.store import Store
 
     base, finetuned, _, _ = tiny_checkpoints
@@ -487,3 +526,76 @@ def test_interference_store_resumes(tiny_checkpoints, tmp_path, monkeypatch):
     assert stored.attrs["sar_eps"] == 0.05 and stored.attrs["svd_dtype"] == "float32"
     with pytest.raises(Exception, match="other settings"):
         interference_module.interference(base, finetuned, rank_fracs=(0.25,), progress=False, store=store)
+
+
+def test_interference_driver_empty_selection(tiny_checkpoints, tmp_path):
+    from diagnostics.interference import interference
+    from diagnostics.store import Store
+
+    base, finetuned, _, _ = tiny_checkpoints
+    store = Store(tmp_path / "empty.zarr")
+    ds = interference(base, finetuned, matrices=[], rank_fracs=(0.5, 1.0), progress=False, device="cpu", store=store)
+    assert ds.sizes == {"matrix": 0, "task": 2, "task_other": 2, "rank_frac": 2, "centered": 2}
+    assert ds["sti"].dtype == np.float64 and ds["sar_k"].dtype == np.int64
+    assert store.is_complete("interference") and ds.attrs["sar_against"] == "ta"
+
+
+def test_group_matrices_for_ray_tasks():
+    from diagnostics.interference.scale_out import GROUP_ELEMENTS, group_matrices
+
+    # 10 elements, 1 worker: groups of ≥ ⌈10 / 4⌉ = 3 elements, in order
+    assert group_matrices(["a", "b", "c", "d"], [3, 1, 5, 1], 1) == [["a"], ["b", "c"], ["d"]]
+    # 2 workers: ≥ ⌈10 / 8⌉ = 2 elements
+    assert group_matrices(["a", "b", "c", "d"], [1, 1, 6, 2], 2) == [["a", "b"], ["c"], ["d"]]
+    # a matrix of 2²⁰ elements is a task of its own however many there are
+    big = [GROUP_ELEMENTS] * 3
+    assert group_matrices(["a", "b", "c"], big, 1) == [["a"], ["b"], ["c"]]
+    assert group_matrices([], [], 2) == []
+
+
+def test_interference_on_ray_equals_one_process_and_survives_a_killed_worker(tiny_checkpoints, tmp_path, monkeypatch):
+    """2 local Ray workers give bitwise the single-process results, in the store too, though one is killed."""
+    ray = pytest.importorskip("ray")
+    import os
+    import signal
+
+    from ray.util import ActorPool
+
+    from diagnostics.interference import interference, scale_out
+    from diagnostics.store import Store
+
+    base, finetuned, _, _ = tiny_checkpoints
+    options = {"rank_fracs": (0.25, 1.0), "progress": False, "device": "cpu", "sar_against": "ties"}
+    fresh = interference(base, finetuned, **options)
+
+    killed = []
+
+    class KillsItsFirstWorker(ActorPool):
+        def submit(self, fn, value):
+            def kill_after_submitting(actor, group):
+                pid = ray.get(actor.stats.remote())["pid"]
+                reference = fn(actor, group)  # this group is now queued or running on that process
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+                return reference
+
+            super().submit(fn if killed else kill_after_submitting, value)
+
+    monkeypatch.setattr(scale_out, "_pool", KillsItsFirstWorker)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        store, report = Store(tmp_path / "ray.zarr"), {}
+        spread = interference(base, finetuned, **options, store=store, flush_every=2, ray="auto", workers=2,
+                              ray_options={"report": report})
+        assert ray.is_initialized()  # a Ray this process started itself is left running
+    finally:
+        ray.shutdown()
+    assert len(killed) == 1 and killed[0] not in [worker["pid"] for worker in report["workers"]]  # restarted
+    stored = store.dataset("interference")
+    for dataset in (spread, stored):
+        assert [str(m) for m in dataset["matrix"].values] == [str(m) for m in fresh["matrix"].values]
+        for name, variable in fresh.data_vars.items():
+            assert variable.dtype == dataset[name].dtype
+            assert np.array_equal(variable.values, dataset[name].values, equal_nan=True), name
+    assert stored.attrs["provenance"]["scale_out"] == {"ray": "auto", "workers": 2}
+    assert spread.attrs == fresh.attrs

@@ -1,0 +1,415 @@
+"""The streaming interference driver: every 2-D weight matrix of a checkpoint, one matrix at a time.
+
+:func:`interference` reads each matrix's T task matrices lazily (through
+``diagnostics.models.TaskVectorReader``), measures them with
+:func:`diagnostics.interference.metrics.task_matrix_interference`, builds an
+``xarray.Dataset`` over (matrix, task, task_other, rank_frac, centered) and
+writes the store group ``interference`` through ``diagnostics.store.UnitWriter``
+(resume, provenance); :func:`summarize_interference` gives the per-level /
+per-layer means.
+
+The dataset has dims matrix, task, task_other, rank_frac, centered (False:
+plain Δ_t, True: centred Δ̄_t) and variables task_vector_norm, effective_rank,
+sar (matrix, task); cosine, sign_conflict (matrix, task, task_other); sti,
+sti_normalized, sti_k, sar_k (matrix); rank (matrix, rank_frac);
+row_space_interference, reconstruction_error (matrix, rank_frac, centered).
+Coordinates along matrix: the parameter name, and module, layer, level (from
+the tensor table), rows, cols.  The attrs name every rule (k, ε, norms, SVD
+dtype).
+
+What each tensor is (matrix order, level / layer / module coordinates, tied
+embeddings, GPT-2 ``Conv1D`` weights stored (in, out)) comes from the tensor
+table ``diagnostics.tensors.TensorTable``.
+
+Dependencies: this driver imports ``merge.strategies`` lazily, and only when
+SAR is taken against a merge strategy (``sar_against`` other than ``"ta"``);
+``merge.strategies`` in turn imports ``diagnostics.spectral`` at module import.
+Nothing in ``diagnostics`` imports ``merge`` at module import time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import closing
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from diagnostics.interference.metrics import DEFAULT_RANK_FRACS, SAR_EPS, rank_from_fraction, task_matrix_interference
+from diagnostics.spectral import svd_dtype as _svd_dtype
+
+__all__ = ["GROUP", "MatrixJob", "interference", "measure_matrix", "summarize_interference"]
+
+GROUP = "interference"
+
+
+@dataclass(frozen=True)
+class MatrixJob:
+    """The settings that measuring one matrix needs besides its tensors (picklable)."""
+
+    rank_fracs: tuple[float, ...]
+    sar_against: str
+    sar_options: dict | None
+    eps: float
+    svd_dtype: str | torch.dtype
+    transposed: frozenset[str]
+    kinds: dict[str, str] = field(default_factory=dict)  # matrix name -> TensorInfo.kind (merge fallbacks)
+
+
+def _merged_task_matrix(name: str, task_matrices: list[torch.Tensor], sar_against: str, sar_options: dict | None,
+                        kind: str | None = None):
+    """Δ_M for SAR: None for task arithmetic (the metrics' default), else a merge strategy's τ_M."""
+    if sar_against == "ta":
+        return None
+    # The one place diagnostics uses merge: imported here, lazily, so that importing
+    # diagnostics never imports merge (merge.strategies itself imports diagnostics.spectral).
+    from merge.strategies import merge_parameter
+
+    # merge_parameter: per-name seeds for random methods, the documented fallback for
+    # embeddings under matrix-only methods, the strategy's paper defaults.
+    return merge_parameter(name, task_matrices, sar_against, sar_options, kind=kind)
+
+
+def measure_matrix(name: str, task_readers: dict, job: MatrixJob, device) -> tuple[tuple[int, int], dict]:
+    """Read the T task matrices of matrix ``name`` and measure them: (shape as measured, metrics dict).
+
+    A Conv1D weight (``name in job.transposed``) is transposed to (out, in) first, so U is
+    always the output space and the row space V the input space, as CART's I(k) assumes.
+    """
+    dtype = _svd_dtype(job.svd_dtype)
+    task_matrices = []
+    for reader in task_readers.values():
+        delta = reader.get(name, dtype=dtype, device=device)
+        task_matrices.append(delta.T if name in job.transposed else delta)
+    merged = _merged_task_matrix(name, task_matrices, job.sar_against, job.sar_options, job.kinds.get(name))
+    result = task_matrix_interference(task_matrices, job.rank_fracs, merged, eps=job.eps, svd_dtype=job.svd_dtype)
+    return tuple(task_matrices[0].shape), result
+
+
+def _check_settings(svd_dtype, rank_fracs: Sequence[float], sar_against: str, sar_options: dict | None,
+                    ray: str | None, workers: int) -> None:
+    """Fail on a bad SVD dtype, rank fraction, SAR strategy or worker count before any work."""
+    if not isinstance(workers, int) or workers < 1 or (ray is None and workers != 1):
+        raise ValueError(f"workers={workers!r}: give a count >= 1, and more than 1 only with ray='auto' or an address")
+    _svd_dtype(svd_dtype)
+    for frac in rank_fracs:
+        rank_from_fraction(frac, 1)  # validates the fraction
+    _check_strategy(sar_against, sar_options)
+
+
+def _check_strategy(sar_against: str, sar_options: dict | None) -> None:
+    if sar_against == "ta":
+        if sar_options:
+            raise ValueError(f"sar_options {sar_options} given, but sar_against='ta' takes none")
+        return
+    from merge.strategies import STRATEGIES
+
+    if sar_against not in STRATEGIES:
+        raise ValueError(f"sar_against must be 'ta' or a merge strategy ({', '.join(STRATEGIES)}), got {sar_against!r}")
+    STRATEGIES[sar_against].resolve_options(sar_options)  # unknown options fail before any work
+
+
+def _plan_matrices(base, task_readers: dict, table, matrices, transposed):
+    """(table, matrix names in order without tied duplicates, {duplicate: kept}, Conv1D names) from the table."""
+    if table is None:
+        from diagnostics.tensors import TensorTable
+
+        table = TensorTable.from_reader(base)
+    names = _matrix_names(base, table, matrices)
+    duplicates = _tied_duplicates(base, table, {t: r.finetuned for t, r in task_readers.items()}, names)
+    names = [name for name in names if name not in duplicates]
+    transposed = set(transposed) if transposed is not None else {info.name for info in table if info.transposed}
+    return table, names, duplicates, frozenset(transposed)
+
+
+def _matrix_names(base, table, names: Sequence[str] | None) -> list[str]:
+    """The matrices measured: ``names``, or every weight matrix of the table, ordered by (layer, name)."""
+    if names is not None:
+        unknown = [name for name in names if name not in base]
+        if unknown:
+            raise ValueError(f"matrices not in the base checkpoint {base.spec}: {unknown[:10]}")
+        return list(names)
+    found = [name for name in base.names() if table.get(name, base.shape(name)).is_weight_matrix]
+    return sorted(found, key=lambda name: (table.get(name).layer, name))  # layer 2 before layer 10
+
+
+def _tied_duplicates(base, table, readers: dict, names: list[str]) -> dict[str, str]:
+    """Embedding-level matrices stored twice with equal values (tied lm_head = embed) → {duplicate: kept}."""
+    # In the table's (model parameter) order: the input embedding, which a tied output
+    # embedding's `tied_to` names, comes first and is the one kept.
+    position = {name: index for index, name in enumerate(table.names())}
+    embed = sorted((name for name in names if table.get(name).level == "embed"),
+                   key=lambda name: position.get(name, len(position)))
+    duplicates: dict[str, str] = {}
+    for i, first in enumerate(embed):
+        for second in embed[i + 1 :]:
+            if second in duplicates or base.shape(first) != base.shape(second):
+                continue
+            if not torch.equal(base.get(first), base.get(second)):
+                continue
+            if all(torch.equal(reader.get(first), reader.get(second)) for reader in readers.values()):
+                duplicates[second] = first
+    return duplicates
+
+
+def _matrices_dataset(table, names, shapes, results, task_names, rank_fracs):
+    """One Dataset (no attrs) for the given matrices; see :func:`interference`."""
+    import xarray as xr
+
+    locations = [table.get(name) for name in names]
+    num_tasks, num_fracs = len(task_names), len(rank_fracs)
+
+    def stacked(key, shape, dtype=np.float64):
+        if not results:
+            return np.zeros((0, *shape), dtype=dtype)
+        return np.stack([np.asarray(r[key], dtype=dtype) for r in results])
+
+    matrix, task, pair = ("matrix",), ("matrix", "task"), ("matrix", "task", "task_other")
+    curve = ("matrix", "rank_frac", "centered")
+    return xr.Dataset(
+        {
+            "task_vector_norm": (task, stacked("task_vector_norm", (num_tasks,))),
+            "effective_rank": (task, stacked("effective_rank", (num_tasks,))),
+            "cosine": (pair, stacked("cosine", (num_tasks, num_tasks))),
+            "sign_conflict": (pair, stacked("sign_conflict", (num_tasks, num_tasks))),
+            "sti": (matrix, stacked("sti", ())),
+            "sti_normalized": (matrix, stacked("sti_normalized", ())),
+            "sti_k": (matrix, stacked("sti_k", (), np.int64)),
+            "sar": (task, stacked("sar", (num_tasks,))),
+            "sar_k": (matrix, stacked("sar_k", (), np.int64)),
+            "rank": (("matrix", "rank_frac"), stacked("ranks", (num_fracs,), np.int64)),
+            "row_space_interference": (curve, stacked("row_space_interference", (num_fracs, 2))),
+            "reconstruction_error": (curve, stacked("reconstruction_error", (num_fracs, 2))),
+        },
+        coords={
+            "matrix": np.array(names, dtype=object),
+            "module": ("matrix", np.array([loc.module for loc in locations], dtype=object)),
+            "layer": ("matrix", np.array([loc.layer for loc in locations], dtype=np.int64)),
+            "level": ("matrix", np.array([loc.level for loc in locations], dtype=object)),
+            "rows": ("matrix", np.array([shape[0] for shape in shapes], dtype=np.int64)),
+            "cols": ("matrix", np.array([shape[1] for shape in shapes], dtype=np.int64)),
+            "task": np.array(task_names, dtype=object),
+            "task_other": np.array(task_names, dtype=object),
+            "rank_frac": np.asarray(rank_fracs, dtype=np.float64),
+            "centered": np.array([False, True]),
+        },
+    )
+
+
+def _notes(job: MatrixJob, device, duplicates: dict[str, str]) -> dict:
+    """The attrs of the result: every rule the metrics follow, and the choices of this run."""
+    return {
+        "task_matrix": "Δ_t = W_t − W_0; centered: Δ̄_t = W_t − mean_s W_s",
+        "norm": "Frobenius",
+        "effective_rank": "Roy & Vetterli 2007: exp of the Shannon entropy of σ_i / Σσ",
+        "sign_conflict_denominator": "all entries of the matrix",
+        "sti_equation": "seed 003, TSV-M: ‖(UᵀU − I) Σ (VᵀV − I)‖₁ entrywise (sum of |entries|)",
+        "sti_rank_rule": "k = max(1, floor(min(m, n) / T)); a task of lower numerical rank keeps its non-zero directions",
+        "sti_normalized": "sti / Σσ of the kept singular values",
+        "sar_equation": "seed 003, Iso-C: ‖U_k U_kᵀ Δ_t‖_F / ‖Δ_t‖_F, U_k top k_M left singular vectors of Δ_M",
+        "sar_k_rule": "k_M = min{k : Σ_{i>k} σ_i² ≤ ε² Σ σ_i²} of Δ_M",
+        "sar_eps": float(job.eps),
+        "sar_against": job.sar_against,
+        "sar_options": dict(job.sar_options or {}),
+        "rank_rule": "k = max(1, floor(frac · min(m, n) + 0.5)), capped at min(m, n)",
+        "row_space_interference": "seed 003, CART: I(k) = Σ_{i≠j} ‖Σ̃_i Ṽ_iᵀ Ṽ_j Σ̃_j‖_F, σ̃ = σ / sqrt(Σ_{i≤k} σ²)",
+        "reconstruction_error": "seed 003, CART: R(k) = Σ_t Σ_{i>k} σ_{t,i}²",
+        "svd": "torch.linalg.svd, full thin SVD (exact)",
+        "svd_dtype": str(_svd_dtype(job.svd_dtype)).removeprefix("torch."),
+        "device": str(device),
+        "tied_duplicates": dict(duplicates),
+        "transposed": sorted(job.transposed),
+    }
+
+
+def _open_writer(store, job: MatrixJob, base, task_readers: dict, matrices, *, force: bool, command: str | None,
+                 scale_out: dict | None = None):
+    """The `UnitWriter` of group ``interference`` (store None: results are only gathered)."""
+    from diagnostics.store import UnitWriter, provenance
+
+    if store is None:
+        return UnitWriter(None, GROUP, {}, dim="matrix")
+    settings = {
+        "tasks": list(task_readers), "rank_fracs": [float(f) for f in job.rank_fracs],
+        "sar_against": job.sar_against, "sar_options": dict(job.sar_options or {}), "eps": float(job.eps),
+        "svd_dtype": str(_svd_dtype(job.svd_dtype)).removeprefix("torch."),
+        "matrices": list(matrices) if matrices is not None else "all", "transposed": sorted(job.transposed),
+    }
+    base_info = base.fingerprint()
+    inputs = {"base_model": base_info,
+              "finetuned": {task: reader.finetuned.fingerprint() for task, reader in task_readers.items()}}
+    if scale_out:
+        inputs["scale_out"] = scale_out  # provenance only: a run resumes across single-process and Ray
+    return UnitWriter(store, GROUP, settings, dim="matrix", force=force,
+                      root=provenance(command, base_model=base_info),
+                      attrs={"provenance": provenance(command, **inputs)})
+
+
+def _task_readers(base, finetuned: dict) -> dict:
+    """task → TaskVectorReader (CheckpointReaders, LoRA readers included, are wrapped against ``base``)."""
+    from diagnostics.models import CheckpointReader, TaskVectorReader
+
+    if not finetuned:
+        raise ValueError("finetuned is empty: need at least one fine-tuned model")
+    for task, reader in finetuned.items():
+        if not isinstance(reader, (TaskVectorReader, CheckpointReader)):
+            raise TypeError(f"finetuned['{task}'] must be a CheckpointReader or TaskVectorReader, "
+                            f"got {type(reader).__name__}")
+    return {task: reader if isinstance(reader, TaskVectorReader) else TaskVectorReader(task, base, reader)
+            for task, reader in finetuned.items()}
+
+
+def _results(names: list[str], base, task_readers: dict, job: MatrixJob, device: str, scale_out: dict | None,
+             ray_options: dict | None, describe) -> Iterator:
+    """(name, shape, result) of every matrix in order, measured here or (``scale_out``) by Ray workers."""
+    if scale_out is not None:
+        from diagnostics.interference.scale_out import ray_results
+
+        describe(f"{scale_out['workers']} Ray worker(s)")
+        return ray_results(scale_out["ray"], names, base, task_readers, job, device=device,
+                           workers=scale_out["workers"], **(ray_options or {}))
+    return _local_results(names, task_readers, job, device, describe)
+
+
+def _local_results(names: list[str], task_readers: dict, job: MatrixJob, device: str, on_start) -> Iterator:
+    """(name, shape, result) of every matrix in order, measured in this process."""
+    from diagnostics.models import pick_device
+
+    target = pick_device(device)
+    for name in names:
+        on_start(name)
+        yield (name, *measure_matrix(name, task_readers, job, target))
+
+
+def _write_in_groups(writer, results: Iterator, flush_every: int, make_piece, on_done) -> None:
+    """Append the results to ``writer`` ``flush_every`` matrices at a time (one unit per group)."""
+    buffer: list[tuple] = []
+    for item in results:
+        buffer.append(item)
+        on_done(item[0])
+        if len(buffer) >= flush_every:
+            writer.add(make_piece(buffer), buffer[-1][0])
+            buffer = []
+    if buffer:
+        writer.add(make_piece(buffer), buffer[-1][0])
+
+
+def interference(
+    base,
+    finetuned: dict,
+    *,
+    rank_fracs: Sequence[float] = DEFAULT_RANK_FRACS,
+    sar_against: str = "ta",
+    sar_options: dict | None = None,
+    eps: float = SAR_EPS,
+    svd_dtype: str = "float32",
+    device: str = "auto",
+    progress: bool = True,
+    matrices: Sequence[str] | None = None,
+    transposed: Sequence[str] | None = None,
+    table=None,
+    store=None,
+    force: bool = False,
+    command: str | None = None,
+    flush_every: int = 8,
+    ray: str | None = None,
+    workers: int = 1,
+    ray_options: dict | None = None,
+):
+    """Weight-space interference of every 2-D weight matrix, streamed one matrix at a time.
+
+    ``base`` is a :class:`diagnostics.models.CheckpointReader`; ``finetuned`` maps task names to
+    CheckpointReaders (LoRA readers included) or :class:`diagnostics.models.TaskVectorReader` objects,
+    which read each Δ_t (exact LoRA updates, vocabulary cropping, NaN/Inf check).  Memory: the T task
+    matrices of one matrix (in ``svd_dtype``, on ``device``) plus about ten copies of it for the SVDs
+    and float64 products (``benchmarks/interference.py`` measures it).
+
+    Matrices: every weight matrix of the tensor table ``table`` (``TensorInfo.is_weight_matrix``: 2-D,
+    no size cap; built from the base's config when not given), ordered by layer, or the names in
+    ``matrices``.  An embedding-level matrix stored twice with equal values in the base and every
+    fine-tune (tied ``lm_head`` = embedding) is measured once (``attrs["tied_duplicates"]``).  Weights
+    stored (in, out) (``TensorInfo.transposed``: GPT-2 ``Conv1D``, or the names in ``transposed``) are
+    transposed to (out, in) first.
+
+    SAR is taken against task arithmetic Σ_t Δ_t (``sar_against="ta"``) or
+    against the merged task vector of the merge strategy
+    ``merge.strategies.STRATEGIES[sar_against]`` (its paper defaults, updated by
+    ``sar_options``), computed per matrix by ``merge.strategies.merge_parameter``.
+
+    Returns the ``xarray.Dataset`` described in this module's docstring.
+
+    With ``store`` (a :class:`diagnostics.store.Store`) the group ``interference`` is written
+    ``flush_every`` matrices at a time; a run that stopped resumes after the last group written
+    (same settings), other settings are an error unless ``force``.
+
+    ``ray="auto"`` (a local Ray instance) or ``ray=ADDRESS`` (a cluster) measures the matrices in
+    ``workers`` Ray worker processes (``ray_options``: max_retries, gpus_per_worker,
+    threads_per_worker, report; see ``diagnostics.interference.scale_out``); this process alone
+    writes the store, so results, resume and provenance are as in one process.
+    """
+    from diagnostics.models import pick_device
+    from diagnostics.progress import progress_bar
+
+    task_readers = _task_readers(base, finetuned)
+    _check_settings(svd_dtype, rank_fracs, sar_against, sar_options, ray, workers)
+    target = pick_device(device)
+    table, names, duplicates, transposed = _plan_matrices(base, task_readers, table, matrices, transposed)
+    job = MatrixJob(tuple(rank_fracs), sar_against, sar_options, eps, svd_dtype, transposed,
+                    {name: table.get(name).kind for name in names})
+    task_names = list(task_readers)
+
+    def make_piece(items: list[tuple]):
+        return _matrices_dataset(table, [i[0] for i in items], [i[1] for i in items], [i[2] for i in items],
+                                 task_names, rank_fracs)
+
+    scale_out = {"ray": ray, "workers": workers} if ray is not None else None
+    writer = _open_writer(store, job, base, task_readers, matrices, force=force, command=command, scale_out=scale_out)
+    todo = [name for name in names if name not in writer.done]
+    with progress_bar(progress) as bar:
+        bar_job = bar.add_task("interference", total=len(names))
+        bar.advance(bar_job, len(names) - len(todo))
+        results = _results(todo, base, task_readers, job, device, scale_out, ray_options,
+                           lambda text: bar.update(bar_job, description=f"interference · {text}"))
+        with closing(results):
+            _write_in_groups(writer, results, flush_every, make_piece, lambda name: bar.advance(bar_job))
+    if not writer.pieces:  # nothing to measure and nothing resumed: an empty result, nothing appended
+        writer.pieces.append(make_piece([]))
+    return writer.finish(_notes(job, target, duplicates))
+
+
+def summarize_interference(dataset, *, rank_frac: float = 0.08, by: Sequence[str] = ("level", "layer")):
+    """Means of the per-matrix figures grouped by ``by`` (default per level and layer), as a pandas table.
+
+    Per matrix: task_vector_norm, effective_rank and sar are averaged over tasks,
+    cosine and sign_conflict over the pairs t < t', and I(k) (plain and centred)
+    is taken at the grid's rank fraction nearest ``rank_frac`` (default 8 %,
+    CART's reported optimum).  NaNs (matrices a task did not change) are skipped.
+    Pass ``by=("level",)`` for one row per level (attn, mlp, embed, ...).
+    """
+    import pandas as pd
+    import xarray as xr
+
+    num_tasks = dataset.sizes["task"]
+    upper = xr.DataArray(np.triu(np.ones((num_tasks, num_tasks), dtype=bool), k=1), dims=("task", "task_other"))
+    pairs = dataset[["cosine", "sign_conflict"]].where(upper)
+    nearest = dataset.sel(rank_frac=rank_frac, method="nearest")
+    chosen = float(nearest["rank_frac"])
+    table = pd.DataFrame(
+        {
+            "level": dataset["level"].values,
+            "layer": dataset["layer"].values,
+            "task_vector_norm": dataset["task_vector_norm"].mean("task").values,
+            "effective_rank": dataset["effective_rank"].mean("task").values,
+            "cosine": pairs["cosine"].mean(("task", "task_other")).values if num_tasks > 1 else np.nan,
+            "sign_conflict": pairs["sign_conflict"].mean(("task", "task_other")).values if num_tasks > 1 else np.nan,
+            "sti_normalized": dataset["sti_normalized"].values,
+            "sar": dataset["sar"].mean("task").values,
+            f"I({chosen:g})": nearest["row_space_interference"].sel(centered=False).values,
+            f"I_centered({chosen:g})": nearest["row_space_interference"].sel(centered=True).values,
+        }
+    )
+    table = table.drop(columns=[column for column in ("level", "layer") if column not in by])
+    grouped = table.groupby(list(by)).mean()
+    grouped.insert(0, "matrices", table.groupby(list(by)).size())
+    return grouped

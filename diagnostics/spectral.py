@@ -1,0 +1,89 @@
+"""Thin SVDs and the truncate-and-concatenate step shared by the interference metrics and the merges.
+
+One home for three things that TSV-M's STI (``diagnostics.interference``), TSV-M's
+merge (``merge.strategies.tsv_bases``) and SFTM's linear system
+(``merge.strategies.sftm_system``) all do:
+
+- a full thin SVD ``x = U diag(S) Vh`` in a chosen dtype (:func:`thin_svd`);
+- the numerical rank of a spectrum, numpy's ``matrix_rank`` tolerance
+  σ_i > scale · max(m, n) · eps (:func:`numerical_rank`);
+- keeping the top k_t triplets of each of T decompositions and concatenating
+  them into U = [U_1 … U_T], σ = [σ_1 … σ_T], Vh = [Vh_1; …; Vh_T]
+  (:func:`concat_top`), the block structure of TSV-M (seed 003, §TSV-Merging)
+  and of SFTM (seed 001, Eq. 3–4).
+
+``merge`` imports this module; it imports nothing from ``merge`` or from the
+other diagnostics modules, so both packages can use it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+__all__ = ["SVD_DTYPES", "Svd", "concat_top", "numerical_rank", "svd_dtype", "thin_svd", "tolerance_dtype"]
+
+SVD_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+class Svd(NamedTuple):
+    """Thin SVD x = U diag(S) Vh: U (m, r) and Vh (r, n) in the SVD dtype, S (r,) float64, descending."""
+
+    U: torch.Tensor
+    S: torch.Tensor
+    Vh: torch.Tensor
+
+
+def svd_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """``"float32"`` / ``"float64"`` (or the torch dtypes) → the torch dtype; anything else is an error."""
+    if isinstance(dtype, torch.dtype):
+        if dtype in (torch.float32, torch.float64):
+            return dtype
+    elif dtype in SVD_DTYPES:
+        return SVD_DTYPES[dtype]
+    raise ValueError(f"svd_dtype must be 'float32' or 'float64', got {dtype!r}")
+
+
+def thin_svd(matrix: torch.Tensor, dtype: str | torch.dtype) -> Svd:
+    """Exact thin SVD ``torch.linalg.svd(matrix.to(dtype), full_matrices=False)`` on the matrix's device.
+
+    U and Vh stay in ``dtype``; S is returned in float64 (exact for both dtypes).
+    """
+    U, S, Vh = torch.linalg.svd(matrix.to(svd_dtype(dtype)), full_matrices=False)
+    return Svd(U, S.to(torch.float64), Vh)
+
+
+def tolerance_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The precision a rank is judged at: float64 for float64 inputs, float32 for every narrower float."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def numerical_rank(singular_values: torch.Tensor, shape: Sequence[int], dtype: torch.dtype, *,
+                   scale: float | None = None) -> int:
+    """Number of σ_i > scale · max(m, n) · eps(dtype), numpy's ``matrix_rank`` tolerance.
+
+    ``scale`` defaults to σ_max = σ_0 (the spectrum is sorted descending; 0 for an
+    empty one); ``dtype`` is the inputs' dtype, judged at :func:`tolerance_dtype`
+    precision (bf16 / fp16 at float32's eps).
+    """
+    if scale is None:
+        scale = float(singular_values[0]) if singular_values.numel() else 0.0
+    tolerance = scale * max(shape) * torch.finfo(tolerance_dtype(dtype)).eps
+    return int((singular_values > tolerance).sum())
+
+
+def concat_top(svds: Sequence[Svd], keep: Sequence[int]) -> Svd:
+    """The top ``keep[t]`` triplets of each decomposition, concatenated block by block.
+
+    Returns ``Svd(U, S, Vh)`` with U = [U_1[:, :k_1] … U_T[:, :k_T]] (m, Σk),
+    S = [S_1[:k_1] … S_T[:k_T]] (Σk,) and Vh = [Vh_1[:k_1]; …; Vh_T[:k_T]] (Σk, n),
+    in the factors' dtypes. Σk = 0 gives empty blocks (m, 0), (0,), (0, n).
+    """
+    if len(svds) != len(keep):
+        raise ValueError(f"concat_top: {len(svds)} decompositions but {len(keep)} ranks to keep")
+    U = torch.cat([svd.U[:, :k] for svd, k in zip(svds, keep)], dim=1)
+    S = torch.cat([svd.S[:k] for svd, k in zip(svds, keep)])
+    Vh = torch.cat([svd.Vh[:k, :] for svd, k in zip(svds, keep)], dim=0)
+    return Svd(U, S, Vh)
