@@ -152,7 +152,7 @@ def _open_models(run: RunOptions):
     from diagnostics.models import open_checkpoint, open_finetunes
 
     model, named_finetuned, _ = run.inputs(need_data=False)
-    base = open_checkpoint(model, allow_pickle=run.allow_pickle)
+    base = open_checkpoint(model, allow_pickle=run.allow_pickle, role="base model")
     task_vectors, report = open_finetunes(base, named_finetuned, allow_pickle=run.allow_pickle, vocab=run.vocab)
     return model, base, task_vectors, report
 
@@ -204,14 +204,12 @@ def report(
     out_dir: Annotated[Optional[Path], typer.Option("--out", "-o", help="Folder for the PNG figures "
                                                     "(default: <store>-figures).")] = None,
 ):
-    """Tables in the terminal and seaborn figures (PNG) of every group in a store."""
-    from diagnostics.errors import StoreError
-    from diagnostics.plot import print_tables, summary_tables
+    """Tables in the terminal and seaborn figures (PNG) of every group in a store.
+
+    Groups not marked complete (a run that stopped) and absent chunks are listed as partial data;
+    a damaged store file is named."""
     from diagnostics.plot import report as draw
 
-    if not (store_path / "zarr.json").exists():
-        raise StoreError(f"no store at {store_path}")
-    print_tables(summary_tables(store_path), console=out)
     figures = draw(store_path, out_dir or store_path.with_name(store_path.stem + "-figures"), console=out)
     out.print(f"Wrote {len(figures)} figure(s) to {figures[0].parent if figures else out_dir}")
 
