@@ -316,3 +316,31 @@ def test_plan_paths_work_from_the_plan_folder(llama_kit, tmp_path, monkeypatch):
     loaded = Plan.load(plans / "hand.yaml")
     assert loaded.base_model == str(plans / "base")
     assert loaded.finetuned == {TASK: saved["finetuned"][TASK]}  # not next to the plan: left as written
+
+
+# ------------------------------------------------------------------ notebooks on the README's store (linearity only)
+
+
+@pytest.mark.parametrize("name", ["01_linearity", "03_choose_granularity_and_merge"])
+def test_notebooks_run_on_a_linearity_only_store(small_store, name, monkeypatch):
+    nbclient = pytest.importorskip("nbclient")
+    import nbformat
+
+    from diagnostics.store import Store
+
+    assert Store(small_store).groups() == ["linearity"]  # what `diag linearity --out runs/demo.zarr` writes
+    notebooks = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "notebooks")
+    monkeypatch.setenv("SUBMERGE_STORE", str(small_store))
+    monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
+    notebook = nbformat.read(os.path.join(notebooks, f"{name}.ipynb"), as_version=4)
+    nbclient.NotebookClient(notebook, timeout=240, kernel_name="python3",
+                            resources={"metadata": {"path": notebooks}}).execute()  # raises on a failing cell
+    outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]
+    assert not [o for o in outputs if o.output_type == "error"]
+    text = _flat("".join(o.get("text", "") for o in outputs if o.output_type == "stream"))
+    if name.startswith("03"):
+        assert "missing group 'alpha' (required for a plan and a merge" in text
+        assert f"add it with: diag alpha --granularity attn-mlp --out {small_store}" in text
+        assert "→ granularity: None" in text and "merge.plan cannot plan on this store yet" in text
+    else:
+        assert "no group 'projection' in this store" in text
