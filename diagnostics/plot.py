@@ -97,8 +97,8 @@ def _chunk_notes(root: Path, name: str) -> list[str]:
             raise StoreError(f"chunk file {chunk_file} is damaged ({type(exc).__name__}: {exc})") from None
     if not absent:
         return []
-    return [f"'{name}': {len(absent)} chunk file(s) absent (e.g. {absent[0]}): read as NaN, shown as —; deleted, "
-            "or never written because every value in them was empty"]
+    return [(f"'{name}': {len(absent)} chunk file(s) absent (e.g. {absent[0]}): read as NaN, shown as —; deleted, "
+             "or never written because every value in them was empty")]
 
 
 def _open_tree(store_path: str | Path) -> xr.DataTree:
