@@ -13,7 +13,6 @@ skipped; nothing here computes a metric, it only reads and averages.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -44,61 +43,24 @@ def load_groups(store_path: str | Path) -> tuple[dict, dict[str, xr.Dataset]]:
 
 
 def check_store(store_path: str | Path) -> list[str]:
-    """Notes on partial data in a store: groups not marked complete and absent chunk files.
+    """Notes on partial data: every group of a run that stopped half-way (`Store.status`).
 
-    A damaged file (a ``zarr.json`` that is not JSON, a chunk that cannot be decoded) raises
-    `StoreError` naming it. Absent chunks read back as NaN ("—" in the tables), so they are noted.
+    A damaged store (a truncated ``zarr.json``, a missing or undecodable chunk) raises `StoreError`
+    naming the file, so a report never shows it as "—".
     """
     from diagnostics.errors import StoreError
+    from diagnostics.store import Store
 
-    root = Path(store_path)
-    if not (root / "zarr.json").exists():
-        raise StoreError(f"no store at {root} (no {root / 'zarr.json'})")
+    store = Store(store_path)
+    if not store.exists():
+        raise StoreError(f"no store at {store_path}")
     notes = []
-    for meta in sorted(root.rglob("zarr.json")):
-        try:
-            document = json.loads(meta.read_bytes())
-        except (OSError, ValueError) as exc:
-            raise StoreError(f"{meta} is damaged ({exc}); the store cannot be read") from None
-        name = meta.parent.relative_to(root).as_posix()
-        attrs = document.get("attributes") or {}
-        if document.get("node_type") == "group" and attrs.get("complete") is False:
-            expected = attrs.get("units_expected")
-            notes.append(f"group '{name}' is INCOMPLETE: {attrs.get('units_done', 0)}"
-                         + (f" of {expected}" if expected else "") + " unit(s) written; its figures show only "
-                         "those (run its command again to resume)")
-        elif document.get("node_type") == "array":
-            notes += _chunk_notes(root, name)
+    for state in store.status().values():
+        if state.state == "corrupt":
+            raise StoreError(f"store {store_path}: {state}")
+        if state.state != "complete":
+            notes.append(f"group {state} (its tables and figures show only those units)")
     return notes
-
-
-def _chunk_notes(root: Path, name: str) -> list[str]:
-    """Absent chunk files of a float array (noted: they read as NaN); an undecodable chunk raises StoreError
-    naming it. (Zarr does not write a chunk whose values all equal the fill value, so an absent chunk of
-    an integer or boolean array is expected, and an absent float chunk may also be all NaN.)"""
-    import zarr
-
-    from diagnostics.errors import StoreError
-
-    try:
-        array = zarr.open_array(str(root), path=name, mode="r")
-    except Exception as exc:  # noqa: BLE001 — invalid metadata of any kind, reported with its file
-        raise StoreError(f"{root / name / 'zarr.json'} is not valid array metadata ({exc})") from None
-    absent = []
-    reads_as_nan = np.issubdtype(array.dtype, np.floating) and np.isnan(array.fill_value)
-    for index in np.ndindex(*(-(-size // chunk) for size, chunk in zip(array.shape, array.chunks))):
-        chunk_file = root / name / array.metadata.encode_chunk_key(index)
-        if not chunk_file.exists():
-            absent += [chunk_file] if reads_as_nan else []  # others read as their fill value (0, False, "")
-            continue
-        try:
-            array.blocks[index]
-        except Exception as exc:  # noqa: BLE001 — a truncated or edited chunk, reported with its file
-            raise StoreError(f"chunk file {chunk_file} is damaged ({type(exc).__name__}: {exc})") from None
-    if not absent:
-        return []
-    return [(f"'{name}': {len(absent)} chunk file(s) absent (e.g. {absent[0]}): read as NaN, shown as —; deleted, "
-             "or never written because every value in them was empty")]
 
 
 def _open_tree(store_path: str | Path) -> xr.DataTree:
