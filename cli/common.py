@@ -55,37 +55,6 @@ ConfigOption = Annotated[
     typer.Option("--config", help="YAML file with any of this command's options (names as keys).",
                  callback=load_config, is_eager=True, expose_value=False),
 ]
-ModelOption = Annotated[
-    Optional[str],
-    typer.Option("--model", "-m", help="Base model: alias (llama-2-7b), hub id, local directory or .gguf file. "
-                                       "Omit to use the embedded demo kit (SmolLM2-135M + three LoRA fine-tunes)."),
-]
-FinetunedOption = Annotated[
-    Optional[list[str]],
-    typer.Option("--finetuned", "-f", help="NAME=PATH of a fine-tune: hub id, directory, or LoRA adapter dir. Repeat."),
-]
-DataOption = Annotated[
-    Optional[list[str]],
-    typer.Option("--data", "-d", help="NAME=PATH of a task's data (.jsonl with text or prompt+completion, or .txt). "
-                                      "One per fine-tune, same NAME."),
-]
-OutOption = Annotated[Path, typer.Option("--out", "-o", help="Zarr store to write (created, or resumed).")]
-ForceOption = Annotated[bool, typer.Option("--force", help="Overwrite this command's results in an existing store.")]
-SamplesOption = Annotated[int, typer.Option("--samples", help="First N records of each task file (seed 002 uses 30).")]
-MaxTokensOption = Annotated[int, typer.Option("--max-tokens", help="Truncate each record to its first N tokens.")]
-BatchOption = Annotated[int, typer.Option("--batch-size", help="Sequences per forward/replay batch.")]
-DeviceOption = Annotated[str, typer.Option("--device", help="auto (CUDA when present), cpu, cuda, cuda:1 ...")]
-DtypeOption = Annotated[str, typer.Option("--dtype", help="auto (the checkpoint's dtype), float32, bfloat16, float16.")]
-PickleOption = Annotated[bool, typer.Option("--allow-pickle", help="Allow pickled .bin checkpoints "
-                                                                   "(loaded with weights_only=True).")]
-RemoteCodeOption = Annotated[bool, typer.Option("--trust-remote-code", help="Run model code from the repository "
-                                                                            "(off by default).")]
-VocabOption = Annotated[str, typer.Option("--vocab", help="Fine-tunes with added tokens: 'base' uses the base's "
-                                                          "vocabulary rows (warned, recorded), 'error' refuses.")]
-CaptureBudgetOption = Annotated[float, typer.Option(
-    "--capture-budget", help="GiB of recorded module inputs held at once; layers are captured in chunks that fit.")]
-ProgressOption = Annotated[bool, typer.Option("--progress/--no-progress", help="Show progress bars.")]
-
 
 def command_line() -> str:
     return " ".join(shlex.quote(a) for a in ["diag", *sys.argv[1:]])

@@ -8,44 +8,23 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from cli.common import (
-    BatchOption,
-    CaptureBudgetOption,
-    ConfigOption,
-    DataOption,
-    DeviceOption,
-    DtypeOption,
-    FinetunedOption,
-    ForceOption,
-    MaxTokensOption,
-    ModelOption,
-    OutOption,
-    PickleOption,
-    ProgressOption,
-    RemoteCodeOption,
-    SamplesOption,
-    VocabOption,
-    command_line,
-    console,
-    out,
-    resolve_inputs,
-    user_errors,
-)
+from cli.common import command_line, console, out, resolve_inputs, user_errors
+from cli.options import DATA_RUN, MODELS, RunOptions, load_experiment, run_options
 
 app = typer.Typer(
     name="diag",
     help="Measure how linear and how interfering fine-tuning updates are, submodule by submodule, "
          "store the figures in a zarr store (open it with xarray), and merge with them.\n\n"
          "Typical flow: diag linearity → diag interference → diag plan → diag merge → diag eval / diag report. "
-         "With no --model, data-driven commands run on the embedded demo kit.",
+         "With no --model, data-driven commands run on the embedded demo kit (16 records × 256 tokens per task "
+         "unless --samples / --max-tokens say otherwise).",
     no_args_is_help=True,
     rich_markup_mode="rich",
     pretty_exceptions_enable=False,
 )
 
 LevelsOption = Annotated[str, typer.Option("--levels", help="Comma-separated: model, layer, attn, mlp, head.")]
-ComputeDtypeOption = Annotated[str, typer.Option("--compute-dtype", help="float32 or float64: the dtype replays "
-                                                 "and forwards compute in (--dtype is the storage dtype).")]
+_experiment = load_experiment  # the merge command's name for it
 
 
 def _levels(value: str) -> tuple[str, ...]:
@@ -58,15 +37,11 @@ def _levels(value: str) -> tuple[str, ...]:
     return levels
 
 
-def _experiment(model, finetuned, data, *, samples, max_tokens, batch_size, dtype, device, allow_pickle,
-                trust_remote_code, vocab, skip=0, compute_dtype="float32"):
-    from diagnostics.experiment import Experiment
-
-    model, named_finetuned, named_data = resolve_inputs(model, finetuned, data)
-    with console.status("Loading the base model and opening the fine-tunes ..."):
-        return Experiment.load(model, named_finetuned, named_data, samples=samples, skip=skip, max_tokens=max_tokens,
-                               batch_size=batch_size, dtype=dtype, device=device, allow_pickle=allow_pickle,
-                               trust_remote_code=trust_remote_code, vocab=vocab, compute_dtype=compute_dtype)
+def _numbers(value: str, option: str) -> list[float]:
+    try:
+        return [float(v) for v in value.split(",")]
+    except ValueError:
+        raise typer.BadParameter(f"{option} expects numbers separated by commas, got '{value}'") from None
 
 
 def _print_frame(frame, title: str) -> None:
@@ -87,30 +62,23 @@ def _cell(value) -> str:
     return str(value)
 
 
+def _store_run(run: RunOptions) -> dict:
+    """The keyword arguments every data-driven driver takes from the shared options."""
+    from diagnostics.store import Store
+
+    return {"store": Store(run.out), "force": run.force, "progress": run.progress, "command": command_line(),
+            "capture_budget": run.capture_bytes}
+
+
 @app.command()
 @user_errors
+@run_options(*DATA_RUN)
 def linearity(
-    model: ModelOption = None,
-    finetuned: FinetunedOption = None,
-    data: DataOption = None,
-    out_path: OutOption = Path("runs/diag.zarr"),
     levels: LevelsOption = "model,layer,attn,mlp",
-    steps: Annotated[int, typer.Option("--steps", help="N of Eq. 19: points θ0 + (k/N)τ, k = 0..N.")] = 10,
-    samples: SamplesOption = 30,
-    max_tokens: MaxTokensOption = 512,
-    batch_size: BatchOption = 8,
-    capture_budget: CaptureBudgetOption = 2.0,
+    steps: Annotated[int, typer.Option("--steps", min=1, help="N of Eq. 19: points θ0 + (k/N)τ, k = 0..N.")] = 10,
     model_output: Annotated[str, typer.Option("--model-output", help="Model-level features: hidden (final hidden "
                                                                      "state after the final norm) or logits.")] = "hidden",
-    device: DeviceOption = "auto",
-    dtype: DtypeOption = "auto",
-    compute_dtype: ComputeDtypeOption = "float32",
-    allow_pickle: PickleOption = False,
-    trust_remote_code: RemoteCodeOption = False,
-    vocab: VocabOption = "base",
-    force: ForceOption = False,
-    progress: ProgressOption = True,
-    config: ConfigOption = None,
+    run: RunOptions = None,
 ):
     """Non-linearity Score (seed 002 Eq. 19) of each fine-tune on its own task data, per submodule.
 
@@ -118,89 +86,48 @@ def linearity(
     mean ± std per level and task (seed 002 Table 17). A killed run resumes where it stopped.
     """
     from diagnostics.linearity import nonlinearity, summarize_nonlinearity
-    from diagnostics.store import Store
 
     if model_output not in ("hidden", "logits"):
         raise typer.BadParameter("--model-output must be hidden or logits")
-    experiment = _experiment(model, finetuned, data, samples=samples, max_tokens=max_tokens, batch_size=batch_size,
-                             dtype=dtype, device=device, allow_pickle=allow_pickle,
-                             trust_remote_code=trust_remote_code, vocab=vocab, compute_dtype=compute_dtype)
-    dataset = nonlinearity(experiment, levels=_levels(levels), steps=steps, store=Store(out_path), force=force,
-                           progress=progress, model_output=model_output, command=command_line(),
-                           capture_budget=int(capture_budget * 2**30))
+    chosen = _levels(levels)
+    dataset = nonlinearity(run.experiment(), levels=chosen, steps=steps, model_output=model_output, **_store_run(run))
     _print_frame(summarize_nonlinearity(dataset), "Non-linearity Score (mean ± std over modules and samples)")
-    out.print(f"Wrote group [bold]linearity[/] of {out_path}")
+    out.print(f"Wrote group [bold]linearity[/] of {run.out}")
 
 
 @app.command()
 @user_errors
+@run_options(*DATA_RUN)
 def projection(
-    model: ModelOption = None,
-    finetuned: FinetunedOption = None,
-    data: DataOption = None,
-    out_path: OutOption = Path("runs/diag.zarr"),
     levels: LevelsOption = "model,layer,attn,mlp",
     alpha_values: Annotated[Optional[str], typer.Option(
         "--alpha", help="Comma-separated α values for the grid (default: seed 002 Fig. 3 grids).")] = None,
-    samples: SamplesOption = 30,
-    max_tokens: MaxTokensOption = 512,
-    batch_size: BatchOption = 8,
-    capture_budget: CaptureBudgetOption = 2.0,
-    device: DeviceOption = "auto",
-    dtype: DtypeOption = "auto",
-    compute_dtype: ComputeDtypeOption = "float32",
-    allow_pickle: PickleOption = False,
-    trust_remote_code: RemoteCodeOption = False,
-    vocab: VocabOption = "base",
-    force: ForceOption = False,
-    progress: ProgressOption = True,
-    config: ConfigOption = None,
+    run: RunOptions = None,
 ):
     """Projection Distance (Eq. 8), cosine_merge (Eq. 16) and cosine_base (Eq. 17) for every subset of
     two or more fine-tunes over an α grid, per submodule. Writes store group `projection`."""
     from diagnostics.linearity import projection as run_projection
-    from diagnostics.store import Store
 
-    alphas = None
-    if alpha_values:
-        try:
-            alphas = [float(v) for v in alpha_values.split(",")]
-        except ValueError:
-            raise typer.BadParameter(f"--alpha expects numbers separated by commas, got '{alpha_values}'") from None
-    experiment = _experiment(model, finetuned, data, samples=samples, max_tokens=max_tokens, batch_size=batch_size,
-                             dtype=dtype, device=device, allow_pickle=allow_pickle,
-                             trust_remote_code=trust_remote_code, vocab=vocab, compute_dtype=compute_dtype)
-    dataset = run_projection(experiment, levels=_levels(levels), alphas=alphas, store=Store(out_path), force=force,
-                             progress=progress, command=command_line(), capture_budget=int(capture_budget * 2**30))
+    alphas = _numbers(alpha_values, "--alpha") if alpha_values else None
+    chosen = _levels(levels)
+    if run.model is not None and len(run.finetuned or []) < 2:
+        raise typer.BadParameter(f"diag projection compares merges of two or more fine-tunes; got "
+                                 f"{len(run.finetuned or [])} (give --finetuned NAME=PATH at least twice)")
+    dataset = run_projection(run.experiment(), levels=chosen, alphas=alphas, **_store_run(run))
     frame = dataset.projection_distance.mean("combo").to_dataframe().groupby("level")["projection_distance"].agg(
         ["mean", "std"])
     _print_frame(frame, "Projection Distance (mean over the α grid; mean and std over modules)")
-    out.print(f"Wrote group [bold]projection[/] of {out_path}")
+    out.print(f"Wrote group [bold]projection[/] of {run.out}")
 
 
 @app.command()
 @user_errors
+@run_options(*DATA_RUN)
 def alpha(
-    model: ModelOption = None,
-    finetuned: FinetunedOption = None,
-    data: DataOption = None,
-    out_path: OutOption = Path("runs/diag.zarr"),
     granularity: Annotated[str, typer.Option("--granularity", help="model, layer, attn-mlp or head-mlp.")] = "layer",
     balance: Annotated[bool, typer.Option("--balance/--no-balance",
                                           help="Sample balancing of Eq. 33-34 (default) or plain Eq. 14.")] = True,
-    samples: SamplesOption = 30,
-    max_tokens: MaxTokensOption = 512,
-    batch_size: BatchOption = 8,
-    capture_budget: CaptureBudgetOption = 2.0,
-    device: DeviceOption = "auto",
-    dtype: DtypeOption = "auto",
-    compute_dtype: ComputeDtypeOption = "float32",
-    allow_pickle: PickleOption = False,
-    trust_remote_code: RemoteCodeOption = False,
-    vocab: VocabOption = "base",
-    force: ForceOption = False,
-    progress: ProgressOption = True,
-    config: ConfigOption = None,
+    run: RunOptions = None,
 ):
     """Closed-form merge weights α per submodule (seed 002 Eq. 12-14, balanced Eq. 33-34).
 
@@ -208,29 +135,32 @@ def alpha(
     and the Eq. 10 objective at the solved α and at uniform weights."""
     from diagnostics.linearity import GRANULARITIES
     from diagnostics.linearity import alpha as run_alpha
-    from diagnostics.store import Store
 
     if granularity not in GRANULARITIES:
         raise typer.BadParameter(f"--granularity must be one of {', '.join(GRANULARITIES)}")
-    experiment = _experiment(model, finetuned, data, samples=samples, max_tokens=max_tokens, batch_size=batch_size,
-                             dtype=dtype, device=device, allow_pickle=allow_pickle,
-                             trust_remote_code=trust_remote_code, vocab=vocab, compute_dtype=compute_dtype)
-    dataset = run_alpha(experiment, granularity=granularity, balance=balance, store=Store(out_path), force=force,
-                        progress=progress, command=command_line(), capture_budget=int(capture_budget * 2**30))
+    dataset = run_alpha(run.experiment(), granularity=granularity, balance=balance, **_store_run(run))
     frame = dataset.alpha.isel(granularity=0).to_pandas()
     frame["objective α"] = dataset.objective_alpha.isel(granularity=0).to_pandas()
     frame["objective 1/T"] = dataset.objective_uniform.isel(granularity=0).to_pandas()
     frame["lstsq"] = dataset.least_squares.isel(granularity=0).to_pandas()
     _print_frame(frame, f"Closed-form α ({granularity}, {'balanced' if balance else 'unbalanced'})")
-    out.print(f"Wrote group [bold]alpha/{granularity}[/] of {out_path}")
+    out.print(f"Wrote group [bold]alpha/{granularity}[/] of {run.out}")
+
+
+def _open_models(run: RunOptions):
+    """(base spec, base reader, task-vector readers, pre-flight report) of the shared model options."""
+    from diagnostics.models import open_checkpoint, open_finetunes
+
+    model, named_finetuned, _ = run.inputs(need_data=False)
+    base = open_checkpoint(model, allow_pickle=run.allow_pickle, role="base model")
+    task_vectors, report = open_finetunes(base, named_finetuned, allow_pickle=run.allow_pickle, vocab=run.vocab)
+    return model, base, task_vectors, report
 
 
 @app.command()
 @user_errors
+@run_options(*MODELS, "out", "device", "force", "progress")
 def interference(
-    model: ModelOption = None,
-    finetuned: FinetunedOption = None,
-    out_path: OutOption = Path("runs/diag.zarr"),
     rank_fracs: Annotated[str, typer.Option("--rank-fracs", help="Rank fractions of the I(k)/R(k) grid.")] =
     "0.01,0.02,0.04,0.08,0.16,0.32,0.64,1",
     sar_against: Annotated[str, typer.Option("--sar-against", help="Merged matrix for SAR: ta (Σ Δ_t) or a merge "
@@ -239,12 +169,7 @@ def interference(
     ray: Annotated[Optional[str], typer.Option("--ray", help="Measure on Ray: 'auto' starts a local instance, "
                                                "an ADDRESS joins a cluster (pip install 'submerge[ray]').")] = None,
     workers: Annotated[int, typer.Option("--workers", min=1, help="Ray worker processes (with --ray).")] = 1,
-    device: DeviceOption = "auto",
-    allow_pickle: PickleOption = False,
-    vocab: VocabOption = "base",
-    force: ForceOption = False,
-    progress: ProgressOption = True,
-    config: ConfigOption = None,
+    run: RunOptions = None,
 ):
     """Weight-space interference of every 2-D weight matrix (no data): ‖τ‖, effective rank, cosine and
     sign conflicts, STI (TSV-M), SAR (Iso-C), row-space interference I(k) and R(k) (CART).
@@ -252,33 +177,20 @@ def interference(
     Streams one matrix at a time (base + one tensor per fine-tune); writes store group `interference`."""
     from diagnostics.interference import interference as run_interference
     from diagnostics.interference import summarize_interference
-    from diagnostics.models import open_checkpoint, open_finetunes
     from diagnostics.store import Store
 
-    try:
-        fractions = [float(v) for v in rank_fracs.split(",")]
-    except ValueError:
-        raise typer.BadParameter(f"--rank-fracs expects numbers separated by commas, got '{rank_fracs}'") from None
-    model, named_finetuned, _ = resolve_inputs(model, finetuned, None, need_data=False)
-    base = open_checkpoint(model, allow_pickle=allow_pickle)
-    task_vectors, _ = open_finetunes(base, named_finetuned, allow_pickle=allow_pickle, vocab=vocab)
+    fractions = _numbers(rank_fracs, "--rank-fracs")
+    _, base, task_vectors, _ = _open_models(run)
     dataset = run_interference(base, task_vectors, rank_fracs=fractions, sar_against=sar_against,
-                               svd_dtype=svd_dtype, device=device, progress=progress,
-                               transposed=_conv1d_weights(base), store=Store(out_path), force=force,
-                               command=command_line(), ray=ray, workers=workers)
+                               svd_dtype=svd_dtype, device=run.device, progress=run.progress,
+                               store=Store(run.out), force=run.force, command=command_line(), ray=ray,
+                               workers=workers)
     short = {"matrices": "n", "task_vector_norm": "‖τ‖", "effective_rank": "eff.rank", "cosine": "cos",
              "sign_conflict": "sign≠", "sti_normalized": "STI/Σσ", "sar": "SAR"}
     for by, title in (("level", "Interference per level"), ("layer", "Interference per layer")):
         frame = summarize_interference(dataset, by=(by,)).rename(columns=lambda c: short.get(c, c))
         _print_frame(frame, f"{title} (means over matrices; cos, sign≠ over task pairs; I at k = 8 % of rank)")
-    out.print(f"Wrote group [bold]interference[/] of {out_path}")
-
-
-def _conv1d_weights(base) -> list[str]:
-    """Weights stored (in, out) (transformers Conv1D, GPT-2 family), from the tensor table."""
-    from diagnostics.tensors import TensorTable
-
-    return [info.name for info in TensorTable.from_reader(base) if info.transposed]
+    out.print(f"Wrote group [bold]interference[/] of {run.out}")
 
 
 @app.command()
@@ -288,38 +200,30 @@ def report(
     out_dir: Annotated[Optional[Path], typer.Option("--out", "-o", help="Folder for the PNG figures "
                                                     "(default: <store>-figures).")] = None,
 ):
-    """Tables in the terminal and seaborn figures (PNG) of every group in a store."""
-    from diagnostics.errors import StoreError
-    from diagnostics.plot import print_tables, report as draw, summary_tables
+    """Tables in the terminal and seaborn figures (PNG) of every group in a store.
 
-    if not (store_path / "zarr.json").exists():
-        raise StoreError(f"no store at {store_path}")
-    print_tables(summary_tables(store_path), console=out)
+    Groups not marked complete (a run that stopped) and absent chunks are listed as partial data;
+    a damaged store file is named."""
+    from diagnostics.plot import report as draw
+
     figures = draw(store_path, out_dir or store_path.with_name(store_path.stem + "-figures"), console=out)
     out.print(f"Wrote {len(figures)} figure(s) to {figures[0].parent if figures else out_dir}")
 
 
 @app.command()
 @user_errors
+@run_options(*MODELS)
 def check(
-    model: ModelOption = None,
-    finetuned: FinetunedOption = None,
-    allow_pickle: PickleOption = False,
-    vocab: VocabOption = "base",
     scan: Annotated[bool, typer.Option("--scan/--no-scan", help="Also read every tensor to look for NaN/Inf.")] = False,
-    config: ConfigOption = None,
+    run: RunOptions = None,
 ):
     """Pre-flight check: do the fine-tunes match the base (names, shapes, vocabulary, NaN/Inf)?"""
-    from diagnostics.models import open_checkpoint, open_finetunes
-
-    model, named_finetuned, _ = resolve_inputs(model, finetuned, None, need_data=False)
-    base = open_checkpoint(model, allow_pickle=allow_pickle)
-    task_vectors, report = open_finetunes(base, named_finetuned, allow_pickle=allow_pickle, vocab=vocab)
+    model, base, task_vectors, report = _open_models(run)
     if scan:
         for reader in task_vectors.values():
             for name in base.names():
                 reader.get(name)  # raises NonFiniteWeights naming the tensor and file
-    out.print(f"[green]ok[/]: {len(named_finetuned)} fine-tune(s) match {model} ({len(base.names())} tensors)"
+    out.print(f"[green]ok[/]: {len(task_vectors)} fine-tune(s) match {model} ({len(base.names())} tensors)"
               + (", no NaN/Inf" if scan else ""))
     for task, info in report.items():
         for name, rows in info["vocab_rows"].items():
@@ -328,6 +232,7 @@ def check(
 
 @app.command()
 @user_errors
+@run_options("force")
 def plan(
     store_path: Annotated[Path, typer.Argument(help="Store written by diag linearity / projection / alpha.")],
     out_path: Annotated[Path, typer.Option("--out", "-o", help="Plan file to write (YAML).")] = Path("plan.yaml"),
@@ -339,8 +244,8 @@ def plan(
                                       "merge method name (task-arithmetic, ties ...).")] = "mean-task-vector",
     export_mergekit: Annotated[Optional[Path], typer.Option(
         "--export-mergekit", help="Also write the equivalent mergekit config to this YAML file.")] = None,
-    force: ForceOption = False,
-    config: ConfigOption = None,
+    *,
+    force: bool,
 ):
     """Choose the merge granularity from the store and write a plan: α per submodule + the rest."""
     import yaml
@@ -370,6 +275,7 @@ def plan(
 
 @app.command()
 @user_errors
+@run_options(*MODELS, "data", "samples", "max_tokens", "device", "force", "progress", device="cpu")
 def merge(
     plan_path: Annotated[Optional[Path], typer.Argument(help="Plan from diag plan (or use --method).")] = None,
     out_dir: Annotated[Path, typer.Option("--out", "-o", help="Directory for the merged checkpoint.")] = Path("merged"),
@@ -380,22 +286,13 @@ def merge(
                          "linear, dare_ties, dare_linear (and ties, della, breadcrumbs).")] = None,
     option: Annotated[Optional[list[str]], typer.Option(
         "--option", help="KEY=VALUE method option (e.g. scaling=0.5, top_k=0.2). Repeat.")] = None,
-    model: ModelOption = None,
-    finetuned: FinetunedOption = None,
-    data: DataOption = None,
     granularity: Annotated[str, typer.Option("--granularity", help="For --method closed-form.")] = "attn-mlp",
-    samples: SamplesOption = 30,
-    max_tokens: MaxTokensOption = 512,
     shard_size: Annotated[str, typer.Option("--shard-size", help="Largest safetensors shard, e.g. 2GB.")] = "2GB",
     out_dtype: Annotated[str, typer.Option("--out-dtype", help="dtype of the written tensors: base (each base "
                                            "tensor's), float32, bfloat16, float16. Merges compute in float32 "
                                            "(float64 for SVDs and solves).")] = "base",
-    device: DeviceOption = "cpu",
-    allow_pickle: PickleOption = False,
-    vocab: VocabOption = "base",
-    force: ForceOption = False,
-    progress: ProgressOption = True,
-    config: ConfigOption = None,
+    *,
+    model, finetuned, data, samples, max_tokens, device, allow_pickle, vocab, force, progress,  # from run_options
 ):
     """Write a merged Hugging Face checkpoint, streaming tensor by tensor (sharded safetensors + config +
     tokenizer + submerge_merge.yaml)."""
@@ -421,26 +318,15 @@ def merge(
 
 @app.command("eval")
 @user_errors
+@run_options("model", "finetuned", "data", "out", "max_tokens", "batch_size", "device", "dtype", "compute_dtype",
+             "allow_pickle", "trust_remote_code", "force", "progress")
 def evaluate_command(
-    model: ModelOption = None,
-    finetuned: FinetunedOption = None,
     merged: Annotated[Optional[list[str]], typer.Option(
         "--merged", help="NAME=DIR of a merged model to evaluate too. Repeat.")] = None,
-    data: DataOption = None,
-    out_path: OutOption = Path("runs/diag.zarr"),
-    skip: Annotated[int, typer.Option("--skip", help="Held-out records start after the first N (used for "
-                                                     "fitting).")] = 30,
-    samples: Annotated[int, typer.Option("--samples", help="Held-out records per task.")] = 100,
-    max_tokens: MaxTokensOption = 512,
-    batch_size: BatchOption = 8,
-    device: DeviceOption = "auto",
-    dtype: DtypeOption = "auto",
-    compute_dtype: ComputeDtypeOption = "float32",
-    allow_pickle: PickleOption = False,
-    trust_remote_code: RemoteCodeOption = False,
-    force: ForceOption = False,
-    progress: ProgressOption = True,
-    config: ConfigOption = None,
+    skip: Annotated[int, typer.Option("--skip", min=0, help="Held-out records start after the first N (used for "
+                                                            "fitting).")] = 30,
+    samples: Annotated[int, typer.Option("--samples", min=1, help="Held-out records per task.")] = 100,
+    run: RunOptions = None,
 ):
     """Per-task mean token loss and perplexity on held-out records, for the base, each fine-tune and
     merged models, in one table. Writes store group `eval`."""
@@ -448,19 +334,19 @@ def evaluate_command(
     from diagnostics.evaluate import evaluate
     from diagnostics.store import Store
 
-    base, named_finetuned, named_data = resolve_inputs(model, finetuned, data)
+    base, named_finetuned, named_data = run.inputs()
     models = {**named_finetuned, **parse_named(merged, "merged")}
-    dataset = evaluate(base, models, named_data, skip=skip, samples=samples, max_tokens=max_tokens,
-                       batch_size=batch_size, dtype=dtype, compute_dtype=compute_dtype, device=device,
-                       allow_pickle=allow_pickle, trust_remote_code=trust_remote_code, store=Store(out_path),
-                       force=force, progress=progress,
-                       command=command_line())
+    dataset = evaluate(base, models, named_data, skip=skip, samples=samples, max_tokens=run.max_tokens,
+                       batch_size=run.batch_size, dtype=run.dtype, compute_dtype=run.compute_dtype, device=run.device,
+                       allow_pickle=run.allow_pickle,
+                       trust_remote_code=run.trust_remote_code, store=Store(run.out), force=run.force,
+                       progress=run.progress, command=command_line())
     frame = dataset.loss.to_pandas()
     frame.columns = [f"loss {c}" for c in frame.columns]
     for task in dataset.task.values:
         frame[f"ppl {task}"] = dataset.perplexity.sel(task=task).to_pandas()
     _print_frame(frame, "Held-out mean token loss (nats) and perplexity")
-    out.print(f"Wrote group [bold]eval[/] of {out_path}")
+    out.print(f"Wrote group [bold]eval[/] of {run.out}")
 
 
 demo_app = typer.Typer(help="The embedded demo kit: SmolLM2-135M-Instruct + LoRA fine-tunes on math, code and "

@@ -9,9 +9,11 @@ line. ``samples=N`` takes the first N records of each file in file order; the
 
 from __future__ import annotations
 
+import csv
 import gzip
 import hashlib
 import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,40 +73,86 @@ def _open_text(path: Path):
     return gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else open(path, encoding="utf-8")
 
 
-def read_task_file(task: str, path: str | Path, *, samples: int | None = 30, skip: int = 0) -> TaskData:
-    """Read records `skip` .. `skip+samples-1` of a task file (all remaining records when samples is None)."""
-    path = Path(path).expanduser()
+def _check_readable(task: str, path: Path) -> None:
+    """A regular file that exists; pipes and terminals (``/dev/stdin``) and folders are refused by name."""
     if not path.exists():
         raise DataInputError(f"task '{task}': data file {path} not found")
+    if path.is_dir():
+        raise DataInputError(f"task '{task}': data file {path} is a directory; give a .jsonl, .txt or .csv file")
+    if not path.is_file():
+        raise DataInputError(f"task '{task}': data file {path} is not a regular file (a pipe or terminal such as "
+                             "/dev/stdin cannot be hashed and re-read); save the records to a .jsonl or .txt file")
+
+
+def _lines(path: Path, handle):
+    """(line number, line) of a text file; binary content becomes a DataInputError naming the file."""
+    try:
+        for line_number, line in enumerate(handle, start=1):
+            if "\x00" in line:
+                raise DataInputError(f"{path}:{line_number}: holds NUL bytes; this looks like a binary file, not "
+                                     "JSON Lines, CSV or plain text")
+            yield line_number, line
+    except UnicodeDecodeError as exc:
+        raise DataInputError(f"{path}: not UTF-8 text (byte {exc.start} cannot be decoded); expected JSON Lines, "
+                             "CSV or plain text") from None
+    except (OSError, EOFError) as exc:  # gzip.BadGzipFile, truncated .gz
+        raise DataInputError(f"{path}: cannot be read as {'gzip ' if path.suffix == '.gz' else ''}text ({exc})") from None
+
+
+def _records(path: Path, handle):
+    """(where, record) for every non-empty record: JSON Lines objects, CSV rows (header = field names) or lines."""
+    suffixes = path.suffixes
+    if any(s in (".csv", ".tsv") for s in suffixes):
+        rows = csv.DictReader((line for _, line in _lines(path, handle)),
+                              delimiter="\t" if ".tsv" in suffixes else ",")
+        for row in rows:
+            if any((value or "").strip() for value in row.values()):
+                yield f"{path}:{rows.line_num}", {k: v for k, v in row.items() if k is not None}
+        return
+    is_jsonl = any(s in (".jsonl", ".json", ".ndjson") for s in suffixes)
+    for line_number, line in _lines(path, handle):
+        if not line.strip():
+            continue
+        where = f"{path}:{line_number}"
+        if not is_jsonl:
+            yield where, line.rstrip("\n")
+            continue
+        try:
+            yield where, json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DataInputError(f"{where}: not valid JSON ({exc.msg})") from None
+
+
+def read_task_file(task: str, path: str | Path, *, samples: int | None = 30, skip: int = 0) -> TaskData:
+    """Read records `skip` .. `skip+samples-1` of a task file (all remaining records when samples is None).
+
+    JSON Lines (``.jsonl``), CSV/TSV with a header row (``.csv``/``.tsv``; columns as JSON fields) or
+    plain text (one record per non-empty line), optionally gzipped. Fewer records than `samples`
+    give a warning that says how many were found.
+    """
+    path = Path(path).expanduser()
+    if samples is not None and samples < 1:
+        raise DataInputError(f"task '{task}': samples must be at least 1, got {samples}")
+    _check_readable(task, path)
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
-    is_jsonl = any(s in (".jsonl", ".json", ".ndjson") for s in path.suffixes)
     texts: list[str] = []
     indices: list[int] = []
-    index = -1
     with _open_text(path) as handle:
-        for line_number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            index += 1
+        for index, (where, record) in enumerate(_records(path, handle)):
             if index < skip:
                 continue
-            if samples is not None and len(texts) >= samples:
-                break
-            where = f"{path}:{line_number}"
-            if is_jsonl:
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise DataInputError(f"{where}: not valid JSON ({exc.msg})") from None
-            else:
-                record = line.rstrip("\n")
             text = record_text(record, where=where)
             if not text.strip():
                 raise DataInputError(f"{where}: record {index} has empty text")
             texts.append(text)
             indices.append(index)
+            if len(texts) == samples:
+                break
     if not texts:
         raise DataInputError(f"task '{task}': {path} has no records" + (f" after the first {skip}" if skip else ""))
+    if samples is not None and len(texts) < samples:
+        warnings.warn(f"task '{task}': {path} has {len(texts)} record(s)" + (f" after the first {skip}" if skip else "")
+                      + f", fewer than the {samples} asked for; using {len(texts)}", UserWarning, stacklevel=2)
     return TaskData(task=task, path=path, texts=texts, indices=indices, sha256=digest)
 
 

@@ -63,14 +63,33 @@ def resolve_alias(spec: str) -> str:
     return ALIASES.get(spec.lower(), spec) if not Path(spec).exists() else spec
 
 
-def local_path(spec: str, *, revision: str | None = None, allow_pickle: bool = False) -> Path:
-    """Return a local path for `spec`, downloading a hub id's weights and configs if needed."""
+_WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt", ".pth", ".ckpt", ".json", ".yaml", ".zarr")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+def looks_like_path(spec: str) -> bool:
+    """Whether `spec` can only mean a local path (never a hub id): starts with ``.``, ``/`` or ``~``, ends
+    with ``/``, has a file suffix, has more than one ``/``, is no valid hub id, or its first folder exists."""
+    if spec.startswith((".", "/", "~")) or spec.endswith(("/", "\\")) or spec.count("/") > 1:
+        return True
+    if Path(spec).suffix.lower() in _WEIGHT_SUFFIXES or not _HUB_ID.match(spec) or "--" in spec or ".." in spec:
+        return True
+    return "/" in spec and Path(spec.split("/")[0]).is_dir()
+
+
+def local_path(spec: str, *, revision: str | None = None, allow_pickle: bool = False, role: str = "model") -> Path:
+    """Return a local path for `spec`, downloading a hub id's weights and configs if needed.
+
+    `role` ("base model", "fine-tune 'math'") names the model in errors. A spec that looks like a
+    path (`looks_like_path`) and does not exist is reported as not found, never tried on the hub.
+    """
     spec = resolve_alias(spec)
     path = Path(spec).expanduser()
     if path.exists():
         return path
-    if spec.startswith((".", "/", "~")) or spec.count("/") > 1:
-        raise ModelInputError(f"model path not found: {spec}")
+    if looks_like_path(spec):
+        raise ModelInputError(f"{role} not found: {spec}" + (f" (resolved to {path.resolve()})"
+                                                             if not path.is_absolute() else ""))
     patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.gguf", "tokenizer*"]
     if allow_pickle:
         patterns.append("*.bin")
@@ -80,8 +99,9 @@ def local_path(spec: str, *, revision: str | None = None, allow_pickle: bool = F
         return Path(snapshot_download(spec, revision=revision, allow_patterns=patterns))
     except Exception as exc:  # hub unreachable, gated repo, typo ...
         raise ModelInputError(
-            f"could not get '{spec}' from the Hugging Face hub ({type(exc).__name__}: {exc}). "
-            "Pass a local directory, or log in / check the id and your network."
+            f"{role} '{spec}': no such local file or folder, and could not get it from the Hugging Face hub "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}). "
+            "Pass a local directory (./name for one in this folder), or log in / check the id and your network."
         ) from exc
 
 
@@ -359,9 +379,10 @@ def open_checkpoint(
     base: CheckpointReader | None = None,
     revision: str | None = None,
     allow_pickle: bool = False,
+    role: str = "model",
 ) -> CheckpointReader:
-    """Open a checkpoint for lazy per-tensor reading (see the module docstring for specs)."""
-    path = local_path(spec, revision=revision, allow_pickle=allow_pickle)
+    """Open a checkpoint for lazy per-tensor reading (see the module docstring for specs); `role` names it in errors."""
+    path = local_path(spec, revision=revision, allow_pickle=allow_pickle, role=role)
     if path.is_dir() and (path / "adapter_config.json").exists():
         if base is None:
             raise ModelInputError(f"{path} is a LoRA adapter; it needs the base model to be read against")
@@ -452,7 +473,7 @@ def load_base_model(
     """Instantiate the base model (causal LM, or the bare encoder for BERT-like models) and its tokenizer."""
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
-    path = local_path(spec, revision=revision, allow_pickle=allow_pickle)
+    path = local_path(spec, revision=revision, allow_pickle=allow_pickle, role="base model")
     target = pick_device(device)
     if path.suffix == ".gguf" or (path.is_dir() and list(path.glob("*.gguf")) and not list(path.glob("*.safetensors"))):
         directory, name = _gguf_file(path)
@@ -480,12 +501,25 @@ def load_base_model(
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
     tokenizer.padding_side = "right"
+    _check_vocabulary(tokenizer, model, path)
     model.to(target).eval()
     model.requires_grad_(False)
     reader = open_checkpoint(str(path), allow_pickle=allow_pickle)
     base = BaseModel(model=model, tokenizer=tokenizer, reader=reader, spec=spec)
     base.checkpoint_names = checkpoint_name_map(model, reader)
     return base
+
+
+def _check_vocabulary(tokenizer, model: torch.nn.Module, path: Path) -> None:
+    """Every token id the tokenizer can produce must have an input embedding row."""
+    embedding = model.get_input_embeddings()
+    rows = getattr(embedding, "num_embeddings", None)
+    ids = [i for i in tokenizer.get_vocab().values() if isinstance(i, int)]
+    if rows is None or not ids or max(ids) < rows:
+        return
+    raise ModelInputError(f"{path}: the tokenizer has token ids up to {max(ids)} ({len(tokenizer)} tokens) but the "
+                          f"model's input embedding has {rows} rows; this tokenizer does not belong to this model "
+                          "(or the embedding was not resized after adding tokens)")
 
 
 def checkpoint_name_map(model: torch.nn.Module, reader: CheckpointReader) -> dict[str, str]:
@@ -618,6 +652,7 @@ def open_finetunes(
     """Open every fine-tune lazily, run the pre-flight check, return task-vector readers and its report."""
     if not specs:
         raise ModelInputError("no fine-tuned models given (use --finetuned NAME=PATH)")
-    readers = {task: open_checkpoint(spec, base=base, allow_pickle=allow_pickle) for task, spec in specs.items()}
+    readers = {task: open_checkpoint(spec, base=base, allow_pickle=allow_pickle, role=f"fine-tune '{task}'")
+               for task, spec in specs.items()}
     report = preflight(base, readers, vocab=vocab)
     return {task: TaskVectorReader(task, base, reader, vocab) for task, reader in readers.items()}, report

@@ -42,6 +42,27 @@ def load_groups(store_path: str | Path) -> tuple[dict, dict[str, xr.Dataset]]:
     return dict(tree.attrs), groups
 
 
+def check_store(store_path: str | Path) -> list[str]:
+    """Notes on partial data: every group of a run that stopped half-way (`Store.status`).
+
+    A damaged store (a truncated ``zarr.json``, a missing or undecodable chunk) raises `StoreError`
+    naming the file, so a report never shows it as "—".
+    """
+    from diagnostics.errors import StoreError
+    from diagnostics.store import Store
+
+    store = Store(store_path)
+    if not store.exists():
+        raise StoreError(f"no store at {store_path}")
+    notes = []
+    for state in store.status().values():
+        if state.state == "corrupt":
+            raise StoreError(f"store {store_path}: {state}")
+        if state.state != "complete":
+            notes.append(f"group {state} (its tables and figures show only those units)")
+    return notes
+
+
 def _open_tree(store_path: str | Path) -> xr.DataTree:
     from diagnostics.store import Store
 
@@ -540,6 +561,7 @@ def report(store_path: str | Path, out_dir: str | Path | None = None, *, console
     """
     store_path = Path(store_path)
     out_dir = Path(out_dir) if out_dir is not None else store_path.with_name(store_path.stem + "-report")
+    notes = check_store(store_path)
     out_dir.mkdir(parents=True, exist_ok=True)
     root, groups = load_groups(store_path)
     figures: list[tuple[str, Callable[[], plt.Figure | None]]] = []
@@ -572,6 +594,8 @@ def report(store_path: str | Path, out_dir: str | Path | None = None, *, console
 
     if console is not None:
         print_tables(summary_tables(store_path, groups=(root, groups)), console)
+        for note in notes:
+            console.print(f"[bold yellow]partial data:[/] {note}", highlight=False)
     written = []
     for name, make in figures:
         fig = make()

@@ -68,9 +68,12 @@ class Plan:
         if content.pop("submerge_plan", None) != 1:
             raise PlanError(f"{path} is not a submerge plan (no 'submerge_plan: 1')")
         try:
-            return cls(**content)
+            plan = cls(**content)
         except TypeError as exc:
             raise PlanError(f"{path}: {exc}") from exc
+        plan.base_model = _local_against(path.parent, plan.base_model)
+        plan.finetuned = {t: _local_against(path.parent, spec) for t, spec in plan.finetuned.items()}
+        return plan
 
     # -------------------------------------------------------------- per-tensor rules
 
@@ -151,6 +154,19 @@ class Plan:
             "dtype": "float32",
         }
         return config, [n for n in notes if n]
+
+
+def _absolute(spec: str) -> str:
+    """A model spec that names an existing local path, made absolute (a hub id stays as it is)."""
+    path = Path(spec).expanduser()
+    return str(path.resolve()) if path.exists() else spec
+
+
+def _local_against(directory: Path, spec: str) -> str:
+    """A relative spec that exists next to the plan file, resolved there (plans written by hand or before
+    `make_plan` stored absolute paths); anything else unchanged."""
+    candidate = directory / Path(spec).expanduser()
+    return str(candidate.resolve()) if not Path(spec).expanduser().is_absolute() and candidate.exists() else spec
 
 
 def _mergekit_model(base_model: str, spec: str) -> str:
@@ -238,7 +254,7 @@ def make_plan(
     tasks = [str(t) for t in alpha.task.values]
     finetuned = {t: (origin.get("finetuned", {}).get(t, {}) or {}).get("spec", t) for t in tasks}
     base_model = (store.attrs.get("base_model") or {}).get("spec") or origin.get("base_model", {}).get("spec")
-    plan = plan_from_alpha(alpha, base_model, finetuned, rest=rest)
+    plan = plan_from_alpha(alpha, _absolute(base_model), {t: _absolute(s) for t, s in finetuned.items()}, rest=rest)
     plan.decision.update({"nl_max": nl_max, "pd_max": pd_max, "level_stats": stats, "reasons": reasons})
     plan.provenance = provenance(command, store=str(store_path), store_settings=alpha.attrs.get("settings"))
     return plan

@@ -32,7 +32,9 @@ except Exception:  # older xarray: go through the toolkit's reader
     from diagnostics.store import Store
     tree = Store(STORE).open()
 groups = sorted(node.path for node in tree.subtree if node.has_data)
-print(f"store {STORE}\\nbase model: {(tree.attrs.get('base_model') or {}).get('spec')}\\ngroups: {groups}")'''
+print(f"store {STORE}\\nbase model: {(tree.attrs.get('base_model') or {}).get('spec')}\\ngroups: {groups}")
+for note in plot.check_store(STORE):  # groups of a run that stopped half-way, absent chunks
+    print("partial data:", note)'''
 
 
 def notebook(cells):
@@ -202,7 +204,27 @@ PD_MAX = 0.2   # mean Projection Distance allowed per level
 ORDER = ["attn-mlp", "layer", "model"]            # finest first; "head-mlp" only on request
 LEVELS_OF = {"model": ["model"], "layer": ["layer"], "attn-mlp": ["attn", "mlp"], "head-mlp": ["head", "mlp"]}
 alphas = {name: tree["alpha"][name].to_dataset() for name in tree["alpha"].children} if "alpha" in tree.children else {}
-print("α solved for granularities:", list(alphas) or "none (run diag alpha --granularity ...)")'''),
+print("α solved for granularities:", list(alphas) or "none")'''),
+    md("## What this store holds, and what the plan still needs\n\n"
+       "The README's first command (`diag linearity ... --out runs/demo.zarr`) writes only the group "
+       "`linearity`. The decision below needs it (and uses `projection` when present); a plan and a merge "
+       "also need the closed-form α of the chosen granularity (`alpha/<granularity>`, from `diag alpha`). "
+       "Each missing group is listed with the command that adds it to this store; the sections below then "
+       "show what they can and say what is missing."),
+    code('''\
+NEEDED = {
+    "linearity": ("required: the Non-linearity Score per level", f"diag linearity --out {STORE}"),
+    "projection": ("optional: adds the Projection Distance test", f"diag projection --out {STORE}"),
+    "alpha": ("required for a plan and a merge: α per submodule",
+              " && ".join(f"diag alpha --granularity {g} --out {STORE}" for g in ORDER)),
+    "eval": ("optional: held-out loss of merged models", f"diag eval --merged planned=merged/ --out {STORE}"),
+}
+missing = {group: why for group, why in NEEDED.items() if group not in tree.children}
+for group, (why, command) in missing.items():
+    print(f"missing group '{group}' ({why}).\\n    add it with: {command}")
+if not missing:
+    print("every group is present")
+print("(without --model the commands run on the demo kit; add the --model/--finetuned/--data of your run)")'''),
     md("## Level statistics\n\nMean over every module of a level (and every sample, or every subset and α)."),
     code('''\
 stats = pd.DataFrame(index=pd.Index(["model", "layer", "attn", "mlp", "head"], name="level"))
@@ -242,7 +264,10 @@ def choose(stats, nl_max=NL_MAX, pd_max=PD_MAX, order=ORDER, available=None):
 
 chosen, reasons = choose(stats, available=set(alphas))
 print("\\n".join(reasons))
-print("→ granularity:", chosen)'''),
+print("→ granularity:", chosen)
+if chosen is None:
+    print("no granularity can be planned yet: its α are missing. The thresholds alone would choose",
+          choose(stats)[0], "— add its α with `diag alpha --granularity", choose(stats)[0], f"--out {STORE}`")'''),
     code('''\
 # The same rule under other thresholds: which granularity would be chosen?
 grid = pd.DataFrame({pd_max: {nl_max: choose(stats, nl_max, pd_max, available=set(alphas))[0]
@@ -253,12 +278,14 @@ grid.index.name, grid.columns.name = "NL_MAX", "PD_MAX"
 grid'''),
     code('''\
 try:  # cross-check against the toolkit's planner (merge/plan.py), when it is installed
-    from merge.plan import choose_granularity
+    from merge.plan import PlanError, choose_granularity
     level_stats = {level: {k: float(v) for k, v in row.dropna().items()} for level, row in stats.iterrows()}
     print("merge.plan.choose_granularity →",
           choose_granularity(level_stats, nl_max=NL_MAX, pd_max=PD_MAX, available=set(alphas) - {"head-mlp"})[0])
 except ImportError as error:
-    print("merge.plan not available:", error)'''),
+    print("merge.plan not available:", error)
+except PlanError as error:  # the store lacks what the planner needs (see "What this store holds")
+    print("merge.plan cannot plan on this store yet:", error)'''),
     md("## α per granularity\n\nWhite is uniform weighting 1/T; red gives a fine-tune more weight in that "
        "submodule, blue less. Least-squares fallbacks (ill-conditioned systems) are counted in the table."),
     code('''\
@@ -269,7 +296,7 @@ for name, data in alphas.items():
     row.update({"modules": data.sizes["module"], "least squares": int(data.least_squares.sum()),
                 "max condition": float(data.condition_number.max())})
     rows[name] = row
-pd.DataFrame.from_dict(rows, orient="index")'''),
+pd.DataFrame.from_dict(rows, orient="index") if rows else print("no α in this store yet (see above)")'''),
     code('''\
 for name, data in alphas.items():
     fig = plot.alpha_heatmap(data, plot.describe(dict(tree.attrs), data))'''),
@@ -297,11 +324,13 @@ for name, data in alphas.items():
     rows[name] = {"objective α": float(data.objective_alpha.sum()), "objective 1/T": float(data.objective_uniform.sum()),
                   "linearised α": float(data.linearized_objective_alpha.sum()),
                   "linearised 1/T": float(data.linearized_objective_uniform.sum())}
-objectives = pd.DataFrame.from_dict(rows, orient="index")
-objectives["reduction"] = 1 - objectives["objective α"] / objectives["objective 1/T"]
-display(objectives)
 if alphas:
-    fig = plot.alpha_objective(alphas, plot.describe(dict(tree.attrs), next(iter(alphas.values()))))'''),
+    objectives = pd.DataFrame.from_dict(rows, orient="index")
+    objectives["reduction"] = 1 - objectives["objective α"] / objectives["objective 1/T"]
+    display(objectives)
+    fig = plot.alpha_objective(alphas, plot.describe(dict(tree.attrs), next(iter(alphas.values()))))
+else:
+    print("no alpha group: nothing to compare yet (diag alpha --granularity ... adds one)")'''),
     md("## Evaluation (when the store has an `eval` group)"),
     code('''\
 if "eval" in tree.children:
@@ -314,6 +343,8 @@ else:
        "(thresholds and other options: `diag plan --help`)."),
     code('''\
 plan_granularity = chosen or "auto"
+if not alphas:
+    print(f"first solve α (see above): diag alpha --granularity {choose(stats)[0] or 'attn-mlp'} --out {STORE}")
 print(f"diag plan {STORE} --granularity {plan_granularity} --out plan.yaml   # or --granularity auto")
 print("diag merge plan.yaml --out merged/")
 print(f"diag report {STORE} --out {STORE.with_suffix('')}-report   # every figure of this notebook as PNG")'''),
