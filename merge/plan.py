@@ -455,14 +455,16 @@ class LayerEvidence:
     cv_objective: dict[str, float]  # candidate → mean over folds of the held-out-fold Eq. 10 objective
     alpha: dict[str, dict[str, dict[str, float]]]  # candidate → unit → task → α on all fit records
 
-    @property
-    def chosen(self) -> str:
-        return min(self.cv_objective, key=lambda c: (self.cv_objective[c], c != "layer"))
+    def choice(self, among=None) -> str:
+        """The candidate with the lowest cross-validated objective (ties: the coarser, layer)."""
+        scores = {c: v for c, v in self.cv_objective.items() if among is None or c in among}
+        return min(scores, key=lambda c: (scores[c], c != "layer"))
 
-    def reason(self, folds: int) -> str:
-        scores = sorted(self.cv_objective.items(), key=lambda item: item[1])
-        listed = " < ".join(f"{c} {v:.6g}" for c, v in scores) if len(scores) > 1 else f"{scores[0][0]} {scores[0][1]:.6g}"
-        return f"{self.chosen}: held-out Eq. 10 objective of the block ({folds}-fold CV over fit records) {listed}"
+    def reason(self, folds: int, among=None) -> str:
+        scores = sorted(((c, v) for c, v in self.cv_objective.items() if among is None or c in among),
+                        key=lambda item: item[1])
+        listed = " < ".join(f"{c} {v:.6g}" for c, v in scores)
+        return f"{self.choice(among)}: held-out Eq. 10 objective of the block ({folds}-fold CV over fit records) {listed}"
 
 
 @dataclass
@@ -489,18 +491,21 @@ class Evidence:
             steer(plan, self.infos, self.marks, self.settings["steer_method"])
         return plan
 
-    def plan(self, *, command: str | None = None) -> Plan:
-        """Each block at the granularity with the lower cross-validated objective; marked matrices steered."""
-        plan = self._plan({e.layer: e.chosen for e in self.layers}, steered=True)
+    def plan(self, *, among=None, command: str | None = None) -> Plan:
+        """Each block at the granularity (of `among`, default all) with the lower cross-validated objective;
+        marked matrices steered. `decision` records every block's scores and reason."""
+        among = list(among or self.settings["candidates"])
+        plan = self._plan({e.layer: e.choice(among) for e in self.layers}, steered=True)
         folds = self.settings["folds"]
-        totals = {c: float(sum(e.cv_objective[c] for e in self.layers)) for c in self.settings["candidates"]}
-        totals[PER_LAYER] = float(sum(e.cv_objective[e.chosen] for e in self.layers))
+        totals = {c: float(sum(e.cv_objective[c] for e in self.layers)) for c in among}
+        totals[PER_LAYER] = float(sum(e.cv_objective[e.choice(among)] for e in self.layers))
         plan.decision = {
             "choose": "evidence",
             **self.settings,
+            "candidates": among,
             "cv_objective_total": totals,
-            "layers": {e.layer: {"granularity": e.chosen, "cv_objective": e.cv_objective, "reason": e.reason(folds)}
-                       for e in self.layers},
+            "layers": {e.layer: {"granularity": e.choice(among), "cv_objective": e.cv_objective,
+                                 "reason": e.reason(folds, among)} for e in self.layers},
             "steered": {name: rule["reason"] for name, rule in plan.matrix_rules.items()},
         }
         plan.provenance = provenance(command, base_model=self.base_model, finetuned=self.finetuned)
