@@ -20,6 +20,7 @@ mean of the task vectors (θ0 + Σ_t τ_t / T).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -447,24 +448,50 @@ def steer(plan: Plan, infos: list[TensorInfo], marks: dict[str, str], method: st
     return plan
 
 
+def one_se_choice(fold_scores: dict[str, list[float]], order=("layer", "attn-mlp", "head-mlp"),
+                  tolerance: float = 1.0) -> str:
+    """The coarsest candidate whose cross-validated objective is within `tolerance` standard errors of the best.
+
+    ``fold_scores[c]`` is candidate c's objective on each held-out fold. The best is the lowest mean; a
+    coarser candidate c is kept when mean_k(s_c,k − s_best,k) ≤ tolerance · sd_k(s_c,k − s_best,k)/√k
+    (paired fold differences: the one-standard-error rule of Hastie, Tibshirani & Friedman, ESL §7.10).
+    ``tolerance = 0`` is the plain "lower mean wins".
+    """
+    means = {c: float(np.mean(v)) for c, v in fold_scores.items()}
+    best = min(means, key=lambda c: (means[c], order.index(c) if c in order else len(order)))
+    for candidate in sorted(means, key=lambda c: order.index(c) if c in order else len(order)):
+        diffs = np.asarray(fold_scores[candidate]) - np.asarray(fold_scores[best])
+        spread = float(np.std(diffs, ddof=1)) / math.sqrt(len(diffs)) if len(diffs) > 1 else 0.0
+        if candidate == best or float(np.mean(diffs)) <= tolerance * spread:
+            return candidate
+    return best
+
+
 @dataclass
 class LayerEvidence:
     """What the cross-validation measured in one block."""
 
     layer: int
-    cv_objective: dict[str, float]  # candidate → mean over folds of the held-out-fold Eq. 10 objective
+    fold_objective: dict[str, list[float]]  # candidate → Eq. 10 objective of the block on each held-out fold
     alpha: dict[str, dict[str, dict[str, float]]]  # candidate → unit → task → α on all fit records
+    tolerance: float = 1.0  # standard errors a finer candidate must win by (`one_se_choice`)
+
+    @property
+    def cv_objective(self) -> dict[str, float]:
+        """Candidate → mean over folds of the held-out-fold objective."""
+        return {c: float(np.mean(v)) for c, v in self.fold_objective.items()}
 
     def choice(self, among=None) -> str:
-        """The candidate with the lowest cross-validated objective (ties: the coarser, layer)."""
-        scores = {c: v for c, v in self.cv_objective.items() if among is None or c in among}
-        return min(scores, key=lambda c: (scores[c], c != "layer"))
+        scores = {c: v for c, v in self.fold_objective.items() if among is None or c in among}
+        return one_se_choice(scores, tolerance=self.tolerance)
 
     def reason(self, folds: int, among=None) -> str:
         scores = sorted(((c, v) for c, v in self.cv_objective.items() if among is None or c in among),
                         key=lambda item: item[1])
         listed = " < ".join(f"{c} {v:.6g}" for c, v in scores)
-        return f"{self.choice(among)}: held-out Eq. 10 objective of the block ({folds}-fold CV over fit records) {listed}"
+        rule = "lowest mean" if self.tolerance == 0 else f"coarsest within {self.tolerance:g} SE of the best"
+        return (f"{self.choice(among)}: held-out Eq. 10 objective of the block ({folds}-fold CV over fit records; "
+                f"{rule}) {listed}")
 
 
 @dataclass
@@ -505,6 +532,7 @@ class Evidence:
             "candidates": among,
             "cv_objective_total": totals,
             "layers": {e.layer: {"granularity": e.choice(among), "cv_objective": e.cv_objective,
+                                 "fold_objective": e.fold_objective,
                                  "reason": e.reason(folds, among)} for e in self.layers},
             "steered": {name: rule["reason"] for name, rule in plan.matrix_rules.items()},
         }
@@ -634,9 +662,9 @@ class _BlockScorer:
                 params = self.block_parameters(layer, self.block_plan(layer, candidate, solved(fold)))
                 merged = [self.features(layer_path, recorded[t][layer_path], params) for t in self.tasks]
                 scores.append(self.fold_objective(merged, layer_feats, grams[f"layers.{layer}"], folds_by_task, fold))
-            cv[candidate] = float(np.mean(scores))
+            cv[candidate] = [float(v) for v in scores]
             full[candidate] = solved(-1)
-        return LayerEvidence(layer, cv, full)
+        return LayerEvidence(layer, cv, full, self.settings["tolerance"])
 
 
 def choose_by_evidence(
@@ -650,6 +678,7 @@ def choose_by_evidence(
     sti_max: float = DEFAULT_STI_MAX,
     sar_min: float = DEFAULT_SAR_MIN,
     steer_method: str = "tsv-m",
+    tolerance: float = 1.0,
     rest: dict | None = None,
     capture_budget: int = 2**30,
     progress: bool = True,
@@ -675,7 +704,7 @@ def choose_by_evidence(
         raise PlanError(f"unknown steering method '{steer_method}' (choose from {', '.join(STEER_METHODS)})")
     marks = interference_marks(interference, sti_max=sti_max, sar_min=sar_min)
     settings = {"candidates": list(candidates), "folds": folds, "balance": balance, "sti_max": sti_max,
-                "sar_min": sar_min, "steer_method": steer_method, "fit_records": fewest}
+                "sar_min": sar_min, "steer_method": steer_method, "tolerance": tolerance, "fit_records": fewest}
     scorer = _BlockScorer(experiment, finetuned, settings, marks, rest)
     arch = experiment.arch
     padded = max(sum(b.input_ids.numel() for b in batches) for batches in experiment.batches.values())
@@ -696,3 +725,34 @@ def choose_by_evidence(
             del recorded
     return Evidence(base_model=experiment.base.spec, finetuned=dict(finetuned), layers=layers,
                     infos=list(scorer.table), marks=marks, settings=settings, attention=scorer.attention, rest=rest)
+
+
+def block_objectives(experiment, plan: Plan, *, balance: bool = True, layers: list[int] | None = None,
+                     progress: bool = False) -> dict[int, float]:
+    """Eq. 10 objective (Eq. 33 balanced) of every block merged by `plan`, on all of the experiment's records.
+
+    The block's inputs are recorded on the base; its merged output is compared with each input task's own
+    fine-tune. Use an experiment on held-out records (``skip``) to check a plan out of sample.
+    """
+    from diagnostics.capture import record_inputs
+    from diagnostics.progress import progress_bar
+
+    settings = {"candidates": [], "folds": 1, "balance": balance, "steer_method": "tsv-m", "tolerance": 0.0}
+    scorer = _BlockScorer(experiment, dict(plan.finetuned), settings, {}, plan.rest)
+    arch = experiment.arch
+    chosen = list(range(arch.num_layers)) if layers is None else list(layers)
+    objectives = {}
+    with progress_bar(progress) as bar:
+        job = bar.add_task("Block objectives", total=len(chosen))
+        for layer in chosen:
+            path = arch.layer_path(layer)
+            recorded = {t: record_inputs(scorer.model, arch, [path], experiment.batches[t], device=experiment.device)
+                        for t in experiment.tasks}
+            grams, feats = scorer.unit_grams(path, None, recorded)
+            params = scorer.block_parameters(layer, plan)
+            merged = [scorer.features(path, recorded[t][path], params) for t in experiment.tasks]
+            zeros = [np.zeros(len(g), dtype=int) for g in grams]
+            objectives[layer] = scorer.fold_objective(merged, feats, grams, zeros, 0)
+            scorer.source.clear()
+            bar.advance(job)
+    return objectives
