@@ -372,9 +372,78 @@ def demo_fetch():
     out.print(table)
 
 
+@app.command()
+@user_errors
+def compare(
+    model: ModelOption = None,
+    finetuned: FinetunedOption = None,
+    data: DataOption = None,
+    out_path: OutOption = Path("runs/diag.zarr"),
+    methods: Annotated[Optional[str], typer.Option(
+        "--methods", help="Comma-separated subset (default: every registered strategy, task-arithmetic-tuned, "
+                          "closed-form-layer, closed-form-attn-mlp, plan).")] = None,
+    fit: Annotated[int, typer.Option("--fit", help="First N records of each task fit α, λ, RegMean and the "
+                                                   "evidence plan.")] = 8,
+    skip: Annotated[Optional[int], typer.Option("--skip", help="Held-out records start after the first N "
+                                                               "(default: --fit).")] = None,
+    samples: Annotated[int, typer.Option("--samples", help="Held-out records per task.")] = 16,
+    max_tokens: MaxTokensOption = 512,
+    batch_size: BatchOption = 8,
+    lambdas: Annotated[str, typer.Option("--lambdas", help="λ grid of task-arithmetic-tuned.")] = "0.1,0.2,0.3,0.4,"
+                                                                                                  "0.5,0.6,0.7,0.8,0.9,1.0",
+    plan_path: Annotated[Optional[Path], typer.Option("--plan", help="Plan file to compare as 'plan' (default: "
+                                                                     "choose one, see --choose).")] = None,
+    choose: Annotated[str, typer.Option("--choose", help="evidence (granularity per layer by cross-validated "
+                                                         "Eq. 10 objective) or thresholds (diag plan's NL/PD "
+                                                         "thresholds; needs linearity + alpha in the store).")] = "evidence",
+    candidates: Annotated[str, typer.Option("--candidates", help="Granularities the evidence plan chooses among "
+                                                                 "per layer (add head-mlp to try heads).")] = "layer,attn-mlp",
+    folds: Annotated[int, typer.Option("--folds", help="Cross-validation folds over the fit records.")] = 4,
+    sti_max: Annotated[float, typer.Option("--sti-max", help="Steer matrices with STI/Σσ above this (needs the "
+                                                             "store's interference group).")] = 3.0,
+    sar_min: Annotated[float, typer.Option("--sar-min", help="Steer matrices with mean SAR below this.")] = 0.5,
+    steer_method: Annotated[str, typer.Option("--steer", help="Rule for steered matrices: tsv-m or iso-c.")] = "tsv-m",
+    plan_out: Annotated[Optional[Path], typer.Option("--plan-out", help="Also save the plan used (YAML) for "
+                                                                        "diag merge.")] = None,
+    keep: Annotated[Optional[Path], typer.Option("--keep", help="Keep every merged checkpoint under this "
+                                                                "directory (default: deleted after evaluation).")] = None,
+    device: DeviceOption = "auto",
+    dtype: DtypeOption = "auto",
+    allow_pickle: PickleOption = False,
+    vocab: VocabOption = "base",
+    force: ForceOption = False,
+    progress: ProgressOption = True,
+    config: ConfigOption = None,
+):
+    """Every merge strategy at its paper's defaults, task arithmetic with λ tuned on the fit records, closed-form
+    α per layer and per attn+MLP, and the plan, each evaluated on held-out records; one merge at a time.
+
+    Writes store group `compare` (loss and normalised gain per method × task) and prints the leaderboard."""
+    from diagnostics.store import Store
+    from merge.compare import compare as run_compare, leaderboard
+
+    base, named_finetuned, named_data = resolve_inputs(model, finetuned, data)
+    try:
+        grid = [float(v) for v in lambdas.split(",")]
+    except ValueError:
+        raise typer.BadParameter(f"--lambdas expects numbers separated by commas, got '{lambdas}'") from None
+    evidence = {"candidates": tuple(c.strip() for c in candidates.split(",") if c.strip()), "folds": folds,
+                "sti_max": sti_max, "sar_min": sar_min, "steer_method": steer_method}
+    dataset = run_compare(base, named_finetuned, named_data,
+                          methods=[m.strip() for m in methods.split(",") if m.strip()] if methods else None,
+                          fit=fit, skip=skip, samples=samples, max_tokens=max_tokens, batch_size=batch_size,
+                          lambdas=grid, plan=plan_path, choose=choose, evidence_options=evidence, plan_out=plan_out,
+                          keep=keep, store=Store(out_path), force=force, dtype=dtype, device=device,
+                          allow_pickle=allow_pickle, vocab=vocab, progress=progress, command=command_line())
+    _print_frame(leaderboard(dataset), "Held-out loss and normalised gain (0 = base, 1 = the task's own fine-tune), "
+                                       "best mean gain first")
+    out.print(f"Wrote group [bold]compare[/] of {out_path}" + (f"; plan → {plan_out}" if plan_out else ""))
+
+
 def main() -> None:  # pragma: no cover
     app()
 
 
 if __name__ == "__main__":  # pragma: no cover
     main()
+

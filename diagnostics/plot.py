@@ -591,6 +591,9 @@ def report(store_path: str | Path, out_dir: str | Path | None = None, *, console
     if "eval" in groups:
         eds = groups["eval"]
         figures.append(("eval", lambda: eval_bars(eds, describe(root, eds))))
+    if "compare" in groups:
+        cds = groups["compare"]
+        figures.append(("compare", lambda: compare_leaderboard(cds, describe(root, cds))))
 
     if console is not None:
         print_tables(summary_tables(store_path, groups=(root, groups)), console)
@@ -712,3 +715,36 @@ def print_tables(tables: dict[str, pd.DataFrame], console=None) -> None:
             for index, row in frame.iterrows():
                 table.add_row(str(index), *[_cell(v) for v in row.tolist()])
         console.print(table)
+
+
+# ---------------------------------------------------------------------------- compare
+
+
+def compare_leaderboard(comparison: xr.Dataset, about: str = "") -> plt.Figure | None:
+    """Group ``compare`` as a leaderboard: mean normalised gain per method (bars, best on top) and each
+    task's gain (dots). 0 is the base, 1 the task's own fine-tune (dashed lines)."""
+    if "mean_gain" not in comparison or comparison.sizes.get("method", 0) == 0:
+        return None
+    methods = [str(m) for m in comparison.method.values]
+    mean = pd.Series(comparison.mean_gain.values, index=methods).sort_values(ascending=True, na_position="first")
+    frame = long_frame(comparison.gain)
+    kinds = dict(zip(methods, _strings(comparison.kind.values))) if "kind" in comparison.coords else {}
+    palette = {"plan": "#c0392b", "closed-form": "#e67e22", "strategy": "#7f8c8d", "base": "#34495e",
+               "finetune": "#2980b9"}
+    with sns.axes_style(_THEME["style"]), sns.plotting_context(_THEME["context"], font_scale=_THEME["font_scale"]):
+        fig, ax = plt.subplots(figsize=(8.5, 0.38 * len(methods) + 1.8), layout="constrained")
+        positions = np.arange(len(mean))
+        ax.barh(positions, mean.fillna(0).values, color=[palette.get(kinds.get(m, "strategy"), "#7f8c8d")
+                                                         for m in mean.index], alpha=0.85)
+        order = {m: i for i, m in enumerate(mean.index)}
+        for task, marker in zip(_strings(comparison.task.values), ("o", "s", "^", "D", "v", "P")):
+            rows = frame[frame.task == task]
+            ax.scatter(rows.gain, [order[m] for m in rows.method], marker=marker, s=22, color="black",
+                       zorder=3, label=task)
+        for value in (0.0, 1.0):
+            ax.axvline(value, color="black", linestyle="--", linewidth=0.8)
+        ax.set_yticks(positions, mean.index)
+        ax.set_xlabel("normalised gain (base − model) / (base − fine-tune); bars: mean over tasks")
+        ax.legend(title="task", loc="lower right", frameon=True, fontsize=8)
+        _title(fig, "Held-out leaderboard of merges (group compare)", about)
+    return fig

@@ -20,6 +20,7 @@ mean of the task vectors (θ0 + Σ_t τ_t / T).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -35,6 +36,7 @@ from merge.rules import ParameterRule, head_rule, mean_rule, weights_rule
 DEFAULT_NL_MAX = 0.5
 DEFAULT_PD_MAX = 0.2
 AUTO_ORDER = ("attn-mlp", "layer", "model")
+PER_LAYER = "per-layer"  # Plan.granularity of a plan whose blocks each have their own (evidence choice)
 LEVELS_OF = GRANULARITIES
 
 
@@ -52,6 +54,10 @@ class Plan:
     attention: dict = field(default_factory=dict)  # num_heads, num_kv_heads, head_dim (head-mlp)
     decision: dict = field(default_factory=dict)
     provenance: dict = field(default_factory=dict)
+    # granularity "per-layer": each block's own granularity (layer index → layer / attn-mlp / head-mlp)
+    layer_granularity: dict = field(default_factory=dict)
+    # matrices merged by a method instead of α (interference steering): checkpoint name → {method, options, reason}
+    matrix_rules: dict = field(default_factory=dict)
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -80,12 +86,27 @@ class Plan:
     def rule_for(self, info: TensorInfo) -> ParameterRule:
         """The merge rule of one checkpoint tensor under this plan (its unit from the tensor table)."""
         tasks = list(self.finetuned)
-        unit = info.unit(self.granularity)
-        if unit is not None and self.granularity == "head-mlp" and info.level == "attn":
+        steered = self.matrix_rules.get(info.name)
+        if steered is not None:
+            return ParameterRule(method=steered["method"], options=dict(steered.get("options") or {}))
+        granularity = self.granularity_of(info.layer)
+        if granularity is None:
+            return self._rest_rule(tasks)
+        unit = info.unit(granularity)
+        if unit is not None and granularity == "head-mlp" and info.level == "attn":
             return self._head_rule(info, tasks)
         if unit is not None and unit in self.alpha:
             return weights_rule(self.alpha[unit])
         return self._rest_rule(tasks)
+
+    def granularity_of(self, layer: int) -> str | None:
+        """The granularity that merges block `layer` (None: outside the blocks of a per-layer plan)."""
+        if self.granularity != PER_LAYER:
+            return self.granularity
+        chosen = self.layer_granularity.get(layer, self.layer_granularity.get(str(layer)))
+        if chosen is None and layer >= 0:
+            raise PlanError(f"per-layer plan has no granularity for layer {layer} (layer_granularity)")
+        return chosen
 
     def _rest_rule(self, tasks: list[str]) -> ParameterRule:
         method = self.rest.get("method", "mean-task-vector")
@@ -105,6 +126,16 @@ class Plan:
         except ValueError as exc:
             raise PlanError(str(exc)) from exc
 
+    def _part_alpha(self, layer: int, part: str, task: str) -> float:
+        """α of block `layer`'s attention or MLP for `task` (mean over heads at head level)."""
+        granularity = self.granularity_of(layer)
+        if granularity == "layer":
+            return float(self.alpha[f"layers.{layer}"][task])
+        if part == "attn" and granularity == "head-mlp":
+            keys = [k for k in self.alpha if k.startswith(f"layers.{layer}.attn.head.")]
+            return float(np.mean([self.alpha[k][task] for k in keys]))
+        return float(self.alpha[f"layers.{layer}.{part}"][task])
+
     # -------------------------------------------------------------- mergekit
 
     def to_mergekit(self, num_layers: int) -> tuple[dict, list[str]]:
@@ -117,8 +148,16 @@ class Plan:
             rest_weights = {t: 1.0 / len(tasks) for t in tasks}
         else:
             rest_weights = rest.weights
-        if self.granularity == "head-mlp":
+        granularities = {self.granularity_of(j) for j in range(num_layers)}
+        if "head-mlp" in granularities:
             notes.append("mergekit has no per-head weights: attention exported with the mean α of each layer's heads")
+        if self.granularity == PER_LAYER and "layer" in granularities:
+            notes.append("per-layer plan: the norms of blocks merged at layer granularity get the rest weight, "
+                         "not the block's α")
+        if self.matrix_rules:
+            methods = ", ".join(sorted({rule["method"] for rule in self.matrix_rules.values()}))
+            notes.append(f"{len(self.matrix_rules)} interference-steered matrices ({methods}) exported with their "
+                         "unit's α")
         models = []
         for task in tasks:
             if self.granularity == "model":
@@ -129,20 +168,9 @@ class Plan:
                     weight.append({"filter": "layers.", "value": [float(self.alpha[f"layers.{j}"][task])
                                                                   for j in range(num_layers)]})
                 else:
-                    attn = []
-                    for j in range(num_layers):
-                        if self.granularity == "attn-mlp":
-                            attn.append(float(self.alpha[f"layers.{j}.attn"][task]))
-                        else:
-                            keys = [k for k in self.alpha if k.startswith(f"layers.{j}.attn.head.")]
-                            attn.append(float(np.mean([self.alpha[k][task] for k in keys])))
-                    weight.append({"filter": "self_attn", "value": attn})
-                    weight.append(
-                        {
-                            "filter": "mlp",
-                            "value": [float(self.alpha[f"layers.{j}.mlp"][task]) for j in range(num_layers)],
-                        }
-                    )
+                    for part, name in (("attn", "self_attn"), ("mlp", "mlp")):
+                        weight.append({"filter": name,
+                                       "value": [self._part_alpha(j, part, task) for j in range(num_layers)]})
                 weight.append({"value": float(rest_weights[task])})
             model = _mergekit_model(self.base_model, self.finetuned[task])
             models.append({"model": model, "parameters": {"weight": weight}})
@@ -297,3 +325,426 @@ def _base_config(spec: str) -> dict:
     path = local_path(spec)
     config = path / "config.json" if path.is_dir() else path.parent / "config.json"
     return json.loads(config.read_text()) if config.exists() else {}
+
+
+# ====================================================================== a plan chosen by evidence
+#
+# `choose_by_evidence` picks the granularity of every block by cross-validation instead of thresholds.
+# The fit records of each task are split into k folds by record position (record i → fold i mod k).
+# For each block j and each candidate granularity c (layer, attn-mlp; head-mlp only when asked):
+#   1. per-sample Grams G(x) of every unit of c (the block, or its attention and MLP, or heads + MLP)
+#      from replays of the base and of each fine-tune on inputs recorded on the base (Eq. 14);
+#   2. for each fold k, α of every unit solved on the other k−1 folds (Eq. 12–14 / 33–34);
+#   3. the block's parameters merged as the plan would merge them (`Plan.rule_for`, so norms, GQA
+#      groups and interference-steered matrices are treated exactly as `diag merge` will), the block
+#      replayed on fold k's recorded inputs, and the true Eq. 10 objective (balanced by Eq. 33's
+#      denominator) of the block output against each input task's own fine-tune;
+#   4. the candidate's score is the mean over folds; the block takes the candidate with the lower score.
+# Scoring every candidate on the same function (the block's output) makes the scores comparable;
+# the final α of the chosen units are solved on all fit records.
+#
+# Interference steering: a weight matrix whose task subspaces collide in the store's `interference`
+# group (STI/Σσ above `sti_max`, or the mean SAR over tasks below `sar_min`) is merged with
+# `steer_method` (TSV-M by default; Iso-C on request) at scaling = the mean α of the unit that holds
+# it, instead of θ0 + Σ α_t τ_t. Defaults: `DEFAULT_STI_MAX` and `DEFAULT_SAR_MIN` below.
+
+EVIDENCE_CANDIDATES = ("layer", "attn-mlp")
+DEFAULT_FOLDS = 4
+# STI/Σσ (TSV-M's Singular Task Interference divided by the kept singular values) is 0 for orthogonal
+# task subspaces; on the demo kit it averages 2.44 over attention matrices and 1.36 over MLP matrices
+# (README). 3.0 marks only the matrices where the collision is well above the typical attention level.
+DEFAULT_STI_MAX = 3.0
+# SAR (Iso-C) is 1 when every task matrix lies inside the top subspace of the task-arithmetic sum;
+# below 0.5 a task keeps less than half its energy there (its subspace is crowded out).
+DEFAULT_SAR_MIN = 0.5
+STEER_METHODS = ("tsv-m", "iso-c")
+
+
+def unit_names(granularity: str, layer: int, num_heads: int = 0) -> list[str]:
+    """The α units of block `layer` at `granularity` (names as in the store and the plan)."""
+    if granularity == "layer":
+        return [f"layers.{layer}"]
+    if granularity == "attn-mlp":
+        return [f"layers.{layer}.attn", f"layers.{layer}.mlp"]
+    if granularity == "head-mlp":
+        return [f"layers.{layer}.attn.head.{h}" for h in range(num_heads)] + [f"layers.{layer}.mlp"]
+    raise PlanError(f"granularity '{granularity}' cannot be chosen per layer (layer, attn-mlp, head-mlp)")
+
+
+def fold_alphas(grams_by_task, folds_by_task, fold: int, *, balance: bool = True) -> np.ndarray:
+    """α (Eq. 12–14, balanced Eq. 33–34) solved on the samples outside `fold` of every task.
+
+    ``grams_by_task[a]`` is the (n_a, T, T) stack of per-sample Grams on task a's inputs and
+    ``folds_by_task[a]`` the (n_a,) fold of each sample; ``fold = -1`` uses every sample.
+    """
+    from diagnostics.linearity import alpha_system, solve_alpha
+
+    train = []
+    for a, (grams, folds) in enumerate(zip(grams_by_task, folds_by_task)):
+        kept = np.asarray(grams)[np.asarray(folds) != fold]
+        if kept.shape[0] == 0:
+            raise PlanError(f"fold {fold} leaves no fit record of task {a} to solve α on: use fewer folds")
+        train.append(kept)
+    return solve_alpha(*alpha_system(train, balance=balance)).alpha
+
+
+def interference_marks(interference, *, sti_max: float = DEFAULT_STI_MAX,
+                       sar_min: float = DEFAULT_SAR_MIN) -> dict[str, str]:
+    """Matrices of an `interference` dataset whose task subspaces collide → the reason (empty if None)."""
+    if interference is None:
+        return {}
+    marks = {}
+    sar = interference.sar.mean("task").values
+    for name, sti, mean_sar in zip(interference.matrix.values, interference.sti_normalized.values, sar):
+        reasons = []
+        if np.isfinite(sti) and sti > sti_max:
+            reasons.append(f"STI/Σσ {sti:.3g} > {sti_max}")
+        if np.isfinite(mean_sar) and mean_sar < sar_min:
+            reasons.append(f"mean SAR {mean_sar:.3g} < {sar_min}")
+        if reasons:
+            marks[str(name)] = "; ".join(reasons)
+    return marks
+
+
+def rule_delta(rule: ParameterRule, info: TensorInfo, vectors: list[torch.Tensor], tasks: list[str]) -> torch.Tensor:
+    """The merged task vector of one tensor under `rule` (weights: Σ w_t τ_t; method: the strategy)."""
+    from merge.strategies import merge_parameter
+
+    if rule.weights is None:
+        return merge_parameter(info.name, vectors, rule.method, rule.options, kind=info.kind)
+    total = torch.zeros_like(vectors[0])
+    for task, vector in zip(tasks, vectors):
+        weight = rule.weights.get(task, 0.0)
+        total = total + (weight.to(vector.device) if isinstance(weight, torch.Tensor) else weight) * vector
+    return total
+
+
+def _mean_weight(rule: ParameterRule) -> float:
+    """Mean over tasks (and heads) of a weights rule."""
+    return float(np.mean([float(torch.as_tensor(w, dtype=torch.float64).mean()) for w in rule.weights.values()]))
+
+
+def steer(plan: Plan, infos: list[TensorInfo], marks: dict[str, str], method: str = "tsv-m") -> Plan:
+    """Give the marked matrices among `infos` `method` at scaling = their unit's mean α (in place)."""
+    if method not in STEER_METHODS:
+        raise PlanError(f"unknown steering method '{method}' (choose from {', '.join(STEER_METHODS)})")
+    for info in infos:
+        if info.name not in marks or info.kind != "matrix":
+            continue
+        plan.matrix_rules.pop(info.name, None)
+        rule = plan.rule_for(info)
+        if rule.weights is None:
+            continue
+        plan.matrix_rules[info.name] = {"method": method, "options": {"scaling": _mean_weight(rule)},
+                                        "reason": marks[info.name]}
+    return plan
+
+
+def one_se_choice(fold_scores: dict[str, list[float]], order=("layer", "attn-mlp", "head-mlp"),
+                  tolerance: float = 1.0) -> str:
+    """The coarsest candidate whose cross-validated objective is within `tolerance` standard errors of the best.
+
+    ``fold_scores[c]`` is candidate c's objective on each held-out fold. The best is the lowest mean; a
+    coarser candidate c is kept when mean_k(s_c,k − s_best,k) ≤ tolerance · sd_k(s_c,k − s_best,k)/√k
+    (paired fold differences: the one-standard-error rule of Hastie, Tibshirani & Friedman, ESL §7.10).
+    ``tolerance = 0`` is the plain "lower mean wins".
+    """
+    means = {c: float(np.mean(v)) for c, v in fold_scores.items()}
+    best = min(means, key=lambda c: (means[c], order.index(c) if c in order else len(order)))
+    for candidate in sorted(means, key=lambda c: order.index(c) if c in order else len(order)):
+        diffs = np.asarray(fold_scores[candidate]) - np.asarray(fold_scores[best])
+        spread = float(np.std(diffs, ddof=1)) / math.sqrt(len(diffs)) if len(diffs) > 1 else 0.0
+        if candidate == best or float(np.mean(diffs)) <= tolerance * spread:
+            return candidate
+    return best
+
+
+@dataclass
+class LayerEvidence:
+    """What the cross-validation measured in one block."""
+
+    layer: int
+    fold_objective: dict[str, list[float]]  # candidate → Eq. 10 objective of the block on each held-out fold
+    alpha: dict[str, dict[str, dict[str, float]]]  # candidate → unit → task → α on all fit records
+    tolerance: float = 1.0  # standard errors a finer candidate must win by (`one_se_choice`)
+
+    @property
+    def cv_objective(self) -> dict[str, float]:
+        """Candidate → mean over folds of the held-out-fold objective."""
+        return {c: float(np.mean(v)) for c, v in self.fold_objective.items()}
+
+    def choice(self, among=None) -> str:
+        scores = {c: v for c, v in self.fold_objective.items() if among is None or c in among}
+        return one_se_choice(scores, tolerance=self.tolerance)
+
+    def reason(self, folds: int, among=None) -> str:
+        scores = sorted(((c, v) for c, v in self.cv_objective.items() if among is None or c in among),
+                        key=lambda item: item[1])
+        listed = " < ".join(f"{c} {v:.6g}" for c, v in scores)
+        rule = "lowest mean" if self.tolerance == 0 else f"coarsest within {self.tolerance:g} SE of the best"
+        return (f"{self.choice(among)}: held-out Eq. 10 objective of the block ({folds}-fold CV over fit records; "
+                f"{rule}) {listed}")
+
+
+@dataclass
+class Evidence:
+    """Per-block cross-validation results; `plan()` is the evidence plan, `single(g)` the one-granularity plan."""
+
+    base_model: str
+    finetuned: dict[str, str]
+    layers: list[LayerEvidence]
+    infos: list[TensorInfo]  # every tensor of the model (for steering)
+    marks: dict[str, str]  # interference-marked matrices → reason
+    settings: dict
+    attention: dict = field(default_factory=dict)
+    rest: dict | None = None
+
+    def _plan(self, choice: dict[int, str], steered: bool) -> Plan:
+        alpha = {}
+        for evidence in self.layers:
+            alpha.update(evidence.alpha[choice[evidence.layer]])
+        plan = Plan(base_model=self.base_model, finetuned=dict(self.finetuned), granularity=PER_LAYER, alpha=alpha,
+                    rest=self.rest or {"method": "mean-task-vector"}, attention=dict(self.attention),
+                    layer_granularity=dict(choice))
+        if steered:
+            steer(plan, self.infos, self.marks, self.settings["steer_method"])
+        return plan
+
+    def plan(self, *, among=None, command: str | None = None) -> Plan:
+        """Each block at the granularity (of `among`, default all) with the lower cross-validated objective;
+        marked matrices steered. `decision` records every block's scores and reason."""
+        among = list(among or self.settings["candidates"])
+        plan = self._plan({e.layer: e.choice(among) for e in self.layers}, steered=True)
+        folds = self.settings["folds"]
+        totals = {c: float(sum(e.cv_objective[c] for e in self.layers)) for c in among}
+        totals[PER_LAYER] = float(sum(e.cv_objective[e.choice(among)] for e in self.layers))
+        plan.decision = {
+            "choose": "evidence",
+            **self.settings,
+            "candidates": among,
+            "cv_objective_total": totals,
+            "layers": {e.layer: {"granularity": e.choice(among), "cv_objective": e.cv_objective,
+                                 "fold_objective": e.fold_objective,
+                                 "reason": e.reason(folds, among)} for e in self.layers},
+            "steered": {name: rule["reason"] for name, rule in plan.matrix_rules.items()},
+        }
+        plan.provenance = provenance(command, base_model=self.base_model, finetuned=self.finetuned)
+        return plan
+
+    def single(self, granularity: str, *, steered: bool = False) -> Plan:
+        """Closed-form α at one granularity in every block (solved on all fit records)."""
+        plan = self._plan({e.layer: granularity for e in self.layers}, steered)
+        plan.granularity = granularity
+        plan.layer_granularity = {}
+        plan.decision = {"choose": "asked for", "granularity": granularity, **self.settings}
+        return plan
+
+
+class _BlockScorer:
+    """Replays the units of one block on recorded inputs and scores candidate merges of it."""
+
+    def __init__(self, experiment, finetuned: dict[str, str], settings: dict, marks: dict[str, str],
+                 rest: dict | None = None):
+        from diagnostics.tensors import TensorTable
+
+        self.experiment, self.settings, self.marks = experiment, settings, marks
+        self.rest = rest or {"method": "mean-task-vector"}
+        self.tasks = experiment.tasks
+        self.arch = experiment.arch
+        self.model = experiment.base.model
+        self.source = experiment.parameter_source()
+        self.finetuned = finetuned
+        self.table = TensorTable.from_model(self.model, experiment.base.checkpoint_names, self.arch)
+        self.attention = {"num_heads": self.arch.num_heads, "num_kv_heads": self.arch.num_kv_heads,
+                          "head_dim": self.arch.head_dim}
+
+    def unit_paths(self, layer: int) -> dict[str, tuple[str, int | None]]:
+        """Every unit the candidates need in block `layer` → (module path, head or None)."""
+        units = {f"layers.{layer}": (self.arch.layer_path(layer), None)}
+        for candidate in self.settings["candidates"]:
+            for unit in unit_names(candidate, layer, self.arch.num_heads)[int(candidate == "layer"):]:
+                part = unit.split(".")[2]
+                head = int(unit.rsplit(".", 1)[1]) if ".head." in unit else None
+                units[unit] = ((self.arch.attn_path(layer) if part == "attn" else self.arch.mlp_path(layer)), head)
+        return units
+
+    def features(self, path: str, recs, params, head: int | None = None) -> list[torch.Tensor]:
+        """Per-sample float64 features of the module at `path` (or one of its heads) replayed with `params`."""
+        from diagnostics.capture import head_output, replay, replay_with_heads, sample_features
+        from diagnostics.modules import get_module
+
+        module = get_module(self.model, path)
+        out = []
+        for rec in recs:
+            if head is None:
+                output = replay(module, rec, params)
+            else:
+                _, x, weight = replay_with_heads(module, self.arch, rec, params)
+                output = head_output(x, weight, self.arch, head)
+            out += sample_features(output, rec.token_mask)
+        return out
+
+    def unit_grams(self, path: str, head, recorded) -> tuple[list[np.ndarray], list[list[list[torch.Tensor]]]]:
+        """Per-sample Grams (per input task) of one unit and its features [task][variant][sample]."""
+        from diagnostics.linearity import task_gram
+
+        variants = [None] + [self.source.variant(path, {t: 1.0}) for t in self.tasks]
+        grams, feats = [], []
+        for task in self.tasks:
+            per_variant = [self.features(path, recorded[task][path], params, head) for params in variants]
+            deltas = [[f[s] - per_variant[0][s] for f in per_variant[1:]] for s in range(len(per_variant[0]))]
+            grams.append(np.stack([task_gram(d).numpy() for d in deltas]))
+            feats.append(per_variant)
+        return grams, feats
+
+    def block_parameters(self, layer: int, plan: Plan) -> dict[str, torch.Tensor]:
+        """Block `layer`'s parameters merged by `plan` (local names, the module's dtype)."""
+        from diagnostics.modules import module_parameter_names
+
+        path = self.arch.layer_path(layer)
+        base = self.source.base_parameters(path)
+        deltas = {t: self.source.deltas(path, t) for t in self.tasks}
+        params = {}
+        for local, full in module_parameter_names(self.model, path).items():
+            weight = base[local]
+            info = self.table.get(self.experiment.base.checkpoint_name(full), tuple(weight.shape))
+            delta = rule_delta(plan.rule_for(info), info, [deltas[t][local] for t in self.tasks], self.tasks)
+            compute = torch.promote_types(weight.dtype, torch.float32)
+            params[local] = (weight.to(compute) + delta.to(compute)).to(weight.dtype)
+        return params
+
+    def block_plan(self, layer: int, candidate: str, alpha: dict) -> Plan:
+        plan = Plan(base_model="", finetuned=dict(self.finetuned), granularity=PER_LAYER, alpha=alpha,
+                    rest=self.rest, attention=self.attention, layer_granularity={layer: candidate})
+        return steer(plan, [i for i in self.table if i.layer == layer], self.marks, self.settings["steer_method"])
+
+    def fold_objective(self, merged, layer_feats, layer_grams, folds_by_task, fold: int) -> float:
+        """Eq. 10 (balanced by Eq. 33 when `balance`) of the merged block on the samples of `fold`."""
+        from diagnostics.linearity import balance_denominator, merge_objective
+
+        chosen, targets, denominators = [], [], []
+        for a in range(len(self.tasks)):
+            keep = np.flatnonzero(folds_by_task[a] == fold)
+            chosen.append([merged[a][s] for s in keep])
+            targets.append([layer_feats[a][1 + a][s] for s in keep])
+            denominators.append([balance_denominator(layer_grams[a][s]) for s in keep])
+        return merge_objective(chosen, targets, denominators if self.settings["balance"] else None)
+
+    def layer_evidence(self, layer: int, recorded) -> LayerEvidence:
+        """Cross-validated Eq. 10 objective of every candidate granularity in block `layer`."""
+        folds, balance = self.settings["folds"], self.settings["balance"]
+        layer_path = self.arch.layer_path(layer)
+        folds_by_task = [np.array([i % folds for rec in recorded[t][layer_path] for i in rec.sample_index])
+                         for t in self.tasks]
+        grams, layer_feats = {}, None
+        for unit, (path, head) in self.unit_paths(layer).items():
+            grams[unit], feats = self.unit_grams(path, head, recorded)
+            if unit == f"layers.{layer}":
+                layer_feats = feats
+        cv, full = {}, {}
+        for candidate in self.settings["candidates"]:
+            units = unit_names(candidate, layer, self.arch.num_heads)
+
+            def solved(fold):
+                return {u: dict(zip(self.tasks, map(float, fold_alphas(grams[u], folds_by_task, fold,
+                                                                           balance=balance)))) for u in units}
+
+            scores = []
+            for fold in range(folds):
+                params = self.block_parameters(layer, self.block_plan(layer, candidate, solved(fold)))
+                merged = [self.features(layer_path, recorded[t][layer_path], params) for t in self.tasks]
+                scores.append(self.fold_objective(merged, layer_feats, grams[f"layers.{layer}"], folds_by_task, fold))
+            cv[candidate] = [float(v) for v in scores]
+            full[candidate] = solved(-1)
+        return LayerEvidence(layer, cv, full, self.settings["tolerance"])
+
+
+def choose_by_evidence(
+    experiment,
+    finetuned: dict[str, str],
+    *,
+    candidates: tuple[str, ...] = EVIDENCE_CANDIDATES,
+    folds: int = DEFAULT_FOLDS,
+    balance: bool = True,
+    interference=None,
+    sti_max: float = DEFAULT_STI_MAX,
+    sar_min: float = DEFAULT_SAR_MIN,
+    steer_method: str = "tsv-m",
+    tolerance: float = 1.0,
+    rest: dict | None = None,
+    capture_budget: int = 2**30,
+    progress: bool = True,
+) -> Evidence:
+    """Cross-validate the granularity of every block on the experiment's (fit) records; see the section comment.
+
+    `interference`: the store's `interference` dataset (or None: no steering). `finetuned`: the specs
+    written into the plan (task → spec, the experiment's tasks).
+    """
+    from diagnostics.capture import layer_chunks, record_inputs
+    from diagnostics.progress import progress_bar
+
+    candidates = tuple(dict.fromkeys(candidates))
+    for candidate in candidates:
+        unit_names(candidate, 0, 1)
+    if folds < 2:
+        raise PlanError(f"--folds must be at least 2 (got {folds})")
+    fewest = min(len(data.texts) for data in experiment.data.values())
+    if fewest < folds:
+        raise PlanError(f"{folds}-fold cross-validation needs at least {folds} fit records per task; "
+                        f"one task has {fewest} (raise --fit or lower --folds)")
+    if steer_method not in STEER_METHODS:
+        raise PlanError(f"unknown steering method '{steer_method}' (choose from {', '.join(STEER_METHODS)})")
+    marks = interference_marks(interference, sti_max=sti_max, sar_min=sar_min)
+    settings = {"candidates": list(candidates), "folds": folds, "balance": balance, "sti_max": sti_max,
+                "sar_min": sar_min, "steer_method": steer_method, "tolerance": tolerance, "fit_records": fewest}
+    scorer = _BlockScorer(experiment, finetuned, settings, marks, rest)
+    arch = experiment.arch
+    padded = max(sum(b.input_ids.numel() for b in batches) for batches in experiment.batches.values())
+    element = next(experiment.base.model.parameters()).element_size()
+    per_layer = padded * scorer.model.config.get_text_config().hidden_size * element * 3 * len(experiment.tasks)
+    layers = []
+    with progress_bar(progress) as bar:
+        job = bar.add_task("Choosing granularity per layer", total=arch.num_layers)
+        for chunk in layer_chunks(arch.num_layers, per_layer, capture_budget):
+            paths = [p for j in chunk for p in (arch.layer_path(j), arch.attn_path(j), arch.mlp_path(j))]
+            recorded = {t: record_inputs(scorer.model, arch, paths, experiment.batches[t], device=experiment.device)
+                        for t in experiment.tasks}
+            for layer in chunk:
+                bar.update(job, description=f"Choosing granularity · layer {layer}")
+                layers.append(scorer.layer_evidence(layer, recorded))
+                scorer.source.clear()
+                bar.advance(job)
+            del recorded
+    return Evidence(base_model=experiment.base.spec, finetuned=dict(finetuned), layers=layers,
+                    infos=list(scorer.table), marks=marks, settings=settings, attention=scorer.attention, rest=rest)
+
+
+def block_objectives(experiment, plan: Plan, *, balance: bool = True, layers: list[int] | None = None,
+                     progress: bool = False) -> dict[int, float]:
+    """Eq. 10 objective (Eq. 33 balanced) of every block merged by `plan`, on all of the experiment's records.
+
+    The block's inputs are recorded on the base; its merged output is compared with each input task's own
+    fine-tune. Use an experiment on held-out records (``skip``) to check a plan out of sample.
+    """
+    from diagnostics.capture import record_inputs
+    from diagnostics.progress import progress_bar
+
+    settings = {"candidates": [], "folds": 1, "balance": balance, "steer_method": "tsv-m", "tolerance": 0.0}
+    scorer = _BlockScorer(experiment, dict(plan.finetuned), settings, {}, plan.rest)
+    arch = experiment.arch
+    chosen = list(range(arch.num_layers)) if layers is None else list(layers)
+    objectives = {}
+    with progress_bar(progress) as bar:
+        job = bar.add_task("Block objectives", total=len(chosen))
+        for layer in chosen:
+            path = arch.layer_path(layer)
+            recorded = {t: record_inputs(scorer.model, arch, [path], experiment.batches[t], device=experiment.device)
+                        for t in experiment.tasks}
+            grams, feats = scorer.unit_grams(path, None, recorded)
+            params = scorer.block_parameters(layer, plan)
+            merged = [scorer.features(path, recorded[t][path], params) for t in experiment.tasks]
+            zeros = [np.zeros(len(g), dtype=int) for g in grams]
+            objectives[layer] = scorer.fold_objective(merged, feats, grams, zeros, 0)
+            scorer.source.clear()
+            bar.advance(job)
+    return objectives

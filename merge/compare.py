@@ -1,0 +1,402 @@
+"""`diag compare`: every merge strategy, a tuned task arithmetic, closed-form α and the plan, on held-out records.
+
+Methods (labels along dimension ``method`` of the store group ``compare``):
+
+- ``base`` and ``finetuned:<task>``: the references, evaluated like the merges;
+- every registered strategy (`merge.strategies.STRATEGIES`) at its paper's default options
+  (RegMean with the input Gram matrices of the fit records, recorded on the base);
+- ``task-arithmetic-tuned``: θ0 + λ Σ_t τ_t with λ from `lambdas` chosen by the mean loss over
+  tasks on the fit records (one Σ τ checkpoint is written; each λ is loaded as θ0 + λ(Σ − θ0));
+- ``closed-form-layer`` and ``closed-form-attn-mlp``: α per block, or per attention and MLP,
+  solved on the fit records (seed 002's comparison);
+- ``plan``: by default the evidence plan (`merge.plan.choose_by_evidence`: granularity per block by
+  cross-validated Eq. 10 objective, interference-steered matrices when the store has an
+  ``interference`` group); ``choose="thresholds"`` takes `diag plan`'s threshold choice from the
+  store (needs its ``linearity`` and ``alpha`` groups); a `Plan` or plan file may be given instead.
+
+Records: the first `fit` records of each task fit α, λ, RegMean's Grams and the evidence choice; the
+`samples` records after the first `skip` (≥ `fit`) are held out, and every loss in the group is on
+them (`diagnostics.evaluate.task_loss`: mean next-token cross-entropy over real tokens, nats).
+
+Normalised gain of a model on task t: (L_base,t − L_model,t) / (L_base,t − L_finetune_t,t) — 0 is
+the base, 1 the task's own fine-tune; the leaderboard sorts by its mean over tasks.
+
+Streaming: one merged checkpoint at a time is written to a temporary directory, loaded into the
+single model instance and deleted (kept under ``keep/<method>`` when `keep` is given). The group is
+written one method at a time, so a killed run resumes after the last finished method.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+import xarray as xr
+
+from diagnostics.errors import SubmergeError
+from diagnostics.store import Store, UnitWriter
+
+DEFAULT_LAMBDAS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+TUNED = "task-arithmetic-tuned"
+CLOSED_FORM = ("closed-form-layer", "closed-form-attn-mlp")
+PLAN = "plan"
+GROUP = "compare"
+
+
+class CompareError(SubmergeError):
+    """The comparison cannot run (unknown method, overlapping records, a plan for other fine-tunes ...)."""
+
+
+def normalised_gain(base_loss, model_loss, finetuned_loss) -> np.ndarray:
+    """(L_base − L_model) / (L_base − L_finetune) per task: 0 = the base, 1 = the task's own fine-tune.
+
+    NaN where the fine-tune does not improve on the base (the denominator is 0 or negative would
+    flip the sign: a ratio against a fine-tune that did not learn its task is not a gain).
+    """
+    base, model, tuned = (np.asarray(v, dtype=np.float64) for v in (base_loss, model_loss, finetuned_loss))
+    denominator = base - tuned
+    gain = np.full(np.broadcast(base, model, tuned).shape, np.nan)
+    np.divide(base - model, denominator, out=gain, where=denominator > 0)
+    return gain
+
+
+def default_methods() -> list[str]:
+    """Every registered strategy, the tuned task arithmetic, closed form at layer and attn-mlp, the plan."""
+    from merge.strategies import STRATEGIES
+
+    return [*STRATEGIES, TUNED, *CLOSED_FORM, PLAN]
+
+
+def check_methods(methods: list[str]) -> list[str]:
+    known = default_methods()
+    unknown = [m for m in methods if m not in known]
+    if unknown:
+        raise CompareError(f"unknown method(s) {unknown} for compare; known: {', '.join(known)}")
+    if len(set(methods)) != len(methods):
+        raise CompareError(f"--methods lists a method twice: {methods}")
+    return list(methods)
+
+
+def leaderboard(dataset: xr.Dataset) -> pd.DataFrame:
+    """One row per method: loss and normalised gain per task and the mean gain, best mean gain first."""
+    tasks = [str(t) for t in dataset.task.values]
+    frame = pd.DataFrame(index=pd.Index([str(m) for m in dataset.method.values], name="method"))
+    for task in tasks:
+        frame[f"loss {task}"] = dataset.loss.sel(task=task).values
+    for task in tasks:
+        frame[f"gain {task}"] = dataset.gain.sel(task=task).values
+    frame["mean gain"] = dataset.mean_gain.values
+    return frame.sort_values("mean gain", ascending=False, na_position="last")
+
+
+# ------------------------------------------------------------------ what each method merges with
+
+
+@dataclass
+class Merge:
+    """One merge to write: the rule per tensor, a record for submerge_merge.yaml, RegMean's Grams."""
+
+    rule_for: Callable
+    detail: str
+    record: dict
+    gram_matrices: Callable | None = None
+
+
+def _strategy(name: str) -> Merge:
+    from merge.strategies import STRATEGIES
+    from merge.writer import ParameterRule
+
+    rule = ParameterRule(method=name, options={})
+    options = STRATEGIES[name].resolve_options({})
+    return Merge(lambda info: rule, f"defaults {options}" if options else "no options",
+                 {"method": name, "options": options})
+
+
+def _regmean(experiment) -> Merge:
+    """RegMean on every linear map inside the blocks (Grams of the fit records on the base); TA elsewhere."""
+    from diagnostics.capture import input_gram_matrices
+    from merge.writer import ParameterRule
+
+    tasks = experiment.tasks
+    per_task = [input_gram_matrices(experiment.base.model, experiment.arch, experiment.batches[t]) for t in tasks]
+    grams = {experiment.base.checkpoint_name(key): [g[key] for g in per_task] for key in per_task[0]}
+    regmean, other = ParameterRule(method="regmean", options={}), ParameterRule(method="task-arithmetic", options={})
+    return Merge(lambda info: regmean if info.name in grams else other,
+                 f"off_diagonal_scale 0.9 on {len(grams)} linear maps, task arithmetic elsewhere",
+                 {"method": "regmean", "options": {}}, grams.get)
+
+
+def _plan_merge(plan, label: str) -> Merge:
+    counts: dict[str, int] = {}
+    for granularity in (plan.layer_granularity or {}).values():
+        counts[granularity] = counts.get(granularity, 0) + 1
+    detail = plan.granularity if not counts else "per layer: " + ", ".join(f"{n} × {g}" for g, n in counts.items())
+    if plan.matrix_rules:
+        detail += f"; {len(plan.matrix_rules)} matrices steered"
+    return Merge(plan.rule_for, detail, {"method": label, "granularity": plan.granularity, "alpha": plan.alpha,
+                                         "layer_granularity": plan.layer_granularity,
+                                         "matrix_rules": plan.matrix_rules, "decision": plan.decision})
+
+
+def prepare(experiment, finetuned: dict[str, str], methods: list[str], *, plan=None, choose: str = "evidence",
+            store: Store | None = None, evidence_options: dict | None = None, progress: bool = True,
+            command: str | None = None) -> tuple[dict[str, Merge], object]:
+    """The `Merge` of every method except the tuned task arithmetic, fitted on the experiment's records.
+
+    Runs before any merged weights are loaded: capture needs the base model's own weights.
+    Returns (merges, the plan used or None).
+    """
+    from merge.plan import Plan, PlanError, choose_by_evidence, make_plan
+    from merge.strategies import STRATEGIES
+
+    merges = {name: _strategy(name) for name in methods if name in STRATEGIES and name != "regmean"}
+    if "regmean" in methods:
+        merges["regmean"] = _regmean(experiment)
+    if isinstance(plan, (str, Path)):
+        plan = Plan.load(plan)
+    if plan is not None and sorted(plan.finetuned) != sorted(finetuned):
+        raise CompareError(f"the plan merges {sorted(plan.finetuned)}, compare was given {sorted(finetuned)}")
+    wanted_closed = [m for m in methods if m in CLOSED_FORM]
+    need_evidence = wanted_closed or (PLAN in methods and plan is None and choose == "evidence")
+    if PLAN in methods and plan is None and choose == "thresholds":
+        if store is None or not store.exists():
+            raise CompareError("--choose thresholds reads linearity and alpha from the store: give --out STORE")
+        try:
+            plan = make_plan(store.path, command=command)
+        except PlanError as exc:
+            raise CompareError(f"--choose thresholds: {exc}") from exc
+    elif choose not in ("evidence", "thresholds"):
+        raise CompareError(f"--choose must be evidence or thresholds, got '{choose}'")
+    if need_evidence:
+        options = dict(evidence_options or {})
+        among = list(options.pop("candidates", None) or ("layer", "attn-mlp"))
+        candidates = list(dict.fromkeys(among + [m.removeprefix("closed-form-") for m in wanted_closed]))
+        interference = store.dataset("interference") if store is not None and store.is_complete("interference") else None
+        evidence = choose_by_evidence(experiment, finetuned, candidates=tuple(candidates), interference=interference,
+                                      progress=progress, **options)
+        for name in wanted_closed:
+            merges[name] = _plan_merge(evidence.single(name.removeprefix("closed-form-")), name)
+        if PLAN in methods and plan is None:
+            plan = evidence.plan(among=among, command=command)
+    if PLAN in methods:
+        merges[PLAN] = _plan_merge(plan, PLAN)
+    return merges, plan
+
+
+# ------------------------------------------------------------------ evaluating one model at a time
+
+
+class _Evaluator:
+    """The single model instance: loads a checkpoint's (or scaled) weights and measures held-out losses."""
+
+    def __init__(self, experiment, held_out: dict, *, allow_pickle: bool = False):
+        self.base, self.held_out, self.fit = experiment.base, held_out, experiment.batches
+        self.tasks, self.allow_pickle = experiment.tasks, allow_pickle
+
+    def losses(self, batches: dict | None = None) -> np.ndarray:
+        from diagnostics.evaluate import task_loss
+
+        batches = batches or self.held_out
+        return np.array([task_loss(self.base.model, batches[t])[0] for t in self.tasks])
+
+    def load(self, spec: str | None) -> None:
+        from diagnostics.evaluate import load_weights
+
+        load_weights(self.base, spec, allow_pickle=self.allow_pickle)
+
+    @torch.no_grad()
+    def load_scaled(self, reader, scale: float) -> None:
+        """θ0 + scale · (θ_reader − θ0) into the model, tensor by tensor."""
+        for name, parameter in self.base.model.named_parameters():
+            checkpoint = self.base.checkpoint_name(name)
+            base = self.base.reader.get(checkpoint, torch.float32, parameter.device)
+            other = reader.get(checkpoint, torch.float32, parameter.device)
+            rows = parameter.shape[0]
+            parameter.copy_((base[:rows] + scale * (other[:rows] - base[:rows])).to(parameter.dtype))
+
+
+def _tune_lambda(evaluator: _Evaluator, write: Callable, lambdas) -> tuple[float, dict[float, float]]:
+    """λ of θ0 + λ Σ τ with the lowest mean loss over tasks on the fit records; all fit losses."""
+    from diagnostics.models import open_checkpoint
+    from merge.writer import ParameterRule
+
+    summed = ParameterRule(method="task-arithmetic", options={"scaling": 1.0})
+    directory = write("task-arithmetic-sum", Merge(lambda info: summed, "", {"method": "task-arithmetic"}), False)
+    try:
+        reader = open_checkpoint(str(directory), base=evaluator.base.reader)
+        fit_loss = {}
+        for value in lambdas:
+            evaluator.load_scaled(reader, float(value))
+            fit_loss[float(value)] = float(np.mean(evaluator.losses(evaluator.fit)))
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    best = min(fit_loss, key=lambda v: (fit_loss[v], v))
+    return best, fit_loss
+
+
+def _piece(label: str, kind: str, detail: str, losses: np.ndarray, references: dict, tasks: list[str],
+           seconds: float) -> xr.Dataset:
+    base = references["base"]
+    tuned = np.array([references[f"finetuned:{t}"][i] for i, t in enumerate(tasks)])
+    gain = normalised_gain(base, losses, tuned)
+    return xr.Dataset(
+        {
+            "loss": (("method", "task"), losses[None]),
+            "gain": (("method", "task"), gain[None]),
+            "mean_gain": (("method",), np.array([np.nanmean(gain) if np.isfinite(gain).any() else math.nan])),
+            "seconds": (("method",), np.array([seconds])),
+        },
+        coords={"method": np.array([label], dtype=object), "task": np.array(tasks, dtype=object),
+                "kind": ("method", np.array([kind], dtype=object)),
+                "detail": ("method", np.array([detail], dtype=object))},
+    )
+
+
+def _references(evaluator: _Evaluator, writer: UnitWriter, finetuned: dict[str, str], tasks: list[str]) -> dict:
+    """Held-out losses of the base and of each fine-tune (from the store when a resumed run has them)."""
+    labels = {"base": None, **{f"finetuned:{t}": spec for t, spec in finetuned.items()}}
+    done = writer.pieces[0] if writer.done else None
+    references, seconds = {}, {}
+    for label, spec in labels.items():
+        if label in writer.done:
+            references[label] = done.loss.sel(method=label).values.astype(np.float64)
+            continue
+        start = time.perf_counter()
+        evaluator.load(spec)
+        references[label] = evaluator.losses()
+        seconds[label] = time.perf_counter() - start
+    for label, spec in labels.items():
+        if label not in writer.done:
+            kind, detail = ("base", "the base model") if spec is None else ("finetune", spec)
+            writer.add(_piece(label, kind, detail, references[label], references, tasks, seconds[label]), label)
+    return references
+
+
+def compare(
+    base_spec: str,
+    finetuned: dict[str, str],
+    data: dict[str, str],
+    *,
+    methods: list[str] | None = None,
+    fit: int = 8,
+    skip: int | None = None,
+    samples: int = 16,
+    max_tokens: int = 512,
+    batch_size: int = 8,
+    lambdas=DEFAULT_LAMBDAS,
+    plan=None,
+    choose: str = "evidence",
+    evidence_options: dict | None = None,
+    plan_out: str | Path | None = None,
+    keep: str | Path | None = None,
+    store: Store | None = None,
+    force: bool = False,
+    dtype: str = "auto",
+    device: str = "auto",
+    allow_pickle: bool = False,
+    vocab: str = "base",
+    progress: bool = True,
+    command: str | None = None,
+    on_unit: Callable[[str], None] | None = None,
+) -> xr.Dataset:
+    """Merge with every method in turn and evaluate each on held-out records (see the module docstring).
+
+    Returns the ``compare`` dataset (method × task loss and normalised gain, mean gain, seconds);
+    with `store`, writes it as group ``compare`` method by method (resumable).
+    """
+    from diagnostics.data import read_task_file, tokenize
+    from diagnostics.experiment import Experiment
+
+    methods = check_methods(list(methods) if methods else default_methods())
+    skip = fit if skip is None else skip
+    if skip < fit:
+        raise CompareError(f"--skip {skip} < --fit {fit}: held-out records would include fit records")
+    experiment = Experiment.load(base_spec, finetuned, data, samples=fit, max_tokens=max_tokens,
+                                 batch_size=batch_size, dtype=dtype, device=device, allow_pickle=allow_pickle,
+                                 vocab=vocab)
+    tasks = experiment.tasks
+    held_data = {t: read_task_file(t, data[t], samples=samples, skip=skip) for t in tasks}
+    held_out = {t: tokenize(d, experiment.base.tokenizer, max_tokens=max_tokens, batch_size=batch_size)
+                for t, d in held_data.items()}
+    settings = {**experiment.settings, "fit": fit, "held_out_skip": skip, "held_out_samples": samples,
+                "methods": methods, "lambdas": [float(v) for v in lambdas], "choose": choose,
+                "plan": str(plan) if isinstance(plan, (str, Path)) else None,
+                "evidence": {k: (list(v) if isinstance(v, tuple) else v) for k, v in (evidence_options or {}).items()}}
+    writer = UnitWriter(store, GROUP, settings, dim="method", force=force, on_unit=on_unit,
+                        root=experiment.root_attrs(command),
+                        attrs=experiment.group_attrs(command, held_out={t: d.provenance() for t, d in held_data.items()}))
+    pending = [m for m in methods if m not in writer.done]
+    merges, used_plan = prepare(experiment, finetuned, [m for m in pending if m != TUNED], plan=plan, choose=choose,
+                                store=store, evidence_options=evidence_options, progress=progress, command=command)
+    if plan_out is not None and used_plan is not None:
+        used_plan.save(plan_out)
+    evaluator = _Evaluator(experiment, held_out, allow_pickle=allow_pickle)
+    references = _references(evaluator, writer, finetuned, tasks)
+    notes = _run_methods(pending, merges, evaluator, writer, references, base_spec, finetuned,
+                         lambdas=lambdas, keep=keep, allow_pickle=allow_pickle, vocab=vocab, progress=progress)
+    evaluator.load(None)
+    result = writer.finish({
+        "loss": "mean next-token cross-entropy over real tokens on held-out records, nats",
+        "gain": "(loss_base - loss_model) / (loss_base - loss_finetune_of_the_task): 0 = base, 1 = own fine-tune",
+        "records": f"fit: the first {fit} records of each task file; held out: {samples} records after the "
+                   f"first {skip}",
+        **notes,
+    })
+    result.attrs.update({"base_loss": dict(zip(tasks, map(float, references["base"]))),
+                         "finetuned_loss": {t: float(references[f"finetuned:{t}"][i]) for i, t in enumerate(tasks)}})
+    if store is not None:
+        store.finish(GROUP, {"base_loss": result.attrs["base_loss"], "finetuned_loss": result.attrs["finetuned_loss"]})
+    return result
+
+
+def _run_methods(pending, merges, evaluator, writer, references, base_spec, finetuned, *, lambdas, keep,
+                 allow_pickle, vocab, progress) -> dict:
+    """Write, load, evaluate and (unless kept) delete each pending method's merge; returns notes for attrs."""
+    from diagnostics.progress import progress_bar
+    from merge.writer import ParameterRule, write_merge
+
+    notes = {}
+    scratch = Path(tempfile.mkdtemp(prefix="submerge-compare-"))
+    keep = Path(keep) if keep is not None else None
+
+    def write(label: str, merge: Merge, kept: bool = True) -> Path:
+        directory = (keep if (keep is not None and kept) else scratch) / label
+        return write_merge(base_spec, finetuned, directory, merge.rule_for, record=merge.record, force=True,
+                           allow_pickle=allow_pickle, vocab=vocab, gram_matrices=merge.gram_matrices,
+                           progress=False)
+
+    try:
+        with progress_bar(progress) as bar:
+            job = bar.add_task("Comparing merges", total=len(pending))
+            for label in pending:
+                bar.update(job, description=f"Comparing · {label}")
+                start = time.perf_counter()
+                if label == TUNED:
+                    best, fit_loss = _tune_lambda(evaluator, write, lambdas)
+                    notes["lambda_search"] = {f"{v:g}": loss for v, loss in fit_loss.items()}
+                    rule = ParameterRule(method="task-arithmetic", options={"scaling": best})
+                    merges[label] = Merge(lambda info, rule=rule: rule, f"λ = {best:g} (mean fit loss "
+                                          f"{fit_loss[best]:.4g})", {"method": "task-arithmetic",
+                                                                    "options": {"scaling": best}})
+                merge = merges[label]
+                directory = write(label, merge)
+                evaluator.load(str(directory))
+                losses = evaluator.losses()
+                if keep is None:
+                    shutil.rmtree(directory, ignore_errors=True)
+                kind = "plan" if label == PLAN else "closed-form" if label in CLOSED_FORM else "strategy"
+                writer.add(_piece(label, kind, merge.detail, losses, references, evaluator.tasks,
+                                  time.perf_counter() - start), label)
+                bar.advance(job)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return notes
