@@ -374,11 +374,8 @@ def demo_fetch():
 
 @app.command()
 @user_errors
+@run_options(*MODELS, "data", "out", "max_tokens", "batch_size", "device", "dtype", "force", "progress")
 def compare(
-    model: ModelOption = None,
-    finetuned: FinetunedOption = None,
-    data: DataOption = None,
-    out_path: OutOption = Path("runs/diag.zarr"),
     methods: Annotated[Optional[str], typer.Option(
         "--methods", help="Comma-separated subset (default: every registered strategy, task-arithmetic-tuned, "
                           "closed-form-layer, closed-form-attn-mlp, plan).")] = None,
@@ -386,9 +383,7 @@ def compare(
                                                    "evidence plan.")] = 8,
     skip: Annotated[Optional[int], typer.Option("--skip", help="Held-out records start after the first N "
                                                                "(default: --fit).")] = None,
-    samples: Annotated[int, typer.Option("--samples", help="Held-out records per task.")] = 16,
-    max_tokens: MaxTokensOption = 512,
-    batch_size: BatchOption = 8,
+    samples: Annotated[int, typer.Option("--samples", min=1, help="Held-out records per task.")] = 16,
     lambdas: Annotated[str, typer.Option("--lambdas", help="λ grid of task-arithmetic-tuned.")] = "0.1,0.2,0.3,0.4,"
                                                                                                   "0.5,0.6,0.7,0.8,0.9,1.0",
     plan_path: Annotated[Optional[Path], typer.Option("--plan", help="Plan file to compare as 'plan' (default: "
@@ -407,13 +402,7 @@ def compare(
                                                                         "diag merge.")] = None,
     keep: Annotated[Optional[Path], typer.Option("--keep", help="Keep every merged checkpoint under this "
                                                                 "directory (default: deleted after evaluation).")] = None,
-    device: DeviceOption = "auto",
-    dtype: DtypeOption = "auto",
-    allow_pickle: PickleOption = False,
-    vocab: VocabOption = "base",
-    force: ForceOption = False,
-    progress: ProgressOption = True,
-    config: ConfigOption = None,
+    run: RunOptions = None,
 ):
     """Every merge strategy at its paper's defaults, task arithmetic with λ tuned on the fit records, closed-form
     α per layer and per attn+MLP, and the plan, each evaluated on held-out records; one merge at a time.
@@ -422,22 +411,20 @@ def compare(
     from diagnostics.store import Store
     from merge.compare import compare as run_compare, leaderboard
 
-    base, named_finetuned, named_data = resolve_inputs(model, finetuned, data)
-    try:
-        grid = [float(v) for v in lambdas.split(",")]
-    except ValueError:
-        raise typer.BadParameter(f"--lambdas expects numbers separated by commas, got '{lambdas}'") from None
+    base, named_finetuned, named_data = run.inputs()
+    grid = _numbers(lambdas, "--lambdas")
     evidence = {"candidates": tuple(c.strip() for c in candidates.split(",") if c.strip()), "folds": folds,
                 "sti_max": sti_max, "sar_min": sar_min, "steer_method": steer_method}
     dataset = run_compare(base, named_finetuned, named_data,
                           methods=[m.strip() for m in methods.split(",") if m.strip()] if methods else None,
-                          fit=fit, skip=skip, samples=samples, max_tokens=max_tokens, batch_size=batch_size,
+                          fit=fit, skip=skip, samples=samples, max_tokens=run.max_tokens, batch_size=run.batch_size,
                           lambdas=grid, plan=plan_path, choose=choose, evidence_options=evidence, plan_out=plan_out,
-                          keep=keep, store=Store(out_path), force=force, dtype=dtype, device=device,
-                          allow_pickle=allow_pickle, vocab=vocab, progress=progress, command=command_line())
+                          keep=keep, store=Store(run.out), force=run.force, dtype=run.dtype, device=run.device,
+                          allow_pickle=run.allow_pickle, vocab=run.vocab, progress=run.progress,
+                          command=command_line())
     _print_frame(leaderboard(dataset), "Held-out loss and normalised gain (0 = base, 1 = the task's own fine-tune), "
                                        "best mean gain first")
-    out.print(f"Wrote group [bold]compare[/] of {out_path}" + (f"; plan → {plan_out}" if plan_out else ""))
+    out.print(f"Wrote group [bold]compare[/] of {run.out}" + (f"; plan → {plan_out}" if plan_out else ""))
 
 
 def main() -> None:  # pragma: no cover
