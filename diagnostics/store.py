@@ -125,7 +125,7 @@ def input_identity(inputs: dict) -> dict:
     """What a group's numbers depend on besides settings: content hashes of models and data files.
 
     Read from a run's inputs (or a group's ``provenance`` attr): base model, each fine-tune, each data
-    file (SHA-256), each evaluated model. Paths are shown in messages but only the hashes are compared
+    file and held-out data file (SHA-256), each evaluated model. Paths are shown in messages but only the hashes are compared
     (a moved file is the same input); a checkpoint without a content hash is identified by path and size.
     """
     inputs = inputs or {}
@@ -134,8 +134,9 @@ def input_identity(inputs: dict) -> dict:
         identity["base model"] = _model_identity(inputs["base_model"])
     for task, fingerprint in (inputs.get("finetuned") or {}).items():
         identity[f"fine-tune '{task}'"] = _model_identity(fingerprint)
-    for task, data in (inputs.get("data") or {}).items():
-        identity[f"data '{task}'"] = {"hash": f"sha256:{data.get('sha256')}", "path": data.get("path")}
+    for key, label in (("data", "data"), ("held_out", "held-out data")):  # held_out: `diag compare`'s records
+        for task, data in (inputs.get(key) or {}).items():
+            identity[f"{label} '{task}'"] = {"hash": f"sha256:{data.get('sha256')}", "path": data.get("path")}
     for label, spec in (inputs.get("models") or {}).items():
         identity[f"model '{label}'"] = _model_identity(spec)
     return _jsonable(identity)
@@ -679,7 +680,7 @@ class Store:
                 f"stopped while writing it). Pass --force to recompute it, or choose another --out."
             )
         changes = _diff(old.get("settings") or {}, settings)
-        old_identity = old.get("identity") or input_identity(old.get("provenance") or {})
+        old_identity = input_identity(old.get("provenance") or {}) or old.get("identity") or {}
         if identity and old_identity:
             changes += _identity_changes(old_identity, identity)
         if changes:

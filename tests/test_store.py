@@ -236,6 +236,9 @@ def test_changed_inputs_are_refused_and_named(tmp_path):
     changed_data = {**inputs, "data": {"math": {"path": "/d/math.jsonl", "sha256": "2" * 64}}}
     with pytest.raises(StoreError, match=r"data 'math': /d/math.jsonl \(sha256:111111111111…\) → "):
         store.begin("g", {"k": 1}, attrs=_provenance(**changed_data))
+    held_out = {**inputs, "held_out": {"math": {"path": "/d/held.jsonl", "sha256": "3" * 64}}}
+    with pytest.raises(StoreError, match=r"held-out data 'math': absent → /d/held.jsonl \(sha256:333333333333…\)"):
+        store.begin("g", {"k": 1}, attrs=_provenance(**held_out))
     moved = {**inputs, "data": {"math": {"path": "/elsewhere/math.jsonl", "sha256": "1" * 64}}}
     assert store.begin("g", {"k": 1}, attrs=_provenance(**moved)) == {"m0"}  # same content, other path: resumes
     assert store.begin("g", {"k": 1}, attrs=_provenance(**swapped), force=True) == set()
