@@ -87,8 +87,8 @@ __all__ = [
 COMPUTE_DTYPE = torch.float64
 #: Element-wise methods on tensors above this many entries (≥ 2 dims) run in row chunks of about
 #: CHUNK_ELEMENTS entries, so their peak is the T task vectors + the output + one chunk's temporaries.
-CHUNK_THRESHOLD = 2**26  # 64 M entries
-CHUNK_ELEMENTS = 2**22  # 4 M entries
+CHUNK_THRESHOLD = 2**22  # 4 M entries (16 MiB in float32)
+CHUNK_ELEMENTS = 2**20  # 1 M entries
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -208,7 +208,7 @@ def weight_average(task_vectors: Sequence[torch.Tensor]) -> torch.Tensor:
     vector is the mean of the task vectors. No options.
     """
     _check_task_vectors(task_vectors)
-    return _by_chunks(task_vectors, lambda pieces: _sum(pieces) / len(pieces))
+    return _by_chunks(task_vectors, lambda pieces: _sum(pieces).div_(len(pieces)))
 
 
 def task_arithmetic(task_vectors: Sequence[torch.Tensor], *, scaling: float = 1.0) -> torch.Tensor:
@@ -218,7 +218,7 @@ def task_arithmetic(task_vectors: Sequence[torch.Tensor], *, scaling: float = 1.
     the default ``scaling`` λ = 1 is the plain sum (no validation data here).
     """
     _check_task_vectors(task_vectors)
-    return _by_chunks(task_vectors, lambda pieces: float(scaling) * _sum(pieces))
+    return _by_chunks(task_vectors, lambda pieces: _sum(pieces).mul_(float(scaling)))
 
 
 def weighted_task_arithmetic(
