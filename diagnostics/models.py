@@ -127,6 +127,13 @@ class CheckpointReader:
         """The file a tensor lives in (for error messages)."""
         return str(self.path)
 
+    def dtype(self, name: str) -> torch.dtype:
+        """The stored dtype of one tensor (readers that can, answer without reading the data)."""
+        return self.get(name).dtype
+
+    def release(self) -> None:
+        """Close memory-mapped files (pages read so far stop counting in the process's RSS); reopened on use."""
+
     def __contains__(self, name: str) -> bool:
         return name in self._name_set
 
@@ -191,6 +198,14 @@ class SafetensorsReader(CheckpointReader):
 
     def source_of(self, name: str) -> str:
         return str(self._files.get(name, self.path))
+
+    def dtype(self, name: str) -> torch.dtype:
+        if name not in self._files:
+            raise self._missing(name)
+        return _SAFETENSORS_DTYPES[self._handle(self._files[name]).get_slice(name).get_dtype()]
+
+    def release(self) -> None:
+        self._handles.clear()
 
     def fingerprint(self) -> dict:
         digest = hashlib.sha256()

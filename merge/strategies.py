@@ -89,8 +89,8 @@ __all__ = [
 COMPUTE_DTYPE = torch.float64
 #: Element-wise methods on tensors above this many entries (≥ 2 dims) run in row chunks of about
 #: CHUNK_ELEMENTS entries, so their peak is the T task vectors + the output + one chunk's temporaries.
-CHUNK_THRESHOLD = 2**26  # 64 M entries
-CHUNK_ELEMENTS = 2**22  # 4 M entries
+CHUNK_THRESHOLD = 2**22  # 4 M entries (16 MiB in float32)
+CHUNK_ELEMENTS = 2**20  # 1 M entries
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -199,7 +199,7 @@ def weight_average(task_vectors: Sequence[torch.Tensor]) -> torch.Tensor:
     vector is the mean of the task vectors. No options.
     """
     _check_task_vectors(task_vectors)
-    return _by_chunks(task_vectors, lambda pieces: _sum(pieces) / len(pieces))
+    return _by_chunks(task_vectors, lambda pieces: _sum(pieces).div_(len(pieces)))
 
 
 def task_arithmetic(task_vectors: Sequence[torch.Tensor], *, scaling: float = 1.0) -> torch.Tensor:
@@ -209,7 +209,7 @@ def task_arithmetic(task_vectors: Sequence[torch.Tensor], *, scaling: float = 1.
     the default ``scaling`` λ = 1 is the plain sum (no validation data here).
     """
     _check_task_vectors(task_vectors)
-    return _by_chunks(task_vectors, lambda pieces: float(scaling) * _sum(pieces))
+    return _by_chunks(task_vectors, lambda pieces: _sum(pieces).mul_(float(scaling)))
 
 
 def weighted_task_arithmetic(
@@ -240,32 +240,33 @@ def weighted_task_arithmetic(
 class _TopMagnitude:
     """Mask of the `keep` entries of largest |value| of one tensor, produced chunk by chunk in row-major order.
 
-    The keep-th largest magnitude t is found once (``torch.kthvalue``); a chunk keeps |x| > t and, of the
-    entries with |x| = t, the last ones in row-major order (a stable ascending sort ranks a later equal
-    entry higher), so that exactly `keep` entries are kept in all. Chunks must be given in order, in
-    compute dtype.
+    The keep-th largest magnitude t is found once (``torch.kthvalue``); a chunk keeps |x| > t and as
+    many entries with |x| = t as make exactly `keep` in all: the first ones in row-major order (a stable
+    descending sort, as TIES implementations rank; mergekit's ``magnitude`` agrees), or with
+    ``later=True`` the last ones (a stable ascending sort's ranks, Breadcrumbs). Chunks must be given in
+    order, in compute dtype.
     """
 
-    def __init__(self, values: torch.Tensor, keep: int):
+    def __init__(self, values: torch.Tensor, keep: int, *, later: bool = False):
         total = values.numel()
-        self.all, self.none = keep >= total, keep <= 0
+        self.all, self.none, self.later = keep >= total, keep <= 0, later
         if self.all or self.none:
             return
         magnitude = _compute(values).reshape(-1).abs()
         self.threshold = torch.kthvalue(magnitude, total - keep + 1).values
-        above = int((magnitude > self.threshold).sum())
-        self.skip = int((magnitude == self.threshold).sum()) - (keep - above)  # equal entries not kept
+        equal = int((magnitude == self.threshold).sum())
+        kept_equal = keep - int((magnitude > self.threshold).sum())
+        self.budget = equal - kept_equal if later else kept_equal  # equal entries to drop / to keep, in order
 
     def __call__(self, piece: torch.Tensor) -> torch.Tensor:
         if self.all or self.none:
             return torch.full_like(piece, self.all, dtype=torch.bool)
         magnitude = piece.abs()
         equal = magnitude == self.threshold
-        if self.skip > 0:
-            flat = equal.reshape(-1)
-            dropped = flat & (torch.cumsum(flat, 0) <= self.skip)
-            self.skip -= int(dropped.sum())
-            equal = equal & ~dropped.reshape(equal.shape)
+        flat = equal.reshape(-1)
+        first = flat & (torch.cumsum(flat, 0) <= self.budget)  # the first `budget` equal entries of this piece
+        self.budget -= int(first.sum())
+        equal = (equal & ~first.reshape(equal.shape)) if self.later else first.reshape(equal.shape)
         return (magnitude > self.threshold) | equal
 
 
@@ -279,8 +280,8 @@ def keep_top_magnitude(task_vector: torch.Tensor, top_k: float) -> torch.Tensor:
     """TIES step (1) Trim: keep the top-k fraction of entries by |value|, zero the rest.
 
     Survey §TIES-Merging: τ̂_t = keep_topk_reset_rest_to_zero(τ_t, k). Keeps exactly
-    round(k · n) entries (at least one when k > 0); among equal magnitudes the later entry in
-    row-major order is kept first. Returned in compute dtype (at least float32).
+    round(k · n) entries (at least one when k > 0); among equal magnitudes the earlier entry in
+    row-major order is kept first (a stable descending sort). Returned in compute dtype (at least float32).
     """
     values = _compute(task_vector)
     mask = _TopMagnitude(values, _top_count(top_k, values.numel()))(values)
@@ -426,8 +427,8 @@ class _BreadcrumbsMask:
 
     def __init__(self, values: torch.Tensor, beta: float, gamma: float):
         total = values.numel()
-        self.upper = _TopMagnitude(values, total - _count_from_fraction(beta, total))
-        self.largest = _TopMagnitude(values, total - _count_from_fraction(gamma, total))
+        self.upper = _TopMagnitude(values, total - _count_from_fraction(beta, total), later=True)
+        self.largest = _TopMagnitude(values, total - _count_from_fraction(gamma, total), later=True)
 
     def __call__(self, piece: torch.Tensor) -> torch.Tensor:
         return self.upper(piece) & ~self.largest(piece)

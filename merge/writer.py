@@ -1,17 +1,20 @@
 """Stream a merge tensor by tensor into a normal Hugging Face checkpoint.
 
 For each tensor of the base checkpoint, the task vectors of every fine-tune are
-read (one tensor per model in memory), merged by a rule (`ParameterRule`), added
-to the base tensor and written into the current shard; a shard is flushed when
-it reaches `shard_size`. Peak memory is about one tensor per input model plus
-one output shard. The directory gets sharded safetensors with an index, the
+read (one tensor per model in memory), merged by a rule (`ParameterRule`) with the
+pure `merge_tensor`, and streamed into its safetensors shard by `ShardWriter`
+(shards are laid out up front, so no shard is held in memory; the inputs' files
+are unmapped after each tensor). Peak memory is about one tensor per input model
+plus the merged tensor. The directory gets sharded safetensors with an index, the
 base's config, generation config and tokenizer files, and ``submerge_merge.yaml``
-with the plan or options used.
+with the plan or options used; it is written as ``<out>.partial-<pid>`` and renamed
+into place when complete.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from collections.abc import Callable, Mapping
@@ -148,45 +151,68 @@ def merge_tensor(info: TensorInfo, base_tensor: torch.Tensor, task_vectors: Mapp
 
 
 class ShardWriter:
-    """Sharded safetensors written as tensors arrive: a shard is flushed once it holds `limit` bytes.
+    """Sharded safetensors streamed to disk: no shard is held in memory.
 
-    Shards are written as ``*.partial`` files and renamed by `finish` to ``model.safetensors``
-    (one shard) or ``model-0000i-of-0000n.safetensors`` with ``model.safetensors.index.json``.
+    The shards are laid out up front from the tensors' names, shapes and dtypes in writing order
+    (`layout`; a shard closes once it holds `limit` bytes); each file gets its header first and every
+    tensor's bytes as it arrives (`add`, in layout order). Files are written as ``*.partial`` and
+    renamed by `finish` to ``model.safetensors`` (one shard) or ``model-0000i-of-0000n.safetensors``
+    with ``model.safetensors.index.json``.
     """
 
-    def __init__(self, directory: Path, limit: int):
-        self.directory, self.limit = Path(directory), limit
-        self.current: dict[str, torch.Tensor] = {}
-        self.current_bytes = 0
-        self.written: list[Path] = []
+    def __init__(self, directory: Path, limit: int, layout: list[tuple[str, tuple[int, ...], torch.dtype]]):
+        self.directory = Path(directory)
+        self.layout = list(layout)
         self.weight_map: dict[str, int] = {}
+        self.shards: list[list[tuple[str, tuple[int, ...], torch.dtype]]] = [[]]
+        size = 0
+        for name, shape, dtype in self.layout:
+            self.shards[-1].append((name, tuple(shape), dtype))
+            self.weight_map[name] = len(self.shards) - 1
+            size += math.prod(shape) * dtype.itemsize
+            if size >= limit:
+                self.shards.append([])
+                size = 0
+        if not self.shards[-1] and len(self.shards) > 1:
+            self.shards.pop()
+        self.position, self.file, self.current = 0, None, -1
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        tensor = tensor.contiguous().cpu()
-        self.current[name] = tensor
-        self.weight_map[name] = len(self.written)
-        self.current_bytes += tensor.numel() * tensor.element_size()
-        if self.current_bytes >= self.limit:
-            self._flush()
+        if self.position >= len(self.layout):
+            raise MergeError(f"shard writer: '{name}' was not laid out (all {len(self.layout)} tensors are written)")
+        expected, shape, dtype = self.layout[self.position]
+        if (name, tuple(tensor.shape), tensor.dtype) != (expected, tuple(shape), dtype):
+            raise MergeError(f"shard writer: got '{name}' {tuple(tensor.shape)} {tensor.dtype}, "
+                             f"expected '{expected}' {tuple(shape)} {dtype}")
+        if self.weight_map[name] != self.current:
+            self._open(self.weight_map[name])
+        data = tensor.detach().to("cpu").contiguous().reshape(-1)
+        if data.numel():
+            self.file.write(data.view(torch.uint8).numpy().data)
+        self.position += 1
 
-    def _flush(self) -> None:
-        from safetensors.torch import save_file
+    def _path(self, shard: int) -> Path:
+        return self.directory / f"model-{shard + 1:05d}.safetensors.partial"
 
-        if self.current:
-            path = self.directory / f"model-{len(self.written) + 1:05d}.safetensors.partial"
-            save_file(self.current, str(path), metadata={"format": "pt"})
-            self.written.append(path)
-            self.current, self.current_bytes = {}, 0
+    def _open(self, shard: int) -> None:
+        if self.file is not None:
+            self.file.close()
+        self.file, self.current = open(self._path(shard), "wb"), shard  # noqa: SIM115 (closed in _open / finish)
+        self.file.write(_safetensors_header(self.shards[shard]))
 
     def finish(self) -> list[str]:
-        """Flush the last shard, give the shards their final names, write the index; returns the file names."""
-        self._flush()
-        total = len(self.written)
+        """Close the last shard, give the shards their final names, write the index; returns the file names."""
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+        if self.position != len(self.layout):
+            raise MergeError(f"shard writer: {len(self.layout) - self.position} laid-out tensors were not written")
+        total = len(self.shards) if self.layout else 0
         final_names = []
-        for index, path in enumerate(self.written, start=1):
-            final = self.directory / (f"model-{index:05d}-of-{total:05d}.safetensors" if total > 1
+        for index in range(total):
+            final = self.directory / (f"model-{index + 1:05d}-of-{total:05d}.safetensors" if total > 1
                                       else "model.safetensors")
-            path.rename(final)
+            self._path(index).rename(final)
             final_names.append(final.name)
         if total > 1:
             index = {
@@ -195,6 +221,26 @@ class ShardWriter:
             }
             (self.directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         return final_names
+
+
+_SAFETENSORS_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                      torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                      torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def _safetensors_header(entries) -> bytes:
+    """The 8-byte length and JSON header of a safetensors file holding `entries` (name, shape, dtype) in order."""
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape, dtype in entries:
+        if dtype not in _SAFETENSORS_NAMES:
+            raise MergeError(f"tensor '{name}': dtype {dtype} cannot be written to safetensors here")
+        size = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": _SAFETENSORS_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    return len(text).to_bytes(8, "little") + text
 
 
 def write_merge(
@@ -228,9 +274,11 @@ def write_merge(
     task_vectors, report = open_finetunes(base_reader, finetuned, allow_pickle=allow_pickle, vocab=vocab)
     check_not_an_input(out_dir, {"base model": base_reader.path,
                                  **{f"fine-tune '{t}'": tv.finetuned.path for t, tv in task_vectors.items()}})
+    names = base_reader.names()
+    layout = [(name, base_reader.shape(name), _written_dtype(base_reader.dtype(name), dtype)) for name in names]
     staging = _staging_directory(out_dir)
     try:
-        shards = ShardWriter(staging, limit)
+        shards = ShardWriter(staging, limit, layout)
         used = _stream_tensors(base_reader, task_vectors, rule_for, shards, dtype=dtype, device=device,
                                gram_matrices=gram_matrices, progress=progress)
         shards.finish()
@@ -241,6 +289,11 @@ def write_merge(
         raise
     _replace(staging, out_dir)
     return out_dir
+
+
+def _written_dtype(stored: torch.dtype, out_dtype: torch.dtype | None) -> torch.dtype:
+    """`out_dtype` for floating tensors when given, else the stored dtype (integer buffers always keep theirs)."""
+    return out_dtype if (out_dtype is not None and stored.is_floating_point) else stored
 
 
 def _stream_tensors(base_reader, task_vectors, rule_for, shards: ShardWriter, *, dtype, device, gram_matrices,
@@ -263,6 +316,9 @@ def _stream_tensors(base_reader, task_vectors, rule_for, shards: ShardWriter, *,
                 used[name] = rule.describe()
                 del vectors
             shards.add(name, merged)
+            del merged, base_tensor
+            for reader in (base_reader, *(tv.finetuned for tv in task_vectors.values())):
+                reader.release()  # unmap what was read: the inputs' pages do not pile up in the RSS
             bar.advance(job)
     return used
 

@@ -690,19 +690,22 @@ def test_row_chunks_give_the_whole_tensor_result(monkeypatch, name):
     assert chunked.dtype == torch.float32 and torch.equal(chunked, whole), name
 
 
-def test_trim_with_equal_magnitudes_keeps_exactly_k_the_later_ones_first(monkeypatch):
+def test_trim_with_equal_magnitudes_keeps_exactly_k_the_earlier_ones_first(monkeypatch):
     import merge.strategies as module
 
     values = torch.tensor([[1.0, -2.0, 2.0], [2.0, 3.0, -2.0], [2.0, 0.5, 1.0]])
-    # top 4 of 9: 3 and the last three of the five 2s in row-major order (a stable ascending sort's ranks)
-    expected = torch.tensor([[0.0, 0.0, 0.0], [2.0, 3.0, -2.0], [2.0, 0.0, 0.0]])
+    # top 4 of 9: 3 and the first three of the five 2s in row-major order (a stable descending sort)
+    expected = torch.tensor([[0.0, -2.0, 2.0], [2.0, 3.0, 0.0], [0.0, 0.0, 0.0]])
     assert torch.equal(keep_top_magnitude(values, 4 / 9), expected)
     monkeypatch.setattr(module, "CHUNK_THRESHOLD", 1)
-    monkeypatch.setattr(module, "CHUNK_ELEMENTS", 3)
+    monkeypatch.setattr(module, "CHUNK_ELEMENTS", 3)  # one row per chunk: the equal entries span chunks
     assert torch.equal(ties([values], top_k=4 / 9), expected)
     reference = torch.zeros(9, dtype=torch.bool)
-    reference[torch.argsort(values.abs().reshape(-1), stable=True)[-4:]] = True
+    reference[torch.argsort(values.abs().reshape(-1), descending=True, stable=True)[:4]] = True
     assert torch.equal(expected != 0, reference.reshape(3, 3))
+    # Breadcrumbs ranks by a stable ascending sort: of equal magnitudes the later ones count as larger
+    mask = breadcrumbs_mask(values, beta=0.0, gamma=5 / 9)  # drops the 4 largest: 3 and the last three 2s
+    assert torch.equal(mask, torch.tensor([[True, True, True], [False, False, False], [False, True, True]]))
 
 
 @pytest.mark.parametrize("name", list(_ELEMENT_WISE))
