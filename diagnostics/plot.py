@@ -13,6 +13,8 @@ skipped; nothing here computes a metric, it only reads and averages.
 
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Callable
 from pathlib import Path
 
@@ -553,6 +555,12 @@ def _eval_variables(evaluation: xr.Dataset) -> list[str]:
 # ---------------------------------------------------------------------------- report
 
 
+def _figures_of(registry: dict, root, groups: dict) -> list[tuple[str, Callable[[], plt.Figure | None]]]:
+    """(file stem, drawing call) of every figure in `registry` whose group the store has."""
+    return [(name, functools.partial(draw, groups[group], describe(root, groups[group])))
+            for group, kinds in registry.items() if group in groups for name, draw in kinds]
+
+
 def report(store_path: str | Path, out_dir: str | Path | None = None, *, console=None, dpi: int = 130) -> list[Path]:
     """Write one PNG per figure for the groups the store has (missing groups are skipped); return the paths.
 
@@ -564,18 +572,7 @@ def report(store_path: str | Path, out_dir: str | Path | None = None, *, console
     notes = check_store(store_path)
     out_dir.mkdir(parents=True, exist_ok=True)
     root, groups = load_groups(store_path)
-    figures: list[tuple[str, Callable[[], plt.Figure | None]]] = []
-    if "linearity" in groups:
-        ds = groups["linearity"]
-        about = describe(root, ds)
-        figures += [("nonlinearity_per_layer", lambda: nonlinearity_per_layer(ds, about)),
-                    ("nonlinearity_by_level", lambda: nonlinearity_by_level(ds, about))]
-    if "projection" in groups:
-        pds = groups["projection"]
-        pabout = describe(root, pds)
-        figures += [("projection_distance_pairs", lambda: projection_pairs(pds, pabout)),
-                    ("projection_distance_multi", lambda: projection_multi(pds, pabout)),
-                    ("projection_distance_per_layer", lambda: projection_per_layer(pds, pabout))]
+    figures = _figures_of(FIGURES_BEFORE_ALPHA, root, groups)
     alphas = {path.split("/", 1)[1]: ds for path, ds in groups.items() if path.startswith("alpha/")}
     alphas = {g: alphas[g] for g in sorted(alphas, key=lambda g: (GRANULARITY_ORDER + (g,)).index(g))}
     for granularity, ads in alphas.items():
@@ -583,17 +580,7 @@ def report(store_path: str | Path, out_dir: str | Path | None = None, *, console
     if alphas:
         first = next(iter(alphas.values()))
         figures.append(("alpha_objective", lambda: alpha_objective(alphas, describe(root, first))))
-    if "interference" in groups:
-        ids = groups["interference"]
-        iabout = describe(root, ids)
-        figures += [("interference_per_layer", lambda: interference_per_layer(ids, iabout)),
-                    ("interference_rank", lambda: interference_rank(ids, iabout))]
-    if "eval" in groups:
-        eds = groups["eval"]
-        figures.append(("eval", lambda: eval_bars(eds, describe(root, eds))))
-    if "compare" in groups:
-        cds = groups["compare"]
-        figures.append(("compare", lambda: compare_leaderboard(cds, describe(root, cds))))
+    figures += _figures_of(FIGURES_AFTER_ALPHA, root, groups)
 
     if console is not None:
         print_tables(summary_tables(store_path, groups=(root, groups)), console)
@@ -748,3 +735,16 @@ def compare_leaderboard(comparison: xr.Dataset, about: str = "") -> plt.Figure |
         ax.legend(title="task", loc="lower right", frameon=True, fontsize=8)
         _title(fig, "Held-out leaderboard of merges (group compare)", about)
     return fig
+
+
+# store group -> the figures drawn from it (file stem, function(dataset, about)), in report order
+FIGURES_BEFORE_ALPHA = {
+    "linearity": [("nonlinearity_per_layer", nonlinearity_per_layer), ("nonlinearity_by_level", nonlinearity_by_level)],
+    "projection": [("projection_distance_pairs", projection_pairs), ("projection_distance_multi", projection_multi),
+                   ("projection_distance_per_layer", projection_per_layer)],
+}
+FIGURES_AFTER_ALPHA = {
+    "interference": [("interference_per_layer", interference_per_layer), ("interference_rank", interference_rank)],
+    "eval": [("eval", eval_bars)],
+    "compare": [("compare", compare_leaderboard)],
+}

@@ -357,11 +357,10 @@ def interference(
     table, names, duplicates, transposed = _plan_matrices(base, task_readers, table, matrices, transposed)
     job = MatrixJob(tuple(rank_fracs), sar_against, sar_options, eps, svd_dtype, transposed,
                     {name: table.get(name).kind for name in names})
-    task_names = list(task_readers)
 
     def make_piece(items: list[tuple]):
         return _matrices_dataset(table, [i[0] for i in items], [i[1] for i in items], [i[2] for i in items],
-                                 task_names, rank_fracs)
+                                 list(task_readers), rank_fracs)
 
     scale_out = {"ray": ray, "workers": workers} if ray is not None else None
     writer = _open_writer(store, job, base, task_readers, matrices, force=force, command=command, scale_out=scale_out)
