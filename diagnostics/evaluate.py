@@ -22,7 +22,7 @@ from diagnostics.experiment import check_device, pick_compute_dtype
 from diagnostics.models import BaseModel, load_base_model, open_checkpoint
 from diagnostics.modules import find_architecture
 from diagnostics.progress import progress_bar
-from diagnostics.store import Store, UnitWriter, provenance
+from diagnostics.store import Store, UnitWriter
 
 
 @torch.no_grad()
@@ -122,9 +122,8 @@ def evaluate(
         "models": models,
         "data": {t: d.provenance() for t, d in task_data.items()},
     }
-    writer = UnitWriter(store, "eval", settings, dim="model", force=force, on_unit=on_unit,
-                        root=provenance(command, base_model=inputs["base_model"]),
-                        attrs={"provenance": provenance(command, **inputs)})
+    writer = UnitWriter(store, "eval", settings, dim="model", force=force, on_unit=on_unit, inputs=inputs,
+                        command=command)
     with progress_bar(progress) as bar:
         job = bar.add_task("Evaluating", total=len(labels) * len(tasks))
         for label in labels:

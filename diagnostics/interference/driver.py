@@ -226,7 +226,7 @@ def _notes(job: MatrixJob, device, duplicates: dict[str, str]) -> dict:
 def _open_writer(store, job: MatrixJob, base, task_readers: dict, matrices, *, force: bool, command: str | None,
                  scale_out: dict | None = None):
     """The `UnitWriter` of group ``interference`` (store None: results are only gathered)."""
-    from diagnostics.store import UnitWriter, provenance
+    from diagnostics.store import UnitWriter
 
     if store is None:
         return UnitWriter(None, GROUP, {}, dim="matrix")
@@ -236,14 +236,11 @@ def _open_writer(store, job: MatrixJob, base, task_readers: dict, matrices, *, f
         "svd_dtype": str(_svd_dtype(job.svd_dtype)).removeprefix("torch."),
         "matrices": list(matrices) if matrices is not None else "all", "transposed": sorted(job.transposed),
     }
-    base_info = base.fingerprint()
-    inputs = {"base_model": base_info,
+    inputs = {"base_model": base.fingerprint(),
               "finetuned": {task: reader.finetuned.fingerprint() for task, reader in task_readers.items()}}
     if scale_out:
         inputs["scale_out"] = scale_out  # provenance only: a run resumes across single-process and Ray
-    return UnitWriter(store, GROUP, settings, dim="matrix", force=force,
-                      root=provenance(command, base_model=base_info),
-                      attrs={"provenance": provenance(command, **inputs)})
+    return UnitWriter(store, GROUP, settings, dim="matrix", force=force, inputs=inputs, command=command)
 
 
 def _task_readers(base, finetuned: dict) -> dict:
