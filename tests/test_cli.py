@@ -189,7 +189,7 @@ def test_pickled_base_needs_allow_pickle(runner, llama_kit, tmp_path):
 
 def test_unknown_model_path(runner, llama_kit, tmp_path):
     _assert_user_error(_invoke(runner, ["check", "-m", tmp_path / "missing", "-f", f"x={llama_kit.finetuned_dir}"]),
-                       "model path not found")
+                       "base model not found", str(tmp_path / "missing"))
 
 
 def test_unrecognised_architecture(runner, llama_kit, tmp_path):
