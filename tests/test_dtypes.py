@@ -1,9 +1,10 @@
 """Half-precision checkpoints are measured in float32: storage dtype ≠ compute dtype (issue: headline run at 7B).
 
 For each architecture, the base and two fine-tunes are rounded to bfloat16 and to float16 and saved in that
-dtype. Loaded with ``dtype`` bfloat16 / float16, the Non-linearity Score, α and the Projection Distance must
-equal the float32 run on the *same rounded values* (saved as float32) within 1e-3 relative: the capture, the
-task vectors, every θ0 + Σ c_t τ_t and every replay run in float32, nothing is rounded back to storage.
+dtype. Loaded with ``dtype`` bfloat16 / float16, the Non-linearity Score, α, the Projection Distance and the
+merged tensors (task arithmetic, TIES, written in float32) must equal the float32 run on the *same rounded
+values* (saved as float32) within 1e-3 relative: the capture, the task vectors, every θ0 + Σ c_t τ_t, every
+replay and every merge run in float32, nothing is rounded back to storage.
 (Computed in the storage dtype, as before, bfloat16 scores are off by far more than that.)
 """
 
@@ -21,11 +22,13 @@ from safetensors.torch import load_file, save_file
 from diagnostics import toy
 from diagnostics.experiment import Experiment
 from diagnostics.linearity import alpha, nonlinearity, projection
+from merge.run import run_merge
 
-ARCHITECTURES = ("llama", "qwen2", "gpt2", "bert")
+ARCHITECTURES = toy.ARCHITECTURES
 HALF = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 TASKS = ("math", "code")
 RTOL = 1e-3
+MERGES = {"task-arithmetic": {"scaling": 0.5}, "ties": {"top_k": 0.2}}
 
 
 def _rounded_copy(source: Path, target: Path, dtype: torch.dtype, saved_as: torch.dtype) -> Path:
@@ -72,7 +75,12 @@ def _measure(folder: Path, base: Path, tuned: dict, data: dict, dtype: str, save
         checkpoint = experiment.base.checkpoint_name(name)
         if checkpoint in stored:
             assert parameter.dtype == getattr(torch, dtype) and torch.equal(parameter, stored[checkpoint]), name
-    return {"nonlinearity_score": scores.nonlinearity_score.values, "alpha": solved.alpha.values,
+    merged = {}
+    for method, options in MERGES.items():
+        out = run_merge(folder / label / f"merged-{method}", method=method, options=options, base=str(base_copy),
+                        finetuned=finetuned, out_dtype="float32", progress=False)
+        merged.update({f"{method}:{name}": t.numpy() for name, t in load_file(out / "model.safetensors").items()})
+    return {**merged, "nonlinearity_score": scores.nonlinearity_score.values, "alpha": solved.alpha.values,
             "objective_alpha": solved.objective_alpha.values,
             "projection_distance": distances.projection_distance.values,
             "cosine_merge": distances.cosine_merge.values, "cosine_base": distances.cosine_base.values}

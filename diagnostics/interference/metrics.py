@@ -1,7 +1,7 @@
 """Weight-space interference metrics: the pure equations (no data, no checkpoints, no store).
 
 For one 2-D weight matrix of a base model W_0 and T fine-tunes W_1..W_T the
-task matrices are Δ_t = W_t − W_0 (DESIGN.md "Weight-space interference").
+task matrices are Δ_t = W_t − W_0 (docs/ARCHITECTURE.md, "Choices the papers leave open").
 This module measures, per matrix:
 
 - per task: ‖Δ_t‖_F, the effective rank (Roy & Vetterli 2007);
@@ -192,7 +192,7 @@ def sign_conflict_rate(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def sti_rank(shape: tuple[int, int], num_tasks: int) -> int:
-    """TSV-M's per-task rank k = max(1, ⌊min(m, n) / T⌋) (DESIGN.md, STI)."""
+    """TSV-M's per-task rank k = max(1, ⌊min(m, n) / T⌋) (docs/ARCHITECTURE.md, STI)."""
     if num_tasks < 1:
         raise ValueError(f"num_tasks must be >= 1, got {num_tasks}")
     return max(1, min(shape) // num_tasks)
@@ -367,7 +367,7 @@ def _check_rank(k: int, shape: tuple[int, ...]) -> None:
 def row_space_interference(task_matrices: Sequence[torch.Tensor], k: int, *, svd_dtype: str = "float32") -> float:
     """CART's Row Space Interference (seed 003, Sec. CART and App. 14):
 
-        I(k) = Σ_{i≠j} ‖Σ̃_i Ṽ_iᵀ Ṽ_j Σ̃_j‖_F   (the k×k form, DESIGN.md),
+        I(k) = Σ_{i≠j} ‖Σ̃_i Ṽ_iᵀ Ṽ_j Σ̃_j‖_F   (the k×k form, docs/ARCHITECTURE.md),
 
     Ṽ_t ∈ ℝ^{n×k} the top-k right singular vectors of Δ_t, Σ̃_t = diag(σ̃_{t,i}),
     σ̃_{t,i} = σ_{t,i} / √(Σ_{i≤k} σ_{t,i}²).  Pass :func:`centered` matrices for

@@ -10,7 +10,7 @@ one sample must have the same length.
 Equation map (seed 002):
 - Non-linearity Score: Eq. 19 (discrete form, App. A.2) of Eq. 4.
 - Projection Distance: Eq. 8; per-sample cosine_merge: Eq. 7 (= Eq. 15);
-  its mean: Eq. 16; cosine_base: Eq. 17 (mean over pairs, see DESIGN.md).
+  its mean: Eq. 16; cosine_base: Eq. 17 (mean over pairs, see docs/ARCHITECTURE.md).
 - Merge objective on real outputs: Eq. 10 (= Eq. 20); balanced: Eq. 33.
 - Linearised merge objective: Eq. 11 (= Eq. 22); balanced: Eq. 33 with
   Property 2 (Eq. 6) substituted, as in App. A.3.2.
@@ -160,7 +160,7 @@ def pairwise_task_cosine(task_deltas: Sequence[torch.Tensor]) -> float:
     ``task_deltas`` are Δf_t(x) = f(x; θ0 + τ_t) − f(x; θ0) for t = 1..T
     (T >= 2) on one input x. Returns the mean over pairs t < t' of
     cos(Δf_t, Δf_t'). Eq. 17 prints 1/(T(T−1)) in front of a sum over t < t',
-    which is half a mean; DESIGN.md pins the plain mean over the T(T−1)/2
+    which is half a mean; we take the plain mean over the T(T−1)/2
     pairs. A pair with a zero vector is NaN and left out; all pairs NaN → NaN.
     """
     if len(task_deltas) < 2:
@@ -174,7 +174,7 @@ def pairwise_task_cosine(task_deltas: Sequence[torch.Tensor]) -> float:
 
 
 def cosine_base(task_deltas_per_sample: Sequence[Sequence[torch.Tensor]]) -> float:
-    """cosine_base^E, seed 002 Eq. 17 (mean over task pairs, see DESIGN.md).
+    """cosine_base^E, seed 002 Eq. 17 (mean over task pairs, see docs/ARCHITECTURE.md).
 
     ``task_deltas_per_sample[s][t]`` is Δf_t(x_s). Returns the mean over
     samples of ``pairwise_task_cosine``; NaN samples are left out.
@@ -255,8 +255,8 @@ def alpha_system(
 
     returns (A, b) as float64 arrays, A_jk = Σ_a B_ajk and b_j = Σ_a B_aja
     (Eq. 13 / 31: "b_j = Σ_t B_tjt", the target delta is that of the input
-    task a). Note DESIGN.md writes b_j = Σ_a B_ajj, which is not the
-    stationarity condition of Eq. 11/33; this follows the paper.
+    task a). An earlier design note wrote b_j = Σ_a B_ajj, which is not the
+    stationarity condition of Eq. 11/33; this follows the paper (docs/ARCHITECTURE.md).
     """
     grams_list = _checked_grams(grams_by_input_task)
     task_count = len(grams_list)
