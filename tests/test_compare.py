@@ -1,0 +1,244 @@
+"""Issue 13: `diag compare` and the plan chosen by evidence (merge/compare.py, merge/plan.py).
+
+Known answers first (normalised gain, the one-standard-error rule, α solved on the other folds,
+interference marks and steering, the plan YAML round trip), then the evidence choice on hand-made
+fine-tunes of a tiny Llama whose answer is known by construction, then `compare` end to end
+(Python API, resume, keep, errors, CLI and `diag report`) on tiny trained fine-tunes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import xarray as xr
+
+from diagnostics.linearity import task_gram
+from diagnostics.tensors import TensorInfo
+from merge.plan import (PER_LAYER, Plan, PlanError, fold_alphas, interference_marks, one_se_choice, steer)
+from merge.compare import normalised_gain
+
+# ----------------------------------------------------------------------- normalised gain
+
+
+def test_normalised_gain_known_values():
+    base, tuned = np.array([2.0, 3.0]), np.array([1.0, 2.0])
+    assert np.array_equal(normalised_gain(base, base, tuned), [0.0, 0.0])  # the base: exactly 0
+    assert np.array_equal(normalised_gain(base, tuned, tuned), [1.0, 1.0])  # the fine-tune: exactly 1
+    np.testing.assert_allclose(normalised_gain(base, [1.5, 3.5], tuned), [0.5, -0.5])  # worse than base: < 0
+    np.testing.assert_allclose(normalised_gain(base, [0.5, 2.0], tuned), [1.5, 1.0])  # better than fine-tune: > 1
+    # broadcasting: methods × tasks
+    models = np.array([[2.0, 3.0], [1.0, 2.0], [1.5, 2.5]])
+    np.testing.assert_allclose(normalised_gain(base, models, tuned), [[0, 0], [1, 1], [0.5, 0.5]])
+
+
+def test_normalised_gain_is_nan_when_the_finetune_did_not_improve():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no division warning, no inf
+        gain = normalised_gain([2.0, 2.0, 3.0], [1.0, 2.0, 1.0], [2.0, 2.5, 1.0])
+    assert np.isnan(gain[0]) and np.isnan(gain[1])  # base == fine-tune; fine-tune worse than the base
+    assert gain[2] == 1.0
+    assert not np.isinf(gain).any()
+
+
+def test_normalised_gain_property_affine_in_the_model_loss():
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        base = rng.uniform(1, 5, 4)
+        tuned = base - rng.uniform(0.01, 1, 4)
+        t = rng.uniform(-1, 2, 4)
+        gain = normalised_gain(base, base + t * (tuned - base), tuned)  # the point t of the way to the fine-tune
+        np.testing.assert_allclose(gain, t, atol=1e-12)
+
+
+# ----------------------------------------------------------------------- one standard error rule
+
+
+def test_one_se_choice_clear_win_of_the_finer_candidate():
+    # attn-mlp lower on every fold by the same amount: zero spread, any tolerance → attn-mlp
+    scores = {"layer": [1.0, 1.0, 1.0, 1.0], "attn-mlp": [0.5, 0.5, 0.5, 0.5]}
+    assert one_se_choice(scores) == "attn-mlp"
+    assert one_se_choice(scores, tolerance=100.0) == "attn-mlp"
+
+
+def test_one_se_choice_keeps_the_coarsest_within_one_standard_error():
+    # paired differences layer − attn-mlp = [0.1, −0.1, 0.2, 0]: mean 0.05, SE = sd/√4 = 0.0645
+    scores = {"layer": [1.0, 1.2, 0.8, 1.0], "attn-mlp": [0.9, 1.3, 0.6, 1.0]}
+    assert one_se_choice(scores) == "layer"  # 0.05 ≤ 1 · 0.0645
+    assert one_se_choice(scores, tolerance=0.8) == "layer"  # 0.05 ≤ 0.8 · 0.0645 = 0.0516
+    assert one_se_choice(scores, tolerance=0.7) == "attn-mlp"  # 0.05 > 0.7 · 0.0645 = 0.0452
+    assert one_se_choice(scores, tolerance=0) == "attn-mlp"  # plain lower mean
+    assert one_se_choice(dict(reversed(list(scores.items())))) == "layer"  # order of the dict does not matter
+
+
+def test_one_se_choice_three_candidates_and_ties():
+    # head-mlp best; attn-mlp within 1 SE of it (diffs [0, .1, −.1, .1]: mean .025, SE .048); layer far off
+    scores = {"head-mlp": [1.0, 1.0, 1.0, 1.0], "attn-mlp": [1.0, 1.1, 0.9, 1.1], "layer": [2.0, 2.0, 2.0, 2.1]}
+    assert one_se_choice(scores) == "attn-mlp"
+    assert one_se_choice(scores, tolerance=0) == "head-mlp"
+    # the coarsest is the best: chosen whatever the tolerance
+    assert one_se_choice({"layer": [0.1, 0.2], "attn-mlp": [0.3, 0.4]}, tolerance=0) == "layer"
+    # exact tie (e.g. a block no fine-tune changed): the coarsest
+    assert one_se_choice({"attn-mlp": [0.0, 0.0, 0.0], "layer": [0.0, 0.0, 0.0]}) == "layer"
+    assert one_se_choice({"attn-mlp": [0.0, 0.0, 0.0], "layer": [0.0, 0.0, 0.0]}, tolerance=0) == "layer"
+
+
+# ----------------------------------------------------------------------- α on the other folds
+
+
+def _weighted_least_squares_alpha(deltas, folds, fold, balance):
+    """α minimising Σ_a mean_{x∈H_a, fold(x)≠fold} w(x) ‖Σ_t α_t δ_t(x) − δ_a(x)‖² by plain lstsq on stacked rows
+    (seed 002 Eq. 11 / 33 written out, independent of `alpha_system`); w = 1/((1/T) Σ_t ‖δ_t(x)‖²) if balanced."""
+    rows, targets = [], []
+    tasks = len(deltas)
+    for a in range(tasks):
+        kept = [s for s in range(len(deltas[a])) if folds[a][s] != fold]
+        for s in kept:
+            sample = deltas[a][s]  # (T, d)
+            weight = tasks / float((sample ** 2).sum()) if balance else 1.0
+            scale = math.sqrt(weight / len(kept))
+            rows.append(scale * sample.T)  # (d, T)
+            targets.append(scale * sample[a])
+    alpha, *_ = np.linalg.lstsq(np.concatenate(rows), np.concatenate(targets), rcond=None)
+    return alpha
+
+
+def _random_deltas(rng, tasks=3, samples=(7, 5, 6), dim=12):
+    # task-specific structure: on task a's inputs δ_a is larger, so α differs from 1/T
+    deltas = []
+    for a in range(tasks):
+        stack = rng.normal(size=(samples[a], tasks, dim))
+        stack[:, a] *= 3.0
+        deltas.append(stack)
+    return deltas
+
+
+@pytest.mark.parametrize("balance", [True, False])
+def test_fold_alphas_is_the_closed_form_alpha_of_the_other_folds(balance):
+    rng = np.random.default_rng(3)
+    deltas = _random_deltas(rng)
+    grams = [np.stack([task_gram([torch.from_numpy(d) for d in sample]).numpy() for sample in stack])
+             for stack in deltas]
+    folds = [np.arange(len(stack)) % 3 for stack in deltas]
+    for fold in (0, 1, 2, -1):
+        got = fold_alphas(grams, folds, fold, balance=balance)
+        np.testing.assert_allclose(got, _weighted_least_squares_alpha(deltas, folds, fold, balance), rtol=1e-9)
+    # the held-out fold's samples do not enter: change them arbitrarily, α stays
+    changed = [g.copy() for g in grams]
+    for g, f in zip(changed, folds):
+        g[f == 1] *= 7.0
+        g[f == 1] += np.eye(3)
+    np.testing.assert_array_equal(fold_alphas(changed, folds, 1, balance=balance),
+                                  fold_alphas(grams, folds, 1, balance=balance))
+    assert not np.allclose(fold_alphas(changed, folds, 0, balance=balance),
+                           fold_alphas(grams, folds, 0, balance=balance))
+
+
+def test_fold_alphas_known_answer_and_empty_fold():
+    # input-specific orthogonal deltas: δ_t(x) = 0 for x outside H_t → α = 1 for every task, on any fold
+    deltas = []
+    for a in range(2):
+        stack = np.zeros((4, 2, 3))
+        stack[:, a, a] = np.arange(1.0, 5.0)
+        deltas.append(stack)
+    grams = [np.stack([task_gram([torch.from_numpy(d) for d in s]).numpy() for s in stack]) for stack in deltas]
+    folds = [np.array([0, 1, 0, 1]), np.array([0, 1, 0, 1])]
+    for fold in (0, 1, -1):
+        np.testing.assert_allclose(fold_alphas(grams, folds, fold), [1.0, 1.0])
+    with pytest.raises(PlanError, match="fold 0 leaves no fit record"):
+        fold_alphas(grams, [np.zeros(4, dtype=int), folds[1]], 0)
+
+
+# ----------------------------------------------------------------------- interference marks and steering
+
+MATRICES = ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight",
+            "model.layers.1.self_attn.o_proj.weight", "model.layers.1.mlp.up_proj.weight",
+            "model.layers.1.input_layernorm.weight", "model.layers.0.mlp.gate_proj.weight"]
+
+
+def _interference(sti, sar) -> xr.Dataset:
+    return xr.Dataset({"sti_normalized": (("matrix",), np.array(sti, dtype=float)),
+                       "sar": (("matrix", "task"), np.array(sar, dtype=float))},
+                      coords={"matrix": MATRICES, "task": ["a", "b"]})
+
+
+HAND_MADE = _interference(
+    sti=[5.0, 1.0, 3.0, 4.0, 9.0, math.nan],
+    sar=[[0.9, 0.9], [0.2, 0.6], [0.5, 0.5], [0.1, 0.3], [0.1, 0.1], [math.nan, math.nan]],
+)
+
+
+def test_interference_marks_exactly_the_matrices_over_the_thresholds():
+    marks = interference_marks(HAND_MADE)
+    assert marks == {
+        MATRICES[0]: "STI/Σσ 5 > 3.0",
+        MATRICES[1]: "mean SAR 0.4 < 0.5",
+        MATRICES[3]: "STI/Σσ 4 > 3.0; mean SAR 0.2 < 0.5",
+        MATRICES[4]: "STI/Σσ 9 > 3.0; mean SAR 0.1 < 0.5",
+    }  # 3.0 and 0.5 exactly are not over the thresholds; NaN never marks
+    assert set(interference_marks(HAND_MADE, sti_max=4.5, sar_min=0.0)) == {MATRICES[0], MATRICES[4]}
+    assert interference_marks(HAND_MADE, sti_max=math.inf, sar_min=0.15) == {
+        MATRICES[4]: "mean SAR 0.1 < 0.15"}
+    assert interference_marks(None) == {}
+
+
+def _info(name: str, layer: int, level: str, kind: str = "matrix") -> TensorInfo:
+    return TensorInfo(name=name, parameter=name, module=name, layer=layer, level=level, kind=kind, shape=(4, 4))
+
+
+INFOS = [_info(MATRICES[0], 0, "attn"), _info(MATRICES[1], 0, "mlp"), _info(MATRICES[2], 1, "attn"),
+         _info(MATRICES[3], 1, "mlp"), _info(MATRICES[4], 1, "norm", "norm"), _info(MATRICES[5], 0, "mlp"),
+         _info("model.embed_tokens.weight", -1, "embed", "embedding")]
+ALPHA = {"layers.0.attn": {"a": 0.2, "b": 0.6}, "layers.0.mlp": {"a": 1.0, "b": 0.5}, "layers.1": {"a": 0.3, "b": 0.9}}
+
+
+def _per_layer_plan() -> Plan:
+    return Plan(base_model="/models/base", finetuned={"a": "/models/a", "b": "/models/b"}, granularity=PER_LAYER,
+                alpha={k: dict(v) for k, v in ALPHA.items()}, layer_granularity={0: "attn-mlp", 1: "layer"})
+
+
+def test_steer_gives_marked_matrices_the_method_at_their_units_mean_alpha():
+    plan = steer(_per_layer_plan(), INFOS, interference_marks(HAND_MADE))
+    # the norm is marked but is not a matrix; q_proj, down_proj, up_proj are steered, the rest keeps α
+    assert set(plan.matrix_rules) == {MATRICES[0], MATRICES[1], MATRICES[3]}
+    assert plan.matrix_rules[MATRICES[0]] == {"method": "tsv-m", "options": {"scaling": pytest.approx(0.4)},
+                                             "reason": "STI/Σσ 5 > 3.0"}
+    assert plan.matrix_rules[MATRICES[1]]["options"]["scaling"] == pytest.approx(0.75)  # layers.0.mlp
+    assert plan.matrix_rules[MATRICES[3]]["options"]["scaling"] == pytest.approx(0.6)  # layers.1 (layer level)
+    assert plan.matrix_rules[MATRICES[3]]["reason"] == "STI/Σσ 4 > 3.0; mean SAR 0.2 < 0.5"
+    by_name = {i.name: i for i in INFOS}
+    assert plan.rule_for(by_name[MATRICES[0]]).method == "tsv-m"
+    assert plan.rule_for(by_name[MATRICES[2]]).weights == ALPHA["layers.1"]
+    assert plan.rule_for(by_name[MATRICES[5]]).weights == ALPHA["layers.0.mlp"]
+    assert plan.rule_for(by_name[MATRICES[4]]).weights == ALPHA["layers.1"]  # norm of a layer-level block
+    assert plan.rule_for(by_name["model.embed_tokens.weight"]).weights == {"a": 0.5, "b": 0.5}  # rest
+    # steering again (e.g. with Iso-C) replaces the rules, scaling still from α (not from the old rule)
+    again = steer(plan, INFOS, interference_marks(HAND_MADE), "iso-c")
+    assert {r["method"] for r in again.matrix_rules.values()} == {"iso-c"}
+    assert again.matrix_rules[MATRICES[0]]["options"]["scaling"] == pytest.approx(0.4)
+    with pytest.raises(PlanError, match="unknown steering method"):
+        steer(plan, INFOS, {}, "ties")
+
+
+def test_plan_yaml_round_trip_keeps_layer_granularity_rules_and_reasons(tmp_path):
+    plan = steer(_per_layer_plan(), INFOS, interference_marks(HAND_MADE))
+    plan.decision = {"choose": "evidence", "layers": {0: {"granularity": "attn-mlp", "reason": "attn-mlp: lower"}},
+                     "steered": {n: r["reason"] for n, r in plan.matrix_rules.items()}}
+    path = plan.save(tmp_path / "plan.yaml")
+    text = path.read_text()
+    assert "STI/Σσ 5 > 3.0" in text and "mean SAR 0.4 < 0.5" in text and "layer_granularity" in text
+    loaded = Plan.load(path)
+    assert loaded == plan
+    assert loaded.layer_granularity == {0: "attn-mlp", 1: "layer"}
+    assert loaded.granularity_of(0) == "attn-mlp" and loaded.granularity_of(1) == "layer"
+    for info in INFOS:
+        assert loaded.rule_for(info) == plan.rule_for(info)
+    # a per-layer plan without a block's granularity is refused, not silently merged as "rest"
+    loaded.layer_granularity = {0: "attn-mlp"}
+    with pytest.raises(PlanError, match="no granularity for layer 1"):
+        loaded.rule_for(INFOS[2])
