@@ -242,3 +242,101 @@ def test_plan_yaml_round_trip_keeps_layer_granularity_rules_and_reasons(tmp_path
     loaded.layer_granularity = {0: "attn-mlp"}
     with pytest.raises(PlanError, match="no granularity for layer 1"):
         loaded.rule_for(INFOS[2])
+
+
+# ----------------------------------------------------------------------- the evidence choice, known by construction
+#
+# A tiny Llama (2 blocks, hidden 32) whose embedding puts the bytes of task A's texts in dimensions 0..15 and
+# those of task B's texts in dimensions 16..31 (texts of one length: no padding, no special tokens). Block 0's
+# inputs on task A records then have no component in 16..31 and vice versa (RMSNorm keeps the support).
+# Hand-made fine-tunes change block 0 only:
+#   - attention: task A adds a random update to the v_proj columns 0..15, task B to the columns 16..31, so each
+#     attention update acts on its own task's records only (exactly 0 on the other task's): the attention α is
+#     (1, 1);
+#   - MLP: both tasks add the same update F to down_proj, so only α_A + α_B = 1 fits the MLP (minimum norm:
+#     (0.5, 0.5)).
+# One α per task for the whole block cannot be both; α per attention and MLP reproduces each fine-tune's block 0
+# on its own records exactly. So block 0 must choose attn-mlp with a far lower (≈ 0) held-out objective, while
+# block 1, which no fine-tune changed, ties at 0 and keeps the coarsest candidate, layer.
+
+HAND_TASKS = {"left": "abcdefgh", "right": "qrstuvwx"}
+HAND_FIT = 8
+
+
+@pytest.fixture(scope="module")
+def hand_kit(tmp_path_factory):
+    from safetensors.torch import load_file, save_file
+
+    from diagnostics import toy
+
+    root = tmp_path_factory.mktemp("evidence")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        base = toy.build_model(root / "base", "llama", layers=2, hidden=32, heads=4, kv_heads=2)
+    tokenizer = toy.byte_tokenizer()
+    generator = torch.Generator().manual_seed(5)
+    weights = load_file(str(base / "model.safetensors"))
+    embed = weights["model.embed_tokens.weight"]
+    for offset, letters in zip((0, 16), HAND_TASKS.values()):
+        for token in tokenizer(letters)["input_ids"]:
+            embed[token] = 0.0
+            embed[token, offset:offset + 16] = torch.randn(16, generator=generator)
+    save_file(weights, str(base / "model.safetensors"), metadata={"format": "pt"})
+    shared = 1.5 * torch.randn(weights["model.layers.0.mlp.down_proj.weight"].shape, generator=generator)
+    finetuned, data = {}, {}
+    for offset, (task, letters) in zip((0, 16), HAND_TASKS.items()):
+        tuned = {name: value.clone() for name, value in weights.items()}
+        v_proj = tuned["model.layers.0.self_attn.v_proj.weight"]
+        v_proj[:, offset:offset + 16] += 0.2 * torch.randn(v_proj.shape[0], 16, generator=generator)
+        tuned["model.layers.0.mlp.down_proj.weight"] += shared
+        folder = root / task
+        folder.mkdir()
+        save_file(tuned, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        for file in base.iterdir():
+            if file.name != "model.safetensors":
+                (folder / file.name).write_bytes(file.read_bytes())
+        rng = np.random.default_rng(len(letters) + offset)
+        path = root / f"{task}.jsonl"
+        path.write_text("".join(json.dumps({"text": "".join(rng.choice(list(letters), 12))}) + "\n"
+                                for _ in range(2 * HAND_FIT)))
+        finetuned[task], data[task] = str(folder), str(path)
+    return str(base), finetuned, data
+
+
+def _hand_experiment(hand_kit, skip: int):
+    from diagnostics.experiment import Experiment
+
+    base, finetuned, data = hand_kit
+    return Experiment.load(base, finetuned, data, samples=HAND_FIT, skip=skip, max_tokens=48, batch_size=4,
+                           dtype="float32", device="cpu")
+
+
+def test_evidence_chooses_attn_mlp_only_where_attention_and_mlp_want_different_alpha(hand_kit, tmp_path):
+    from merge.plan import block_objectives, choose_by_evidence
+
+    fit = _hand_experiment(hand_kit, skip=0)
+    evidence = choose_by_evidence(fit, hand_kit[1], progress=False)
+    plan = evidence.plan()
+    assert plan.granularity == PER_LAYER
+    assert plan.layer_granularity == {0: "attn-mlp", 1: "layer"}
+    # the α the construction implies (solved on all fit records)
+    np.testing.assert_allclose(list(plan.alpha["layers.0.attn"].values()), [1.0, 1.0], atol=1e-6)
+    np.testing.assert_allclose(list(plan.alpha["layers.0.mlp"].values()), [0.5, 0.5], atol=1e-6)
+    layer_alpha = evidence.single("layer").alpha["layers.0"]
+    assert all(0.55 < a < 0.95 for a in layer_alpha.values()), layer_alpha  # a compromise between 1 and 0.5
+    cv = evidence.layers[0].cv_objective
+    assert cv["attn-mlp"] < 1e-6 * cv["layer"] and cv["layer"] > 1e-3
+    assert evidence.layers[1].cv_objective == {"layer": 0.0, "attn-mlp": 0.0}
+    # out of sample: the evidence plan lowers block 0's objective on held-out records and ties elsewhere
+    held = _hand_experiment(hand_kit, skip=HAND_FIT)
+    chosen = block_objectives(held, plan)
+    single = block_objectives(held, evidence.single("layer"))
+    assert chosen[0] < 1e-6 * single[0] and single[0] > 1e-3
+    assert chosen[1] == single[1] == 0.0
+    assert sum(chosen.values()) < sum(single.values())
+    # each choice and its reason are in the plan YAML
+    loaded = Plan.load(plan.save(tmp_path / "plan.yaml"))
+    assert loaded.layer_granularity == {0: "attn-mlp", 1: "layer"}
+    reasons = {layer: entry["reason"] for layer, entry in loaded.decision["layers"].items()}
+    assert reasons[0].startswith("attn-mlp: held-out Eq. 10 objective") and reasons[1].startswith("layer:")
+    assert loaded.decision["choose"] == "evidence" and loaded.decision["folds"] == 4
