@@ -340,3 +340,143 @@ def test_evidence_chooses_attn_mlp_only_where_attention_and_mlp_want_different_a
     reasons = {layer: entry["reason"] for layer, entry in loaded.decision["layers"].items()}
     assert reasons[0].startswith("attn-mlp: held-out Eq. 10 objective") and reasons[1].startswith("layer:")
     assert loaded.decision["choose"] == "evidence" and loaded.decision["folds"] == 4
+
+
+# ----------------------------------------------------------------------- compare end to end
+
+TASKS = ("math", "code")
+FIT = 4  # records 0..3 of each task file fit α, λ and the evidence plan; records 4..7 are held out
+METHODS = ["task-arithmetic", "ties", "task-arithmetic-tuned", "closed-form-layer", "plan"]
+LAMBDAS = (0.2, 0.6, 1.0)
+RUN = {"fit": FIT, "samples": FIT, "max_tokens": 48, "batch_size": 4, "lambdas": LAMBDAS,
+       "evidence_options": {"folds": 2}, "dtype": "float32", "device": "cpu", "progress": False}
+
+
+class Killed(Exception):
+    """Stands for the process being killed between two methods."""
+
+
+@pytest.fixture(scope="module")
+def trained_kit(tmp_path_factory):
+    """A tiny Llama 'pre-trained' on mixed text and fine-tuned on two tasks (real gradient updates)."""
+    from diagnostics import toy
+
+    root = tmp_path_factory.mktemp("compare")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        random_init = toy.build_model(root / "random", "llama", layers=2, hidden=32, heads=4, kv_heads=2)
+        base = toy.finetune(random_init, root / "base", "mix", steps=15, lr=3e-3, seed=9)
+        finetuned = {task: str(toy.finetune(base, root / task, task, steps=8, lr=3e-3, seed=index))
+                     for index, task in enumerate(TASKS)}
+    data = {task: str(toy.write_task_data(root / f"{task}.jsonl", task, count=2 * FIT, seed=7)) for task in TASKS}
+    return root, str(base), finetuned, data
+
+
+@pytest.fixture(scope="module")
+def compared(trained_kit):
+    """One full `compare` into a store, temporary files redirected to a folder we can inspect."""
+    from diagnostics.store import Store
+    from merge.compare import compare
+
+    root, base, finetuned, data = trained_kit
+    scratch = root / "scratch"
+    scratch.mkdir()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("tempfile.tempdir", str(scratch))
+        dataset = compare(base, finetuned, data, methods=METHODS, store=Store(root / "store.zarr"), **RUN)
+    return dataset, root / "store.zarr", scratch
+
+
+def _experiment(trained_kit, skip: int):
+    from diagnostics.experiment import Experiment
+
+    _, base, finetuned, data = trained_kit
+    return Experiment.load(base, finetuned, data, samples=FIT, skip=skip, max_tokens=48, batch_size=4,
+                           dtype="float32", device="cpu")
+
+
+@torch.no_grad()
+def _losses_of(experiment, state: dict[str, torch.Tensor]) -> np.ndarray:
+    """Mean loss per task of the model with parameters `state` (parameter name → tensor)."""
+    from diagnostics.evaluate import task_loss
+
+    model = experiment.base.model
+    for name, parameter in model.named_parameters():
+        parameter.copy_(state[name])
+    return np.array([task_loss(model, experiment.batches[t])[0] for t in experiment.tasks])
+
+
+def _task_sum_state(trained_kit, experiment, scale: float) -> dict[str, torch.Tensor]:
+    """θ0 + scale · Σ_t τ_t from the checkpoint files (parameter names of the model)."""
+    from safetensors.torch import load_file
+
+    _, base, finetuned, _ = trained_kit
+    base_weights = load_file(str(Path(base) / "model.safetensors"))
+    tuned = [load_file(str(Path(finetuned[t]) / "model.safetensors")) for t in experiment.tasks]
+    state = {}
+    for name, _ in experiment.base.model.named_parameters():
+        key = experiment.base.checkpoint_name(name)
+        state[name] = base_weights[key] + scale * sum(w[key] - base_weights[key] for w in tuned)
+    return state
+
+
+def test_compare_group_dims_and_reference_gains(compared):
+    from diagnostics.store import Store
+
+    dataset, store_path, _ = compared
+    labels = ["base", "finetuned:math", "finetuned:code", *METHODS]
+    assert list(dataset.method.values) == labels
+    assert list(dataset.task.values) == list(TASKS)
+    assert dataset.loss.dims == dataset.gain.dims == ("method", "task")
+    assert dataset.mean_gain.dims == dataset.seconds.dims == ("method",)
+    assert list(dataset.kind.values) == ["base", "finetune", "finetune", "strategy", "strategy", "strategy",
+                                         "closed-form", "plan"]
+    stored = Store(store_path).dataset("compare")
+    assert list(stored.method.values) == labels
+    np.testing.assert_array_equal(stored.loss.values, dataset.loss.values)
+    assert Store(store_path).is_complete("compare")
+    assert np.isfinite(dataset.loss.values).all()
+    # every fine-tune learned its task (else the gain would be NaN by design)
+    base_loss = dataset.loss.sel({"method": "base"}).values
+    for task in TASKS:
+        assert dataset.loss.sel({"method": f"finetuned:{task}", "task": task}) < base_loss[TASKS.index(task)]
+        assert float(dataset.gain.sel({"method": f"finetuned:{task}", "task": task})) == 1.0
+    assert (dataset.gain.sel({"method": "base"}).values == 0.0).all()
+    np.testing.assert_allclose(dataset.gain.values, normalised_gain(
+        base_loss, dataset.loss.values,
+        [float(dataset.loss.sel({"method": f"finetuned:{t}", "task": t})) for t in TASKS]))
+    np.testing.assert_allclose(dataset.mean_gain.values, np.nanmean(dataset.gain.values, axis=1))
+    assert dataset.attrs["base_loss"] == pytest.approx(dict(zip(TASKS, base_loss)))
+
+
+def test_compare_losses_are_on_held_out_records(compared, trained_kit):
+    dataset, _, _ = compared
+    held = _experiment(trained_kit, skip=FIT)
+    np.testing.assert_allclose(_losses_of(held, _task_sum_state(trained_kit, held, 0.0)),
+                               dataset.loss.sel({"method": "base"}).values, rtol=1e-5)
+    np.testing.assert_allclose(_losses_of(held, _task_sum_state(trained_kit, held, 1.0)),
+                               dataset.loss.sel({"method": "task-arithmetic"}).values, rtol=1e-5)  # scaling 1 default
+
+
+def test_tuned_lambda_is_the_argmin_of_the_fit_loss(compared, trained_kit):
+    dataset, store_path, _ = compared
+    from diagnostics.store import Store
+
+    search = Store(store_path).group_attrs("compare")["lambda_search"]
+    assert set(search) == {"0.2", "0.6", "1"}
+    fit = _experiment(trained_kit, skip=0)
+    independent = {value: float(np.mean(_losses_of(fit, _task_sum_state(trained_kit, fit, value))))
+                   for value in LAMBDAS}
+    for value in LAMBDAS:
+        assert search[f"{value:g}"] == pytest.approx(independent[value], rel=1e-5)
+    best = min(independent, key=independent.get)
+    assert str(dataset.detail.sel({"method": "task-arithmetic-tuned"}).values).startswith(f"λ = {best:g} ")
+    held = _experiment(trained_kit, skip=FIT)
+    np.testing.assert_allclose(_losses_of(held, _task_sum_state(trained_kit, held, best)),
+                               dataset.loss.sel({"method": "task-arithmetic-tuned"}).values, rtol=1e-5)
+
+
+def test_compare_leaves_nothing_on_disk_without_keep(compared):
+    _, store_path, scratch = compared
+    assert list(scratch.iterdir()) == []  # every merged checkpoint (and the Σ τ of the λ search) deleted
+    assert not (store_path.parent / "keep").exists()
