@@ -28,7 +28,6 @@ written one method at a time, so a killed run resumes after the last finished me
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
 import tempfile
@@ -268,7 +267,8 @@ def _references(evaluator: _Evaluator, writer: UnitWriter, finetuned: dict[str, 
     references, seconds = {}, {}
     for label, spec in labels.items():
         if label in writer.done:
-            references[label] = done.loss.sel(method=label).values.astype(np.float64)
+            # a dict, not sel(method=label): `method` is sel's own keyword (inexact matching)
+            references[label] = done.loss.sel({"method": label}).values.astype(np.float64)
             continue
         start = time.perf_counter()
         evaluator.load(spec)

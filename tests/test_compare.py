@@ -20,8 +20,8 @@ import xarray as xr
 
 from diagnostics.linearity import task_gram
 from diagnostics.tensors import TensorInfo
-from merge.plan import (PER_LAYER, Plan, PlanError, fold_alphas, interference_marks, one_se_choice, steer)
 from merge.compare import normalised_gain
+from merge.plan import PER_LAYER, Plan, PlanError, fold_alphas, interference_marks, one_se_choice, steer
 
 # ----------------------------------------------------------------------- normalised gain
 
@@ -92,8 +92,9 @@ def test_one_se_choice_three_candidates_and_ties():
 
 
 def _weighted_least_squares_alpha(deltas, folds, fold, balance):
-    """α minimising Σ_a mean_{x∈H_a, fold(x)≠fold} w(x) ‖Σ_t α_t δ_t(x) − δ_a(x)‖² by plain lstsq on stacked rows
-    (seed 002 Eq. 11 / 33 written out, independent of `alpha_system`); w = 1/((1/T) Σ_t ‖δ_t(x)‖²) if balanced."""
+    """α minimising Σ_a mean_{x∈H_a, fold(x)≠fold} w(x) ‖Σ_t α_t δ_t(x) − δ_a(x)‖² by plain lstsq on
+    stacked rows (seed 002 Eq. 11 / 33 written out, independent of `alpha_system`);
+    w = 1/((1/T) Σ_t ‖δ_t(x)‖²) if balanced."""
     rows, targets = [], []
     tasks = len(deltas)
     for a in range(tasks):
@@ -480,3 +481,104 @@ def test_compare_leaves_nothing_on_disk_without_keep(compared):
     _, store_path, scratch = compared
     assert list(scratch.iterdir()) == []  # every merged checkpoint (and the Σ τ of the λ search) deleted
     assert not (store_path.parent / "keep").exists()
+
+
+def _counting(monkeypatch) -> dict[str, list]:
+    """Count merged checkpoints written (by label), evidence choices and reference evaluations."""
+    import merge.plan
+    import merge.writer
+    from merge import compare as module
+
+    calls: dict[str, list] = {"written": [], "evidence": [], "loaded": []}
+    write_merge, choose, load = merge.writer.write_merge, merge.plan.choose_by_evidence, module._Evaluator.load
+
+    def counted_write(base, finetuned, directory, *args, **kwargs):
+        calls["written"].append(Path(directory).name)
+        return write_merge(base, finetuned, directory, *args, **kwargs)
+
+    def counted_choose(*args, **kwargs):
+        calls["evidence"].append(1)
+        return choose(*args, **kwargs)
+
+    def counted_load(self, spec):
+        calls["loaded"].append(spec)
+        return load(self, spec)
+
+    monkeypatch.setattr(merge.writer, "write_merge", counted_write)
+    monkeypatch.setattr(merge.plan, "choose_by_evidence", counted_choose)
+    monkeypatch.setattr(module._Evaluator, "load", counted_load)
+    return calls
+
+
+def test_killed_compare_resumes_after_the_last_finished_method(compared, trained_kit, tmp_path, monkeypatch):
+    from diagnostics.store import Store
+    from merge.compare import compare
+
+    _, base, finetuned, data = trained_kit
+    store = Store(tmp_path / "store.zarr")
+    seen = []
+
+    def kill_after_ties(label):
+        seen.append(label)
+        if label == "ties":
+            raise Killed(label)
+
+    with pytest.raises(Killed):
+        compare(base, finetuned, data, methods=METHODS, store=store, on_unit=kill_after_ties, **RUN)
+    assert seen == ["base", "finetuned:math", "finetuned:code", "task-arithmetic", "ties"]
+    assert not store.is_complete("compare")
+    calls = _counting(monkeypatch)
+    seen.clear()
+    resumed = compare(base, finetuned, data, methods=METHODS, store=Store(tmp_path / "store.zarr"),
+                      on_unit=seen.append, **RUN)
+    assert seen == ["task-arithmetic-tuned", "closed-form-layer", "plan"]  # only the methods not finished
+    assert calls["written"] == ["task-arithmetic-sum", "task-arithmetic-tuned", "closed-form-layer", "plan"]
+    assert calls["evidence"] == [1]
+    assert not any(spec in finetuned.values() for spec in calls["loaded"])  # references read from the store
+    full = compared[0]
+    assert list(resumed.method.values) == list(full.method.values)
+    np.testing.assert_allclose(resumed.loss.values, full.loss.values, rtol=1e-6)
+    np.testing.assert_allclose(resumed.gain.values, full.gain.values, rtol=1e-6, atol=1e-9)
+    assert Store(tmp_path / "store.zarr").is_complete("compare")
+    # a finished comparison run again computes nothing
+    for values in calls.values():
+        values.clear()
+    again = compare(base, finetuned, data, methods=METHODS, store=Store(tmp_path / "store.zarr"), **RUN)
+    assert calls["written"] == [] and calls["evidence"] == []
+    np.testing.assert_array_equal(again.loss.values, resumed.loss.values)
+
+
+def test_compare_keep_leaves_loadable_checkpoints(compared, trained_kit, tmp_path):
+    import transformers
+
+    from merge.compare import compare
+
+    _, base, finetuned, data = trained_kit
+    kept = compare(base, finetuned, data, methods=["ties", "plan"], keep=tmp_path / "keep", **RUN)
+    assert sorted(p.name for p in (tmp_path / "keep").iterdir()) == ["plan", "ties"]
+    held = _experiment(trained_kit, skip=FIT)
+    for method in ("ties", "plan"):
+        model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "keep" / method, dtype=torch.float32)
+        state = {name: p.detach() for name, p in model.named_parameters()}
+        np.testing.assert_allclose(_losses_of(held, state), kept.loss.sel({"method": method}).values, rtol=1e-5)
+        # the same merge as in the run without keep
+        np.testing.assert_allclose(kept.loss.sel({"method": method}).values,
+                                   compared[0].loss.sel({"method": method}).values, rtol=1e-6)
+
+
+def test_compare_refuses_unknown_methods_and_overlapping_records(trained_kit, tmp_path):
+    from merge.compare import CompareError, compare
+
+    _, base, finetuned, data = trained_kit
+    with pytest.raises(CompareError, match=r"unknown method\(s\) \['task-arithmetc'\].*known: .*task-arithmetic"):
+        compare(base, finetuned, data, methods=["task-arithmetc", "ties"], **RUN)
+    with pytest.raises(CompareError, match="lists a method twice"):
+        compare(base, finetuned, data, methods=["ties", "ties"], **RUN)
+    with pytest.raises(CompareError, match="--skip 2 < --fit 4: held-out records would include fit records"):
+        compare(base, finetuned, data, methods=["ties"], **{**RUN, "skip": 2})
+    other = Plan(base_model=base, finetuned={"math": finetuned["math"]}, granularity="layer", alpha={})
+    with pytest.raises(CompareError, match="the plan merges"):
+        compare(base, finetuned, data, methods=["plan"], plan=other, **RUN)
+    with pytest.raises(CompareError, match="--choose must be evidence or thresholds"):
+        compare(base, finetuned, data, methods=["plan"], choose="vibes", **RUN)
+    assert not list(tmp_path.iterdir())
