@@ -582,3 +582,58 @@ def test_compare_refuses_unknown_methods_and_overlapping_records(trained_kit, tm
     with pytest.raises(CompareError, match="--choose must be evidence or thresholds"):
         compare(base, finetuned, data, methods=["plan"], choose="vibes", **RUN)
     assert not list(tmp_path.iterdir())
+
+
+def test_cli_compare_prints_the_leaderboard_and_report_draws_it(trained_kit, tmp_path):
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    _, base, finetuned, data = trained_kit
+    store, plan_out = tmp_path / "store.zarr", tmp_path / "plan.yaml"
+    arguments = ["compare", "--model", base, "--out", store, "--methods", "ties,closed-form-attn-mlp,plan",
+                 "--fit", FIT, "--samples", FIT, "--folds", 2, "--lambdas", "0.5,1", "--max-tokens", 48,
+                 "--batch-size", 4, "--dtype", "float32", "--device", "cpu", "--no-progress", "--plan-out", plan_out]
+    for task in TASKS:
+        arguments += ["--finetuned", f"{task}={finetuned[task]}", "--data", f"{task}={data[task]}"]
+    runner = CliRunner()
+    result = runner.invoke(app, [str(a) for a in arguments], env={"COLUMNS": "400"})
+    assert result.exit_code == 0, result.output
+    output = " ".join(result.output.split())
+    assert "Held-out loss and normalised gain" in output and "Wrote group compare" in output
+    for label in ("base", "finetuned:math", "ties", "closed-form-attn-mlp", "plan", "mean gain"):
+        assert label in output, label
+    plan = Plan.load(plan_out)
+    assert plan.granularity == PER_LAYER and set(plan.layer_granularity) == {0, 1}
+    assert all(entry["reason"] for entry in plan.decision["layers"].values())
+    # the report draws the leaderboard from the store
+    report = runner.invoke(app, ["report", str(store), "--out", str(tmp_path / "figures")], env={"COLUMNS": "400"})
+    assert report.exit_code == 0, report.output
+    figure = tmp_path / "figures" / "compare.png"
+    assert figure.exists() and figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # an unknown method is a user error (exit 2, no traceback)
+    bad = runner.invoke(app, [str(a) for a in arguments[:5] + ["--methods", "nope"] + arguments[7:]],
+                        env={"COLUMNS": "400"})
+    assert bad.exit_code == 2 and "unknown method(s) ['nope']" in " ".join(bad.output.split())
+    assert "Traceback" not in bad.output
+
+
+def test_leaderboard_sorts_by_mean_gain_nan_last_and_the_figure_handles_it():
+    from diagnostics import plot
+    from merge.compare import leaderboard
+
+    gain = np.array([[0.0, 0.0], [1.0, math.nan], [0.2, 0.4], [math.nan, math.nan], [0.9, 0.7]])
+    methods = ["base", "finetuned:a", "ties", "broken", "plan"]
+    dataset = xr.Dataset(
+        {"loss": (("method", "task"), np.arange(10.0).reshape(5, 2)), "gain": (("method", "task"), gain),
+         "mean_gain": (("method",), np.array([0.0, 1.0, 0.3, math.nan, 0.8]))},
+        coords={"method": methods, "task": ["a", "b"],
+                "kind": ("method", ["base", "finetune", "strategy", "strategy", "plan"])})
+    frame = leaderboard(dataset)
+    assert list(frame.index) == ["finetuned:a", "plan", "ties", "base", "broken"]
+    assert list(frame.columns) == ["loss a", "loss b", "gain a", "gain b", "mean gain"]
+    assert frame.loc["ties", "loss b"] == 5.0 and frame.loc["plan", "gain a"] == 0.9
+    figure = plot.compare_leaderboard(dataset)
+    assert figure is not None and [t.get_text() for t in figure.axes[0].get_yticklabels()] == [
+        "broken", "base", "ties", "plan", "finetuned:a"]  # best on top
+    assert plot.compare_leaderboard(dataset.isel(method=slice(0, 0))) is None
