@@ -382,9 +382,16 @@ def compared(trained_kit):
     root, base, finetuned, data = trained_kit
     scratch = root / "scratch"
     scratch.mkdir()
+    on_disk = {}  # method → checkpoints on disk when its result is written
+
+    def look(label):
+        on_disk[label] = sorted(str(p.relative_to(scratch)) for p in scratch.rglob("*.safetensors"))
+
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr("tempfile.tempdir", str(scratch))
-        dataset = compare(base, finetuned, data, methods=METHODS, store=Store(root / "store.zarr"), **RUN)
+        dataset = compare(base, finetuned, data, methods=METHODS, store=Store(root / "store.zarr"), on_unit=look,
+                          **RUN)
+    dataset.attrs["test_on_disk"] = on_disk
     return dataset, root / "store.zarr", scratch
 
 
@@ -478,7 +485,9 @@ def test_tuned_lambda_is_the_argmin_of_the_fit_loss(compared, trained_kit):
 
 
 def test_compare_leaves_nothing_on_disk_without_keep(compared):
-    _, store_path, scratch = compared
+    dataset, store_path, scratch = compared
+    # streaming: each merged checkpoint is deleted once evaluated, before the next method is merged
+    assert dataset.attrs["test_on_disk"] == {label: [] for label in dataset.method.values}
     assert list(scratch.iterdir()) == []  # every merged checkpoint (and the Σ τ of the λ search) deleted
     assert not (store_path.parent / "keep").exists()
 
