@@ -590,6 +590,8 @@ def test_compare_refuses_unknown_methods_and_overlapping_records(trained_kit, tm
         compare(base, finetuned, data, methods=["plan"], plan=other, **RUN)
     with pytest.raises(CompareError, match="--choose must be evidence or thresholds"):
         compare(base, finetuned, data, methods=["plan"], choose="vibes", **RUN)
+    with pytest.raises(CompareError, match="--choose thresholds reads linearity and alpha from the store"):
+        compare(base, finetuned, data, methods=["plan"], choose="thresholds", **RUN)
     assert not list(tmp_path.iterdir())
 
 
@@ -646,3 +648,32 @@ def test_leaderboard_sorts_by_mean_gain_nan_last_and_the_figure_handles_it():
     assert figure is not None and [t.get_text() for t in figure.axes[0].get_yticklabels()] == [
         "broken", "base", "ties", "plan", "finetuned:a"]  # best on top
     assert plot.compare_leaderboard(dataset.isel(method=slice(0, 0))) is None
+
+
+def test_compare_plan_steers_the_matrices_the_store_interference_marks(trained_kit, tmp_path):
+    from diagnostics.interference import interference
+    from diagnostics.models import open_checkpoint
+    from diagnostics.store import Store
+    from merge.compare import compare
+
+    _, base, finetuned, data = trained_kit
+    store = Store(tmp_path / "store.zarr")
+    measured = interference(open_checkpoint(base), {t: open_checkpoint(s) for t, s in finetuned.items()},
+                            rank_fracs=(0.25,), device="cpu", progress=False, store=store)
+    in_blocks = measured.where(measured.layer >= 0, drop=True)
+    sti = dict(zip(in_blocks.matrix.values.tolist(), in_blocks.sti_normalized.values.tolist()))
+    threshold = float(np.median(list(sti.values())))
+    expected = {name for name, value in sti.items() if value > threshold}
+    assert 0 < len(expected) < len(sti)
+    compare(base, finetuned, data, methods=["plan"], store=store, plan_out=tmp_path / "plan.yaml",
+            **{**RUN, "evidence_options": {"folds": 2, "sti_max": threshold, "sar_min": 0.0}})
+    plan = Plan.load(tmp_path / "plan.yaml")
+    assert set(plan.matrix_rules) == expected
+    for name, rule in plan.matrix_rules.items():
+        assert rule["method"] == "tsv-m" and rule["reason"] == f"STI/Σσ {sti[name]:.3g} > {threshold}"
+    assert plan.decision["steered"] == {name: rule["reason"] for name, rule in plan.matrix_rules.items()}
+    assert plan.decision["sti_max"] == threshold
+    # the plan file given back to compare is the plan compared (same held-out losses as the steered plan)
+    again = compare(base, finetuned, data, methods=["plan"], plan=tmp_path / "plan.yaml", **RUN)
+    np.testing.assert_allclose(again.loss.sel({"method": "plan"}).values,
+                               store.dataset("compare").loss.sel({"method": "plan"}).values, rtol=1e-6)
