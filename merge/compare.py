@@ -383,6 +383,7 @@ def _run_methods(pending, merges, evaluator, writer, references, base_spec, fine
                 if label == TUNED:
                     best, fit_loss = _tune_lambda(evaluator, write, lambdas)
                     notes["lambda_search"] = {f"{v:g}": loss for v, loss in fit_loss.items()}
+                    writer.note({"lambda_search": notes["lambda_search"]})  # kept if the run is killed later
                     rule = ParameterRule(method="task-arithmetic", options={"scaling": best})
                     merges[label] = Merge(lambda info, rule=rule: rule, f"λ = {best:g} (mean fit loss "
                                           f"{fit_loss[best]:.4g})", {"method": "task-arithmetic",

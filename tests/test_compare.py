@@ -527,21 +527,21 @@ def test_killed_compare_resumes_after_the_last_finished_method(compared, trained
     store = Store(tmp_path / "store.zarr")
     seen = []
 
-    def kill_after_ties(label):
+    def kill_after_tuned(label):
         seen.append(label)
-        if label == "ties":
+        if label == "task-arithmetic-tuned":
             raise Killed(label)
 
     with pytest.raises(Killed):
-        compare(base, finetuned, data, methods=METHODS, store=store, on_unit=kill_after_ties, **RUN)
-    assert seen == ["base", "finetuned:math", "finetuned:code", "task-arithmetic", "ties"]
+        compare(base, finetuned, data, methods=METHODS, store=store, on_unit=kill_after_tuned, **RUN)
+    assert seen == ["base", "finetuned:math", "finetuned:code", "task-arithmetic", "ties", "task-arithmetic-tuned"]
     assert not store.is_complete("compare")
     calls = _counting(monkeypatch)
     seen.clear()
     resumed = compare(base, finetuned, data, methods=METHODS, store=Store(tmp_path / "store.zarr"),
                       on_unit=seen.append, **RUN)
-    assert seen == ["task-arithmetic-tuned", "closed-form-layer", "plan"]  # only the methods not finished
-    assert calls["written"] == ["task-arithmetic-sum", "task-arithmetic-tuned", "closed-form-layer", "plan"]
+    assert seen == ["closed-form-layer", "plan"]  # only the methods not finished
+    assert calls["written"] == ["closed-form-layer", "plan"]  # no λ search again
     assert calls["evidence"] == [1]
     assert not any(spec in finetuned.values() for spec in calls["loaded"])  # references read from the store
     full = compared[0]
@@ -549,6 +549,10 @@ def test_killed_compare_resumes_after_the_last_finished_method(compared, trained
     np.testing.assert_allclose(resumed.loss.values, full.loss.values, rtol=1e-6)
     np.testing.assert_allclose(resumed.gain.values, full.gain.values, rtol=1e-6, atol=1e-9)
     assert Store(tmp_path / "store.zarr").is_complete("compare")
+    # the λ search of the killed run is kept in the group's attrs (and in the result)
+    search = Store(compared[1]).group_attrs("compare")["lambda_search"]
+    assert Store(tmp_path / "store.zarr").group_attrs("compare")["lambda_search"] == pytest.approx(search)
+    assert resumed.attrs["lambda_search"] == pytest.approx(search)
     # a finished comparison run again computes nothing
     for values in calls.values():
         values.clear()
