@@ -681,3 +681,22 @@ def test_compare_plan_steers_the_matrices_the_store_interference_marks(trained_k
     again = compare(base, finetuned, data, methods=["plan"], plan=tmp_path / "plan.yaml", **RUN)
     np.testing.assert_allclose(again.loss.sel({"method": "plan"}).values,
                                store.dataset("compare").loss.sel({"method": "plan"}).values, rtol=1e-6)
+
+
+def test_evidence_with_heads_ties_attn_mlp_and_keeps_the_coarser(hand_kit):
+    from merge.plan import block_objectives, choose_by_evidence
+
+    fit = _hand_experiment(hand_kit, skip=0)
+    evidence = choose_by_evidence(fit, hand_kit[1], candidates=("layer", "attn-mlp", "head-mlp"), folds=2,
+                                  progress=False)
+    # every head of block 0 carries its task's update on that task's records only: α = 1 per head, exact too
+    cv = evidence.layers[0].cv_objective
+    assert cv["head-mlp"] < 1e-6 * cv["layer"] and cv["attn-mlp"] < 1e-6 * cv["layer"]
+    for head in range(4):
+        np.testing.assert_allclose(list(evidence.layers[0].alpha["head-mlp"][f"layers.0.attn.head.{head}"].values()),
+                                   [1.0, 1.0], atol=1e-6)
+    plan = evidence.plan()
+    assert plan.layer_granularity == {0: "attn-mlp", 1: "layer"}  # a tie goes to the coarser candidate
+    held = _hand_experiment(hand_kit, skip=HAND_FIT)
+    heads = block_objectives(held, evidence.single("head-mlp"), layers=[0])
+    assert heads[0] < 1e-6 * block_objectives(held, evidence.single("layer"), layers=[0])[0]
