@@ -700,3 +700,25 @@ def test_evidence_with_heads_ties_attn_mlp_and_keeps_the_coarser(hand_kit):
     held = _hand_experiment(hand_kit, skip=HAND_FIT)
     heads = block_objectives(held, evidence.single("head-mlp"), layers=[0])
     assert heads[0] < 1e-6 * block_objectives(held, evidence.single("layer"), layers=[0])[0]
+
+
+def test_compare_plan_by_thresholds_reads_the_store(trained_kit, tmp_path):
+    from diagnostics.linearity import alpha as solve_alpha_per_module
+    from diagnostics.linearity import nonlinearity
+    from diagnostics.store import Store
+    from merge.compare import compare
+    from merge.plan import make_plan
+
+    _, base, finetuned, data = trained_kit
+    store = Store(tmp_path / "store.zarr")
+    fit = _experiment(trained_kit, skip=0)
+    nonlinearity(fit, levels=("layer", "attn", "mlp"), steps=2, store=store, progress=False)
+    for granularity in ("layer", "attn-mlp"):
+        solve_alpha_per_module(fit, granularity=granularity, store=store, progress=False)
+    expected = make_plan(store.path)
+    result = compare(base, finetuned, data, methods=["plan"], choose="thresholds", store=store,
+                     plan_out=tmp_path / "plan.yaml", **RUN)
+    plan = Plan.load(tmp_path / "plan.yaml")
+    assert plan.granularity == expected.granularity and plan.alpha == expected.alpha
+    assert plan.decision["reasons"] == expected.decision["reasons"]
+    assert str(result.detail.sel({"method": "plan"}).values) == expected.granularity
