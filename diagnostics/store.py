@@ -754,11 +754,14 @@ class Store:
                 write_empty_chunks=True)
         self.finish(group, extra=dataset.attrs)
 
+    def annotate(self, group: str, extra: dict) -> None:
+        """Add attrs to `group` while it is written (a run resumed after a kill keeps them)."""
+        with self._writing():
+            self._put_attrs(group, {**self.group_attrs(group), **_jsonable(extra)})
+
     def finish(self, group: str, extra: dict | None = None) -> None:
         """Mark `group` complete and store extra attrs (e.g. choices the metric made); releases the lock."""
-        with self._writing():
-            attrs = {**self.group_attrs(group), **_jsonable(extra or {}), "complete": True}
-            self._put_attrs(group, attrs)
+        self.annotate(group, {**(extra or {}), "complete": True})
         self.lock.release()
 
     # ------------------------------------------------------------------ strings
@@ -882,6 +885,11 @@ class UnitWriter:
         self.pieces.append(piece)
         if self.on_unit:
             self.on_unit(label)
+
+    def note(self, extra: dict) -> None:
+        """Attrs known before the end (e.g. a search done by one unit): on the group now, so a resume keeps them."""
+        if self.store is not None:
+            self.store.annotate(self.group, extra)
 
     def finish(self, notes: dict, *, result_attrs: dict | None = None, empty: xr.Dataset | None = None,
                concat: dict | None = None) -> xr.Dataset:

@@ -28,7 +28,6 @@ written one method at a time, so a killed run resumes after the last finished me
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
 import tempfile
@@ -268,7 +267,8 @@ def _references(evaluator: _Evaluator, writer: UnitWriter, finetuned: dict[str, 
     references, seconds = {}, {}
     for label, spec in labels.items():
         if label in writer.done:
-            references[label] = done.loss.sel(method=label).values.astype(np.float64)
+            # a dict, not sel(method=label): `method` is sel's own keyword (inexact matching)
+            references[label] = done.loss.sel({"method": label}).values.astype(np.float64)
             continue
         start = time.perf_counter()
         evaluator.load(spec)
@@ -383,6 +383,7 @@ def _run_methods(pending, merges, evaluator, writer, references, base_spec, fine
                 if label == TUNED:
                     best, fit_loss = _tune_lambda(evaluator, write, lambdas)
                     notes["lambda_search"] = {f"{v:g}": loss for v, loss in fit_loss.items()}
+                    writer.note({"lambda_search": notes["lambda_search"]})  # kept if the run is killed later
                     rule = ParameterRule(method="task-arithmetic", options={"scaling": best})
                     merges[label] = Merge(lambda info, rule=rule: rule, f"λ = {best:g} (mean fit loss "
                                           f"{fit_loss[best]:.4g})", {"method": "task-arithmetic",

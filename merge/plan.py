@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
+import torch
 import yaml
 
 from diagnostics.errors import SubmergeError
@@ -645,7 +646,7 @@ class _BlockScorer:
         for candidate in self.settings["candidates"]:
             units = unit_names(candidate, layer, self.arch.num_heads)
 
-            def solved(fold):
+            def solved(fold, units=units):
                 return {u: dict(zip(self.tasks, map(float, fold_alphas(grams[u], folds_by_task, fold,
                                                                            balance=balance)))) for u in units}
 

@@ -1,0 +1,724 @@
+"""Issue 13: `diag compare` and the plan chosen by evidence (merge/compare.py, merge/plan.py).
+
+Known answers first (normalised gain, the one-standard-error rule, α solved on the other folds,
+interference marks and steering, the plan YAML round trip), then the evidence choice on hand-made
+fine-tunes of a tiny Llama whose answer is known by construction, then `compare` end to end
+(Python API, resume, keep, errors, CLI and `diag report`) on tiny trained fine-tunes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import xarray as xr
+
+from diagnostics.linearity import task_gram
+from diagnostics.tensors import TensorInfo
+from merge.compare import normalised_gain
+from merge.plan import PER_LAYER, Plan, PlanError, fold_alphas, interference_marks, one_se_choice, steer
+
+# ----------------------------------------------------------------------- normalised gain
+
+
+def test_normalised_gain_known_values():
+    base, tuned = np.array([2.0, 3.0]), np.array([1.0, 2.0])
+    assert np.array_equal(normalised_gain(base, base, tuned), [0.0, 0.0])  # the base: exactly 0
+    assert np.array_equal(normalised_gain(base, tuned, tuned), [1.0, 1.0])  # the fine-tune: exactly 1
+    np.testing.assert_allclose(normalised_gain(base, [1.5, 3.5], tuned), [0.5, -0.5])  # worse than base: < 0
+    np.testing.assert_allclose(normalised_gain(base, [0.5, 2.0], tuned), [1.5, 1.0])  # better than fine-tune: > 1
+    # broadcasting: methods × tasks
+    models = np.array([[2.0, 3.0], [1.0, 2.0], [1.5, 2.5]])
+    np.testing.assert_allclose(normalised_gain(base, models, tuned), [[0, 0], [1, 1], [0.5, 0.5]])
+
+
+def test_normalised_gain_is_nan_when_the_finetune_did_not_improve():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no division warning, no inf
+        gain = normalised_gain([2.0, 2.0, 3.0], [1.0, 2.0, 1.0], [2.0, 2.5, 1.0])
+    assert np.isnan(gain[0]) and np.isnan(gain[1])  # base == fine-tune; fine-tune worse than the base
+    assert gain[2] == 1.0
+    assert not np.isinf(gain).any()
+
+
+def test_normalised_gain_property_affine_in_the_model_loss():
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        base = rng.uniform(1, 5, 4)
+        tuned = base - rng.uniform(0.01, 1, 4)
+        t = rng.uniform(-1, 2, 4)
+        gain = normalised_gain(base, base + t * (tuned - base), tuned)  # the point t of the way to the fine-tune
+        np.testing.assert_allclose(gain, t, atol=1e-12)
+
+
+# ----------------------------------------------------------------------- one standard error rule
+
+
+def test_one_se_choice_clear_win_of_the_finer_candidate():
+    # attn-mlp lower on every fold by the same amount: zero spread, any tolerance → attn-mlp
+    scores = {"layer": [1.0, 1.0, 1.0, 1.0], "attn-mlp": [0.5, 0.5, 0.5, 0.5]}
+    assert one_se_choice(scores) == "attn-mlp"
+    assert one_se_choice(scores, tolerance=100.0) == "attn-mlp"
+
+
+def test_one_se_choice_keeps_the_coarsest_within_one_standard_error():
+    # paired differences layer − attn-mlp = [0.1, −0.1, 0.2, 0]: mean 0.05, SE = sd/√4 = 0.0645
+    scores = {"layer": [1.0, 1.2, 0.8, 1.0], "attn-mlp": [0.9, 1.3, 0.6, 1.0]}
+    assert one_se_choice(scores) == "layer"  # 0.05 ≤ 1 · 0.0645
+    assert one_se_choice(scores, tolerance=0.8) == "layer"  # 0.05 ≤ 0.8 · 0.0645 = 0.0516
+    assert one_se_choice(scores, tolerance=0.7) == "attn-mlp"  # 0.05 > 0.7 · 0.0645 = 0.0452
+    assert one_se_choice(scores, tolerance=0) == "attn-mlp"  # plain lower mean
+    assert one_se_choice(dict(reversed(list(scores.items())))) == "layer"  # order of the dict does not matter
+
+
+def test_one_se_choice_three_candidates_and_ties():
+    # head-mlp best; attn-mlp within 1 SE of it (diffs [0, .1, −.1, .1]: mean .025, SE .048); layer far off
+    scores = {"head-mlp": [1.0, 1.0, 1.0, 1.0], "attn-mlp": [1.0, 1.1, 0.9, 1.1], "layer": [2.0, 2.0, 2.0, 2.1]}
+    assert one_se_choice(scores) == "attn-mlp"
+    assert one_se_choice(scores, tolerance=0) == "head-mlp"
+    # the coarsest is the best: chosen whatever the tolerance
+    assert one_se_choice({"layer": [0.1, 0.2], "attn-mlp": [0.3, 0.4]}, tolerance=0) == "layer"
+    # exact tie (e.g. a block no fine-tune changed): the coarsest
+    assert one_se_choice({"attn-mlp": [0.0, 0.0, 0.0], "layer": [0.0, 0.0, 0.0]}) == "layer"
+    assert one_se_choice({"attn-mlp": [0.0, 0.0, 0.0], "layer": [0.0, 0.0, 0.0]}, tolerance=0) == "layer"
+
+
+# ----------------------------------------------------------------------- α on the other folds
+
+
+def _weighted_least_squares_alpha(deltas, folds, fold, balance):
+    """α minimising Σ_a mean_{x∈H_a, fold(x)≠fold} w(x) ‖Σ_t α_t δ_t(x) − δ_a(x)‖² by plain lstsq on
+    stacked rows (seed 002 Eq. 11 / 33 written out, independent of `alpha_system`);
+    w = 1/((1/T) Σ_t ‖δ_t(x)‖²) if balanced."""
+    rows, targets = [], []
+    tasks = len(deltas)
+    for a in range(tasks):
+        kept = [s for s in range(len(deltas[a])) if folds[a][s] != fold]
+        for s in kept:
+            sample = deltas[a][s]  # (T, d)
+            weight = tasks / float((sample ** 2).sum()) if balance else 1.0
+            scale = math.sqrt(weight / len(kept))
+            rows.append(scale * sample.T)  # (d, T)
+            targets.append(scale * sample[a])
+    alpha, *_ = np.linalg.lstsq(np.concatenate(rows), np.concatenate(targets), rcond=None)
+    return alpha
+
+
+def _random_deltas(rng, tasks=3, samples=(7, 5, 6), dim=12):
+    # task-specific structure: on task a's inputs δ_a is larger, so α differs from 1/T
+    deltas = []
+    for a in range(tasks):
+        stack = rng.normal(size=(samples[a], tasks, dim))
+        stack[:, a] *= 3.0
+        deltas.append(stack)
+    return deltas
+
+
+@pytest.mark.parametrize("balance", [True, False])
+def test_fold_alphas_is_the_closed_form_alpha_of_the_other_folds(balance):
+    rng = np.random.default_rng(3)
+    deltas = _random_deltas(rng)
+    grams = [np.stack([task_gram([torch.from_numpy(d) for d in sample]).numpy() for sample in stack])
+             for stack in deltas]
+    folds = [np.arange(len(stack)) % 3 for stack in deltas]
+    for fold in (0, 1, 2, -1):
+        got = fold_alphas(grams, folds, fold, balance=balance)
+        np.testing.assert_allclose(got, _weighted_least_squares_alpha(deltas, folds, fold, balance), rtol=1e-9)
+    # the held-out fold's samples do not enter: change them arbitrarily, α stays
+    changed = [g.copy() for g in grams]
+    for g, f in zip(changed, folds):
+        g[f == 1] *= 7.0
+        g[f == 1] += np.eye(3)
+    np.testing.assert_array_equal(fold_alphas(changed, folds, 1, balance=balance),
+                                  fold_alphas(grams, folds, 1, balance=balance))
+    assert not np.allclose(fold_alphas(changed, folds, 0, balance=balance),
+                           fold_alphas(grams, folds, 0, balance=balance))
+
+
+def test_fold_alphas_known_answer_and_empty_fold():
+    # input-specific orthogonal deltas: δ_t(x) = 0 for x outside H_t → α = 1 for every task, on any fold
+    deltas = []
+    for a in range(2):
+        stack = np.zeros((4, 2, 3))
+        stack[:, a, a] = np.arange(1.0, 5.0)
+        deltas.append(stack)
+    grams = [np.stack([task_gram([torch.from_numpy(d) for d in s]).numpy() for s in stack]) for stack in deltas]
+    folds = [np.array([0, 1, 0, 1]), np.array([0, 1, 0, 1])]
+    for fold in (0, 1, -1):
+        np.testing.assert_allclose(fold_alphas(grams, folds, fold), [1.0, 1.0])
+    with pytest.raises(PlanError, match="fold 0 leaves no fit record"):
+        fold_alphas(grams, [np.zeros(4, dtype=int), folds[1]], 0)
+
+
+# ----------------------------------------------------------------------- interference marks and steering
+
+MATRICES = ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight",
+            "model.layers.1.self_attn.o_proj.weight", "model.layers.1.mlp.up_proj.weight",
+            "model.layers.1.input_layernorm.weight", "model.layers.0.mlp.gate_proj.weight"]
+
+
+def _interference(sti, sar) -> xr.Dataset:
+    return xr.Dataset({"sti_normalized": (("matrix",), np.array(sti, dtype=float)),
+                       "sar": (("matrix", "task"), np.array(sar, dtype=float))},
+                      coords={"matrix": MATRICES, "task": ["a", "b"]})
+
+
+HAND_MADE = _interference(
+    sti=[5.0, 1.0, 3.0, 4.0, 9.0, math.nan],
+    sar=[[0.9, 0.9], [0.2, 0.6], [0.5, 0.5], [0.1, 0.3], [0.1, 0.1], [math.nan, math.nan]],
+)
+
+
+def test_interference_marks_exactly_the_matrices_over_the_thresholds():
+    marks = interference_marks(HAND_MADE)
+    assert marks == {
+        MATRICES[0]: "STI/Σσ 5 > 3.0",
+        MATRICES[1]: "mean SAR 0.4 < 0.5",
+        MATRICES[3]: "STI/Σσ 4 > 3.0; mean SAR 0.2 < 0.5",
+        MATRICES[4]: "STI/Σσ 9 > 3.0; mean SAR 0.1 < 0.5",
+    }  # 3.0 and 0.5 exactly are not over the thresholds; NaN never marks
+    assert set(interference_marks(HAND_MADE, sti_max=4.5, sar_min=0.0)) == {MATRICES[0], MATRICES[4]}
+    assert interference_marks(HAND_MADE, sti_max=math.inf, sar_min=0.15) == {
+        MATRICES[4]: "mean SAR 0.1 < 0.15"}
+    assert interference_marks(None) == {}
+
+
+def _info(name: str, layer: int, level: str, kind: str = "matrix") -> TensorInfo:
+    return TensorInfo(name=name, parameter=name, module=name, layer=layer, level=level, kind=kind, shape=(4, 4))
+
+
+INFOS = [_info(MATRICES[0], 0, "attn"), _info(MATRICES[1], 0, "mlp"), _info(MATRICES[2], 1, "attn"),
+         _info(MATRICES[3], 1, "mlp"), _info(MATRICES[4], 1, "norm", "norm"), _info(MATRICES[5], 0, "mlp"),
+         _info("model.embed_tokens.weight", -1, "embed", "embedding")]
+ALPHA = {"layers.0.attn": {"a": 0.2, "b": 0.6}, "layers.0.mlp": {"a": 1.0, "b": 0.5}, "layers.1": {"a": 0.3, "b": 0.9}}
+
+
+def _per_layer_plan() -> Plan:
+    return Plan(base_model="/models/base", finetuned={"a": "/models/a", "b": "/models/b"}, granularity=PER_LAYER,
+                alpha={k: dict(v) for k, v in ALPHA.items()}, layer_granularity={0: "attn-mlp", 1: "layer"})
+
+
+def test_steer_gives_marked_matrices_the_method_at_their_units_mean_alpha():
+    plan = steer(_per_layer_plan(), INFOS, interference_marks(HAND_MADE))
+    # the norm is marked but is not a matrix; q_proj, down_proj, up_proj are steered, the rest keeps α
+    assert set(plan.matrix_rules) == {MATRICES[0], MATRICES[1], MATRICES[3]}
+    assert plan.matrix_rules[MATRICES[0]] == {"method": "tsv-m", "options": {"scaling": pytest.approx(0.4)},
+                                             "reason": "STI/Σσ 5 > 3.0"}
+    assert plan.matrix_rules[MATRICES[1]]["options"]["scaling"] == pytest.approx(0.75)  # layers.0.mlp
+    assert plan.matrix_rules[MATRICES[3]]["options"]["scaling"] == pytest.approx(0.6)  # layers.1 (layer level)
+    assert plan.matrix_rules[MATRICES[3]]["reason"] == "STI/Σσ 4 > 3.0; mean SAR 0.2 < 0.5"
+    by_name = {i.name: i for i in INFOS}
+    assert plan.rule_for(by_name[MATRICES[0]]).method == "tsv-m"
+    assert plan.rule_for(by_name[MATRICES[2]]).weights == ALPHA["layers.1"]
+    assert plan.rule_for(by_name[MATRICES[5]]).weights == ALPHA["layers.0.mlp"]
+    assert plan.rule_for(by_name[MATRICES[4]]).weights == ALPHA["layers.1"]  # norm of a layer-level block
+    assert plan.rule_for(by_name["model.embed_tokens.weight"]).weights == {"a": 0.5, "b": 0.5}  # rest
+    # steering again (e.g. with Iso-C) replaces the rules, scaling still from α (not from the old rule)
+    again = steer(plan, INFOS, interference_marks(HAND_MADE), "iso-c")
+    assert {r["method"] for r in again.matrix_rules.values()} == {"iso-c"}
+    assert again.matrix_rules[MATRICES[0]]["options"]["scaling"] == pytest.approx(0.4)
+    with pytest.raises(PlanError, match="unknown steering method"):
+        steer(plan, INFOS, {}, "ties")
+
+
+def test_plan_yaml_round_trip_keeps_layer_granularity_rules_and_reasons(tmp_path):
+    plan = steer(_per_layer_plan(), INFOS, interference_marks(HAND_MADE))
+    plan.decision = {"choose": "evidence", "layers": {0: {"granularity": "attn-mlp", "reason": "attn-mlp: lower"}},
+                     "steered": {n: r["reason"] for n, r in plan.matrix_rules.items()}}
+    path = plan.save(tmp_path / "plan.yaml")
+    text = path.read_text()
+    assert "STI/Σσ 5 > 3.0" in text and "mean SAR 0.4 < 0.5" in text and "layer_granularity" in text
+    loaded = Plan.load(path)
+    assert loaded == plan
+    assert loaded.layer_granularity == {0: "attn-mlp", 1: "layer"}
+    assert loaded.granularity_of(0) == "attn-mlp" and loaded.granularity_of(1) == "layer"
+    for info in INFOS:
+        assert loaded.rule_for(info) == plan.rule_for(info)
+    # a per-layer plan without a block's granularity is refused, not silently merged as "rest"
+    loaded.layer_granularity = {0: "attn-mlp"}
+    with pytest.raises(PlanError, match="no granularity for layer 1"):
+        loaded.rule_for(INFOS[2])
+
+
+# ----------------------------------------------------------------------- the evidence choice, known by construction
+#
+# A tiny Llama (2 blocks, hidden 32) whose embedding puts the bytes of task A's texts in dimensions 0..15 and
+# those of task B's texts in dimensions 16..31 (texts of one length: no padding, no special tokens). Block 0's
+# inputs on task A records then have no component in 16..31 and vice versa (RMSNorm keeps the support).
+# Hand-made fine-tunes change block 0 only:
+#   - attention: task A adds a random update to the v_proj columns 0..15, task B to the columns 16..31, so each
+#     attention update acts on its own task's records only (exactly 0 on the other task's): the attention α is
+#     (1, 1);
+#   - MLP: both tasks add the same update F to down_proj, so only α_A + α_B = 1 fits the MLP (minimum norm:
+#     (0.5, 0.5)).
+# One α per task for the whole block cannot be both; α per attention and MLP reproduces each fine-tune's block 0
+# on its own records exactly. So block 0 must choose attn-mlp with a far lower (≈ 0) held-out objective, while
+# block 1, which no fine-tune changed, ties at 0 and keeps the coarsest candidate, layer.
+
+HAND_TASKS = {"left": "abcdefgh", "right": "qrstuvwx"}
+HAND_FIT = 8
+
+
+@pytest.fixture(scope="module")
+def hand_kit(tmp_path_factory):
+    from safetensors.torch import load_file, save_file
+
+    from diagnostics import toy
+
+    root = tmp_path_factory.mktemp("evidence")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        base = toy.build_model(root / "base", "llama", layers=2, hidden=32, heads=4, kv_heads=2)
+    tokenizer = toy.byte_tokenizer()
+    generator = torch.Generator().manual_seed(5)
+    weights = load_file(str(base / "model.safetensors"))
+    embed = weights["model.embed_tokens.weight"]
+    for offset, letters in zip((0, 16), HAND_TASKS.values()):
+        for token in tokenizer(letters)["input_ids"]:
+            embed[token] = 0.0
+            embed[token, offset:offset + 16] = torch.randn(16, generator=generator)
+    save_file(weights, str(base / "model.safetensors"), metadata={"format": "pt"})
+    shared = 1.5 * torch.randn(weights["model.layers.0.mlp.down_proj.weight"].shape, generator=generator)
+    finetuned, data = {}, {}
+    for offset, (task, letters) in zip((0, 16), HAND_TASKS.items()):
+        tuned = {name: value.clone() for name, value in weights.items()}
+        v_proj = tuned["model.layers.0.self_attn.v_proj.weight"]
+        v_proj[:, offset:offset + 16] += 0.2 * torch.randn(v_proj.shape[0], 16, generator=generator)
+        tuned["model.layers.0.mlp.down_proj.weight"] += shared
+        folder = root / task
+        folder.mkdir()
+        save_file(tuned, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        for file in base.iterdir():
+            if file.name != "model.safetensors":
+                (folder / file.name).write_bytes(file.read_bytes())
+        rng = np.random.default_rng(len(letters) + offset)
+        path = root / f"{task}.jsonl"
+        path.write_text("".join(json.dumps({"text": "".join(rng.choice(list(letters), 12))}) + "\n"
+                                for _ in range(2 * HAND_FIT)))
+        finetuned[task], data[task] = str(folder), str(path)
+    return str(base), finetuned, data
+
+
+def _hand_experiment(hand_kit, skip: int):
+    from diagnostics.experiment import Experiment
+
+    base, finetuned, data = hand_kit
+    return Experiment.load(base, finetuned, data, samples=HAND_FIT, skip=skip, max_tokens=48, batch_size=4,
+                           dtype="float32", device="cpu")
+
+
+def test_evidence_chooses_attn_mlp_only_where_attention_and_mlp_want_different_alpha(hand_kit, tmp_path):
+    from merge.plan import block_objectives, choose_by_evidence
+
+    fit = _hand_experiment(hand_kit, skip=0)
+    evidence = choose_by_evidence(fit, hand_kit[1], progress=False)
+    plan = evidence.plan()
+    assert plan.granularity == PER_LAYER
+    assert plan.layer_granularity == {0: "attn-mlp", 1: "layer"}
+    # the α the construction implies (solved on all fit records)
+    np.testing.assert_allclose(list(plan.alpha["layers.0.attn"].values()), [1.0, 1.0], atol=1e-6)
+    np.testing.assert_allclose(list(plan.alpha["layers.0.mlp"].values()), [0.5, 0.5], atol=1e-6)
+    layer_alpha = evidence.single("layer").alpha["layers.0"]
+    assert all(0.55 < a < 0.95 for a in layer_alpha.values()), layer_alpha  # a compromise between 1 and 0.5
+    cv = evidence.layers[0].cv_objective
+    assert cv["attn-mlp"] < 1e-6 * cv["layer"] and cv["layer"] > 1e-3
+    assert evidence.layers[1].cv_objective == {"layer": 0.0, "attn-mlp": 0.0}
+    # out of sample: the evidence plan lowers block 0's objective on held-out records and ties elsewhere
+    held = _hand_experiment(hand_kit, skip=HAND_FIT)
+    chosen = block_objectives(held, plan)
+    single = block_objectives(held, evidence.single("layer"))
+    assert chosen[0] < 1e-6 * single[0] and single[0] > 1e-3
+    assert chosen[1] == single[1] == 0.0
+    assert sum(chosen.values()) < sum(single.values())
+    # each choice and its reason are in the plan YAML
+    loaded = Plan.load(plan.save(tmp_path / "plan.yaml"))
+    assert loaded.layer_granularity == {0: "attn-mlp", 1: "layer"}
+    reasons = {layer: entry["reason"] for layer, entry in loaded.decision["layers"].items()}
+    assert reasons[0].startswith("attn-mlp: held-out Eq. 10 objective") and reasons[1].startswith("layer:")
+    assert loaded.decision["choose"] == "evidence" and loaded.decision["folds"] == 4
+
+
+# ----------------------------------------------------------------------- compare end to end
+
+TASKS = ("math", "code")
+FIT = 4  # records 0..3 of each task file fit α, λ and the evidence plan; records 4..7 are held out
+METHODS = ["task-arithmetic", "ties", "task-arithmetic-tuned", "closed-form-layer", "plan"]
+LAMBDAS = (0.2, 0.6, 1.0)
+RUN = {"fit": FIT, "samples": FIT, "max_tokens": 48, "batch_size": 4, "lambdas": LAMBDAS,
+       "evidence_options": {"folds": 2}, "dtype": "float32", "device": "cpu", "progress": False}
+
+
+class Killed(Exception):
+    """Stands for the process being killed between two methods."""
+
+
+@pytest.fixture(scope="module")
+def trained_kit(tmp_path_factory):
+    """A tiny Llama 'pre-trained' on mixed text and fine-tuned on two tasks (real gradient updates)."""
+    from diagnostics import toy
+
+    root = tmp_path_factory.mktemp("compare")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        random_init = toy.build_model(root / "random", "llama", layers=2, hidden=32, heads=4, kv_heads=2)
+        base = toy.finetune(random_init, root / "base", "mix", steps=15, lr=3e-3, seed=9)
+        finetuned = {task: str(toy.finetune(base, root / task, task, steps=8, lr=3e-3, seed=index))
+                     for index, task in enumerate(TASKS)}
+    data = {task: str(toy.write_task_data(root / f"{task}.jsonl", task, count=2 * FIT, seed=7)) for task in TASKS}
+    return root, str(base), finetuned, data
+
+
+@pytest.fixture(scope="module")
+def compared(trained_kit):
+    """One full `compare` into a store, temporary files redirected to a folder we can inspect."""
+    from diagnostics.store import Store
+    from merge.compare import compare
+
+    root, base, finetuned, data = trained_kit
+    scratch = root / "scratch"
+    scratch.mkdir()
+    on_disk = {}  # method → checkpoints on disk when its result is written
+
+    def look(label):
+        on_disk[label] = sorted(str(p.relative_to(scratch)) for p in scratch.rglob("*.safetensors"))
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("tempfile.tempdir", str(scratch))
+        dataset = compare(base, finetuned, data, methods=METHODS, store=Store(root / "store.zarr"), on_unit=look,
+                          **RUN)
+    dataset.attrs["test_on_disk"] = on_disk
+    return dataset, root / "store.zarr", scratch
+
+
+def _experiment(trained_kit, skip: int):
+    from diagnostics.experiment import Experiment
+
+    _, base, finetuned, data = trained_kit
+    return Experiment.load(base, finetuned, data, samples=FIT, skip=skip, max_tokens=48, batch_size=4,
+                           dtype="float32", device="cpu")
+
+
+@torch.no_grad()
+def _losses_of(experiment, state: dict[str, torch.Tensor]) -> np.ndarray:
+    """Mean loss per task of the model with parameters `state` (parameter name → tensor)."""
+    from diagnostics.evaluate import task_loss
+
+    model = experiment.base.model
+    for name, parameter in model.named_parameters():
+        parameter.copy_(state[name])
+    return np.array([task_loss(model, experiment.batches[t])[0] for t in experiment.tasks])
+
+
+def _task_sum_state(trained_kit, experiment, scale: float) -> dict[str, torch.Tensor]:
+    """θ0 + scale · Σ_t τ_t from the checkpoint files (parameter names of the model)."""
+    from safetensors.torch import load_file
+
+    _, base, finetuned, _ = trained_kit
+    base_weights = load_file(str(Path(base) / "model.safetensors"))
+    tuned = [load_file(str(Path(finetuned[t]) / "model.safetensors")) for t in experiment.tasks]
+    state = {}
+    for name, _ in experiment.base.model.named_parameters():
+        key = experiment.base.checkpoint_name(name)
+        state[name] = base_weights[key] + scale * sum(w[key] - base_weights[key] for w in tuned)
+    return state
+
+
+def test_compare_group_dims_and_reference_gains(compared):
+    from diagnostics.store import Store
+
+    dataset, store_path, _ = compared
+    labels = ["base", "finetuned:math", "finetuned:code", *METHODS]
+    assert list(dataset.method.values) == labels
+    assert list(dataset.task.values) == list(TASKS)
+    assert dataset.loss.dims == dataset.gain.dims == ("method", "task")
+    assert dataset.mean_gain.dims == dataset.seconds.dims == ("method",)
+    assert list(dataset.kind.values) == ["base", "finetune", "finetune", "strategy", "strategy", "strategy",
+                                         "closed-form", "plan"]
+    stored = Store(store_path).dataset("compare")
+    assert list(stored.method.values) == labels
+    np.testing.assert_array_equal(stored.loss.values, dataset.loss.values)
+    assert Store(store_path).is_complete("compare")
+    assert np.isfinite(dataset.loss.values).all()
+    # every fine-tune learned its task (else the gain would be NaN by design)
+    base_loss = dataset.loss.sel({"method": "base"}).values
+    for task in TASKS:
+        assert dataset.loss.sel({"method": f"finetuned:{task}", "task": task}) < base_loss[TASKS.index(task)]
+        assert float(dataset.gain.sel({"method": f"finetuned:{task}", "task": task})) == 1.0
+    assert (dataset.gain.sel({"method": "base"}).values == 0.0).all()
+    np.testing.assert_allclose(dataset.gain.values, normalised_gain(
+        base_loss, dataset.loss.values,
+        [float(dataset.loss.sel({"method": f"finetuned:{t}", "task": t})) for t in TASKS]))
+    np.testing.assert_allclose(dataset.mean_gain.values, np.nanmean(dataset.gain.values, axis=1))
+    assert dataset.attrs["base_loss"] == pytest.approx(dict(zip(TASKS, base_loss)))
+
+
+def test_compare_losses_are_on_held_out_records(compared, trained_kit):
+    dataset, _, _ = compared
+    held = _experiment(trained_kit, skip=FIT)
+    np.testing.assert_allclose(_losses_of(held, _task_sum_state(trained_kit, held, 0.0)),
+                               dataset.loss.sel({"method": "base"}).values, rtol=1e-5)
+    np.testing.assert_allclose(_losses_of(held, _task_sum_state(trained_kit, held, 1.0)),
+                               dataset.loss.sel({"method": "task-arithmetic"}).values, rtol=1e-5)  # scaling 1 default
+
+
+def test_tuned_lambda_is_the_argmin_of_the_fit_loss(compared, trained_kit):
+    dataset, store_path, _ = compared
+    from diagnostics.store import Store
+
+    search = Store(store_path).group_attrs("compare")["lambda_search"]
+    assert set(search) == {"0.2", "0.6", "1"}
+    fit = _experiment(trained_kit, skip=0)
+    independent = {value: float(np.mean(_losses_of(fit, _task_sum_state(trained_kit, fit, value))))
+                   for value in LAMBDAS}
+    for value in LAMBDAS:
+        assert search[f"{value:g}"] == pytest.approx(independent[value], rel=1e-5)
+    best = min(independent, key=independent.get)
+    assert str(dataset.detail.sel({"method": "task-arithmetic-tuned"}).values).startswith(f"λ = {best:g} ")
+    held = _experiment(trained_kit, skip=FIT)
+    np.testing.assert_allclose(_losses_of(held, _task_sum_state(trained_kit, held, best)),
+                               dataset.loss.sel({"method": "task-arithmetic-tuned"}).values, rtol=1e-5)
+
+
+def test_compare_leaves_nothing_on_disk_without_keep(compared):
+    dataset, store_path, scratch = compared
+    # streaming: each merged checkpoint is deleted once evaluated, before the next method is merged
+    assert dataset.attrs["test_on_disk"] == {label: [] for label in dataset.method.values}
+    assert list(scratch.iterdir()) == []  # every merged checkpoint (and the Σ τ of the λ search) deleted
+    assert not (store_path.parent / "keep").exists()
+
+
+def _counting(monkeypatch) -> dict[str, list]:
+    """Count merged checkpoints written (by label), evidence choices and reference evaluations."""
+    import merge.plan
+    import merge.writer
+    from merge import compare as module
+
+    calls: dict[str, list] = {"written": [], "evidence": [], "loaded": []}
+    write_merge, choose, load = merge.writer.write_merge, merge.plan.choose_by_evidence, module._Evaluator.load
+
+    def counted_write(base, finetuned, directory, *args, **kwargs):
+        calls["written"].append(Path(directory).name)
+        return write_merge(base, finetuned, directory, *args, **kwargs)
+
+    def counted_choose(*args, **kwargs):
+        calls["evidence"].append(1)
+        return choose(*args, **kwargs)
+
+    def counted_load(self, spec):
+        calls["loaded"].append(spec)
+        return load(self, spec)
+
+    monkeypatch.setattr(merge.writer, "write_merge", counted_write)
+    monkeypatch.setattr(merge.plan, "choose_by_evidence", counted_choose)
+    monkeypatch.setattr(module._Evaluator, "load", counted_load)
+    return calls
+
+
+def test_killed_compare_resumes_after_the_last_finished_method(compared, trained_kit, tmp_path, monkeypatch):
+    from diagnostics.store import Store
+    from merge.compare import compare
+
+    _, base, finetuned, data = trained_kit
+    store = Store(tmp_path / "store.zarr")
+    seen = []
+
+    def kill_after_tuned(label):
+        seen.append(label)
+        if label == "task-arithmetic-tuned":
+            raise Killed(label)
+
+    with pytest.raises(Killed):
+        compare(base, finetuned, data, methods=METHODS, store=store, on_unit=kill_after_tuned, **RUN)
+    assert seen == ["base", "finetuned:math", "finetuned:code", "task-arithmetic", "ties", "task-arithmetic-tuned"]
+    assert not store.is_complete("compare")
+    calls = _counting(monkeypatch)
+    seen.clear()
+    resumed = compare(base, finetuned, data, methods=METHODS, store=Store(tmp_path / "store.zarr"),
+                      on_unit=seen.append, **RUN)
+    assert seen == ["closed-form-layer", "plan"]  # only the methods not finished
+    assert calls["written"] == ["closed-form-layer", "plan"]  # no λ search again
+    assert calls["evidence"] == [1]
+    assert not any(spec in finetuned.values() for spec in calls["loaded"])  # references read from the store
+    full = compared[0]
+    assert list(resumed.method.values) == list(full.method.values)
+    np.testing.assert_allclose(resumed.loss.values, full.loss.values, rtol=1e-6)
+    np.testing.assert_allclose(resumed.gain.values, full.gain.values, rtol=1e-6, atol=1e-9)
+    assert Store(tmp_path / "store.zarr").is_complete("compare")
+    # the λ search of the killed run is kept in the group's attrs (and in the result)
+    search = Store(compared[1]).group_attrs("compare")["lambda_search"]
+    assert Store(tmp_path / "store.zarr").group_attrs("compare")["lambda_search"] == pytest.approx(search)
+    assert resumed.attrs["lambda_search"] == pytest.approx(search)
+    # a finished comparison run again computes nothing
+    for values in calls.values():
+        values.clear()
+    again = compare(base, finetuned, data, methods=METHODS, store=Store(tmp_path / "store.zarr"), **RUN)
+    assert calls["written"] == [] and calls["evidence"] == []
+    np.testing.assert_array_equal(again.loss.values, resumed.loss.values)
+
+
+def test_compare_keep_leaves_loadable_checkpoints(compared, trained_kit, tmp_path):
+    import transformers
+
+    from merge.compare import compare
+
+    _, base, finetuned, data = trained_kit
+    kept = compare(base, finetuned, data, methods=["ties", "plan"], keep=tmp_path / "keep", **RUN)
+    assert sorted(p.name for p in (tmp_path / "keep").iterdir()) == ["plan", "ties"]
+    held = _experiment(trained_kit, skip=FIT)
+    for method in ("ties", "plan"):
+        model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "keep" / method, dtype=torch.float32)
+        state = {name: p.detach() for name, p in model.named_parameters()}
+        np.testing.assert_allclose(_losses_of(held, state), kept.loss.sel({"method": method}).values, rtol=1e-5)
+        # the same merge as in the run without keep
+        np.testing.assert_allclose(kept.loss.sel({"method": method}).values,
+                                   compared[0].loss.sel({"method": method}).values, rtol=1e-6)
+
+
+def test_compare_refuses_unknown_methods_and_overlapping_records(trained_kit, tmp_path):
+    from merge.compare import CompareError, compare
+
+    _, base, finetuned, data = trained_kit
+    with pytest.raises(CompareError, match=r"unknown method\(s\) \['task-arithmetc'\].*known: .*task-arithmetic"):
+        compare(base, finetuned, data, methods=["task-arithmetc", "ties"], **RUN)
+    with pytest.raises(CompareError, match="lists a method twice"):
+        compare(base, finetuned, data, methods=["ties", "ties"], **RUN)
+    with pytest.raises(CompareError, match="--skip 2 < --fit 4: held-out records would include fit records"):
+        compare(base, finetuned, data, methods=["ties"], **{**RUN, "skip": 2})
+    other = Plan(base_model=base, finetuned={"math": finetuned["math"]}, granularity="layer", alpha={})
+    with pytest.raises(CompareError, match="the plan merges"):
+        compare(base, finetuned, data, methods=["plan"], plan=other, **RUN)
+    with pytest.raises(CompareError, match="--choose must be evidence or thresholds"):
+        compare(base, finetuned, data, methods=["plan"], choose="vibes", **RUN)
+    with pytest.raises(CompareError, match="--choose thresholds reads linearity and alpha from the store"):
+        compare(base, finetuned, data, methods=["plan"], choose="thresholds", **RUN)
+    assert not list(tmp_path.iterdir())
+
+
+def test_cli_compare_prints_the_leaderboard_and_report_draws_it(trained_kit, tmp_path):
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    _, base, finetuned, data = trained_kit
+    store, plan_out = tmp_path / "store.zarr", tmp_path / "plan.yaml"
+    arguments = ["compare", "--model", base, "--out", store, "--methods", "ties,closed-form-attn-mlp,plan",
+                 "--fit", FIT, "--samples", FIT, "--folds", 2, "--lambdas", "0.5,1", "--max-tokens", 48,
+                 "--batch-size", 4, "--dtype", "float32", "--device", "cpu", "--no-progress", "--plan-out", plan_out]
+    for task in TASKS:
+        arguments += ["--finetuned", f"{task}={finetuned[task]}", "--data", f"{task}={data[task]}"]
+    runner = CliRunner()
+    result = runner.invoke(app, [str(a) for a in arguments], env={"COLUMNS": "400"})
+    assert result.exit_code == 0, result.output
+    output = " ".join(result.output.split())
+    assert "Held-out loss and normalised gain" in output and "Wrote group compare" in output
+    for label in ("base", "finetuned:math", "ties", "closed-form-attn-mlp", "plan", "mean gain"):
+        assert label in output, label
+    plan = Plan.load(plan_out)
+    assert plan.granularity == PER_LAYER and set(plan.layer_granularity) == {0, 1}
+    assert all(entry["reason"] for entry in plan.decision["layers"].values())
+    # the report draws the leaderboard from the store
+    report = runner.invoke(app, ["report", str(store), "--out", str(tmp_path / "figures")], env={"COLUMNS": "400"})
+    assert report.exit_code == 0, report.output
+    figure = tmp_path / "figures" / "compare.png"
+    assert figure.exists() and figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # an unknown method is a user error (exit 2, no traceback)
+    bad = runner.invoke(app, [str(a) for a in arguments[:5] + ["--methods", "nope"] + arguments[7:]],
+                        env={"COLUMNS": "400"})
+    assert bad.exit_code == 2 and "unknown method(s) ['nope']" in " ".join(bad.output.split())
+    assert "Traceback" not in bad.output
+
+
+def test_leaderboard_sorts_by_mean_gain_nan_last_and_the_figure_handles_it():
+    from diagnostics import plot
+    from merge.compare import leaderboard
+
+    gain = np.array([[0.0, 0.0], [1.0, math.nan], [0.2, 0.4], [math.nan, math.nan], [0.9, 0.7]])
+    methods = ["base", "finetuned:a", "ties", "broken", "plan"]
+    dataset = xr.Dataset(
+        {"loss": (("method", "task"), np.arange(10.0).reshape(5, 2)), "gain": (("method", "task"), gain),
+         "mean_gain": (("method",), np.array([0.0, 1.0, 0.3, math.nan, 0.8]))},
+        coords={"method": methods, "task": ["a", "b"],
+                "kind": ("method", ["base", "finetune", "strategy", "strategy", "plan"])})
+    frame = leaderboard(dataset)
+    assert list(frame.index) == ["finetuned:a", "plan", "ties", "base", "broken"]
+    assert list(frame.columns) == ["loss a", "loss b", "gain a", "gain b", "mean gain"]
+    assert frame.loc["ties", "loss b"] == 5.0 and frame.loc["plan", "gain a"] == 0.9
+    figure = plot.compare_leaderboard(dataset)
+    assert figure is not None and [t.get_text() for t in figure.axes[0].get_yticklabels()] == [
+        "broken", "base", "ties", "plan", "finetuned:a"]  # best on top
+    assert plot.compare_leaderboard(dataset.isel(method=slice(0, 0))) is None
+
+
+def test_compare_plan_steers_the_matrices_the_store_interference_marks(trained_kit, tmp_path):
+    from diagnostics.interference import interference
+    from diagnostics.models import open_checkpoint
+    from diagnostics.store import Store
+    from merge.compare import compare
+
+    _, base, finetuned, data = trained_kit
+    store = Store(tmp_path / "store.zarr")
+    measured = interference(open_checkpoint(base), {t: open_checkpoint(s) for t, s in finetuned.items()},
+                            rank_fracs=(0.25,), device="cpu", progress=False, store=store)
+    in_blocks = measured.where(measured.layer >= 0, drop=True)
+    sti = dict(zip(in_blocks.matrix.values.tolist(), in_blocks.sti_normalized.values.tolist()))
+    threshold = float(np.median(list(sti.values())))
+    expected = {name for name, value in sti.items() if value > threshold}
+    assert 0 < len(expected) < len(sti)
+    compare(base, finetuned, data, methods=["plan"], store=store, plan_out=tmp_path / "plan.yaml",
+            **{**RUN, "evidence_options": {"folds": 2, "sti_max": threshold, "sar_min": 0.0}})
+    plan = Plan.load(tmp_path / "plan.yaml")
+    assert set(plan.matrix_rules) == expected
+    for name, rule in plan.matrix_rules.items():
+        assert rule["method"] == "tsv-m" and rule["reason"] == f"STI/Σσ {sti[name]:.3g} > {threshold}"
+    assert plan.decision["steered"] == {name: rule["reason"] for name, rule in plan.matrix_rules.items()}
+    assert plan.decision["sti_max"] == threshold
+    # the plan file given back to compare is the plan compared (same held-out losses as the steered plan)
+    again = compare(base, finetuned, data, methods=["plan"], plan=tmp_path / "plan.yaml", **RUN)
+    np.testing.assert_allclose(again.loss.sel({"method": "plan"}).values,
+                               store.dataset("compare").loss.sel({"method": "plan"}).values, rtol=1e-6)
+
+
+def test_evidence_with_heads_ties_attn_mlp_and_keeps_the_coarser(hand_kit):
+    from merge.plan import block_objectives, choose_by_evidence
+
+    fit = _hand_experiment(hand_kit, skip=0)
+    evidence = choose_by_evidence(fit, hand_kit[1], candidates=("layer", "attn-mlp", "head-mlp"), folds=2,
+                                  progress=False)
+    # every head of block 0 carries its task's update on that task's records only: α = 1 per head, exact too
+    cv = evidence.layers[0].cv_objective
+    assert cv["head-mlp"] < 1e-6 * cv["layer"] and cv["attn-mlp"] < 1e-6 * cv["layer"]
+    for head in range(4):
+        np.testing.assert_allclose(list(evidence.layers[0].alpha["head-mlp"][f"layers.0.attn.head.{head}"].values()),
+                                   [1.0, 1.0], atol=1e-6)
+    plan = evidence.plan()
+    assert plan.layer_granularity == {0: "attn-mlp", 1: "layer"}  # a tie goes to the coarser candidate
+    held = _hand_experiment(hand_kit, skip=HAND_FIT)
+    heads = block_objectives(held, evidence.single("head-mlp"), layers=[0])
+    assert heads[0] < 1e-6 * block_objectives(held, evidence.single("layer"), layers=[0])[0]
+
+
+def test_compare_plan_by_thresholds_reads_the_store(trained_kit, tmp_path):
+    from diagnostics.linearity import alpha as solve_alpha_per_module
+    from diagnostics.linearity import nonlinearity
+    from diagnostics.store import Store
+    from merge.compare import compare
+    from merge.plan import make_plan
+
+    _, base, finetuned, data = trained_kit
+    store = Store(tmp_path / "store.zarr")
+    fit = _experiment(trained_kit, skip=0)
+    nonlinearity(fit, levels=("layer", "attn", "mlp"), steps=2, store=store, progress=False)
+    for granularity in ("layer", "attn-mlp"):
+        solve_alpha_per_module(fit, granularity=granularity, store=store, progress=False)
+    expected = make_plan(store.path)
+    result = compare(base, finetuned, data, methods=["plan"], choose="thresholds", store=store,
+                     plan_out=tmp_path / "plan.yaml", **RUN)
+    plan = Plan.load(tmp_path / "plan.yaml")
+    assert plan.granularity == expected.granularity and plan.alpha == expected.alpha
+    assert plan.decision["reasons"] == expected.decision["reasons"]
+    assert str(result.detail.sel({"method": "plan"}).values) == expected.granularity
