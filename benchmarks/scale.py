@@ -17,7 +17,11 @@ With ``--mergekit-python`` (a venv with mergekit 0.1.5), mergekit runs task_arit
 and the ratios ours/mergekit (wall, peak RSS) and the largest |ours − mergekit| are printed.
 
     python benchmarks/scale.py [--layers 1,2,4] [--samples 2] [--max-tokens 64] [--mergekit-python /work/mkvenv/bin/python]
-        [--commands linearity,alpha,interference,merge-ta,merge-ties,merge-plan,eval] [--keep DIR]
+        [--commands linearity,alpha,interference,merge-ta,merge-ties,merge-plan,eval] [--keep DIR] [--results FILE]
+
+``--results FILE`` accumulates the measurements in a JSON file (slice → command → figures) across invocations, so
+slices or commands can be measured in separate runs (e.g. the cheap merges at a deeper slice than the data-driven
+commands) and the table is fitted over everything measured so far.
 """
 
 from __future__ import annotations
@@ -253,25 +257,30 @@ def run_slice(layers: int, directory: Path, args, tokenizer_dir: Path, data: dic
 
 
 def report(by_layers: dict[int, dict], tokens: int) -> None:
-    layers = np.array(sorted(by_layers), dtype=float)
-    names = [n for n in by_layers[int(layers[0])] if all(n in by_layers[int(L)] for L in layers)]
-    print(f"\n{'command':<24}{'RSS slope MiB/block':>20}{'7B peak GiB':>13}{'7B wall min':>13}{'GFLOP/block':>13}")
+    """Per command, the fit over every slice that measured it (two at least)."""
+    names = list(dict.fromkeys(n for commands in by_layers.values() for n in commands))
+    print(f"\n{'command':<24}{'slices':>8}{'RSS slope MiB/block':>20}{'anon slope':>11}{'7B peak GiB':>13}"
+          f"{'7B wall min':>13}{'GFLOP/block':>13}")
     for name in names:
-        rss = np.array([by_layers[int(L)][name]["peak_rss_mib"] for L in layers])
-        wall = np.array([by_layers[int(L)][name]["wall_s"] for L in layers])
+        layers = np.array(sorted(L for L, commands in by_layers.items() if name in commands), dtype=float)
+        if len(layers) < 2:
+            continue
+        rss, anon, wall = (np.array([by_layers[int(L)][name][key] for L in layers])
+                           for key in ("peak_rss_mib", "peak_anon_mib", "wall_s"))
         (rss_slope, rss_at0), (wall_slope, wall_at0) = np.polyfit(layers, rss, 1), np.polyfit(layers, wall, 1)
+        anon_slope = np.polyfit(layers, anon, 1)[0]
         peak = (rss_at0 + FULL_LAYERS * rss_slope) / 1024
         minutes = (wall_at0 + FULL_LAYERS * wall_slope) / 60
         flops = flops_per_block(tokens, name.split(":")[0]) / 1e9
-        print(f"{name:<24}{rss_slope:>20.0f}{peak:>13.1f}{minutes:>13.1f}{flops:>13.1f}")
+        print(f"{name:<24}{','.join(str(int(L)) for L in layers):>8}{rss_slope:>20.0f}{anon_slope:>11.0f}"
+              f"{peak:>13.1f}{minutes:>13.1f}{flops:>13.1f}")
     for name in ("merge-ta", "merge-ties"):
         theirs = f"{name}:mergekit"
-        if name in names and theirs in names:
-            for L in layers:
-                ours, other = by_layers[int(L)][name], by_layers[int(L)][theirs]
-                print(f"L={int(L)} {name}: wall ours/mergekit {ours['wall_s'] / other['wall_s']:.2f}, peak RSS "
-                      f"ours/mergekit {ours['peak_rss_mib'] / other['peak_rss_mib']:.2f}, max |ours − mergekit| "
-                      f"{other['max_abs_diff']:.3g}")
+        for L in sorted(L for L, commands in by_layers.items() if name in commands and theirs in commands):
+            ours, other = by_layers[L][name], by_layers[L][theirs]
+            print(f"L={L} {name}: wall ours/mergekit {ours['wall_s'] / other['wall_s']:.2f}, peak RSS "
+                  f"ours/mergekit {ours['peak_rss_mib'] / other['peak_rss_mib']:.2f}, max |ours − mergekit| "
+                  f"{other['max_abs_diff']:.3g}")
 
 
 def main() -> None:
@@ -283,6 +292,7 @@ def main() -> None:
                         "merge-plan,eval")
     parser.add_argument("--mergekit-python", help="Python of a venv with mergekit 0.1.5 (task_arithmetic, ties).")
     parser.add_argument("--keep", type=Path, help="Build here and keep the checkpoints (default: a temp dir).")
+    parser.add_argument("--results", type=Path, help="JSON file that accumulates measurements across runs.")
     args = parser.parse_args()
     args.commands = args.commands.split(",")
     from diagnostics.demo import ensure_demo_base, ensure_demo_data
@@ -293,14 +303,28 @@ def main() -> None:
     directory.mkdir(parents=True, exist_ok=True)
     print(f"Llama-2-7B block shape (hidden {HIDDEN}, MLP {INTERMEDIATE}, {HEADS} heads), float16; "
           f"{args.samples} records × ≤ {args.max_tokens} tokens per task; scratch {directory}\n", flush=True)
-    by_layers = {}
+    by_layers = _load_results(args.results)
     try:
         for layers in (int(v) for v in args.layers.split(",")):
-            by_layers[layers] = run_slice(layers, directory, args, tokenizer_dir, data)
+            by_layers.setdefault(layers, {}).update(run_slice(layers, directory, args, tokenizer_dir, data))
+            _save_results(args.results, by_layers)
     finally:
         if not args.keep:
             shutil.rmtree(directory, ignore_errors=True)
     report(by_layers, tokens=len(TASKS) * args.samples * args.max_tokens)
+
+
+def _load_results(path: Path | None) -> dict[int, dict]:
+    if path is None or not path.exists():
+        return {}
+    return {int(layers): commands for layers, commands in json.loads(path.read_text()).items()}
+
+
+def _save_results(path: Path | None, by_layers: dict[int, dict]) -> None:
+    if path is not None:
+        plain = {str(L): {name: {k: (str(v) if isinstance(v, Path) else v) for k, v in r.items()}
+                          for name, r in commands.items()} for L, commands in by_layers.items()}
+        path.write_text(json.dumps(plain, indent=1))
 
 
 if __name__ == "__main__":
