@@ -160,6 +160,8 @@ def tokenize(data: TaskData, tokenizer, *, max_tokens: int = 512, batch_size: in
     """Tokenise records (truncated to the first `max_tokens` tokens), right-padded, in batches."""
     if max_tokens < 1:
         raise DataInputError("max_tokens must be at least 1")
+    if batch_size < 1:  # range(0, n, batch_size) would give no batches (all-NaN results) or fail
+        raise DataInputError(f"batch_size must be at least 1, got {batch_size}")
     batches: list[TokenBatch] = []
     tokenizer.padding_side = "right"
     for start in range(0, len(data.texts), batch_size):

@@ -38,6 +38,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import re
 import shutil
 import signal
 import sys
@@ -69,6 +70,7 @@ def _quiet():
         warnings.filterwarnings("ignore", message=".*does not have a Zarr V3 specification.*")
         warnings.filterwarnings("ignore", message=".*Consolidated metadata is currently not part.*")
         warnings.filterwarnings("ignore", message=".*Failed to open Zarr store with consolidated metadata.*")
+        warnings.filterwarnings("ignore", message=f"Object at {re.escape(LOCK_NAME)}.* is not recognized")  # our lock
         yield
 
 

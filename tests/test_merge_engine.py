@@ -707,6 +707,28 @@ def test_out_that_is_inside_or_around_an_input_is_refused_and_the_inputs_are_unt
     assert not (base / "merged").exists()
 
 
+def test_cli_force_checks_everything_before_touching_the_old_output(kit, tmp_path):
+    """`diag merge --force` used to delete --out first: a bad method, size or fine-tune then lost the old merge."""
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    out = write_merge(kit.base, kit.finetuned, tmp_path / "merged", method_rule("task-arithmetic"), progress=False)
+    before = _digest(out)
+    missing = ["-f", f"math={kit.finetuned['math']}", "-f", f"code={tmp_path / 'nope'}"]
+    for finetuned, extra, message in (
+        (_finetuned_options(kit), ["--method", "nosuch"], "unknown merge method 'nosuch'"),
+        (_finetuned_options(kit), ["--method", "ties", "--shard-size", "2XB"], "--shard-size: cannot read '2XB'"),
+        (missing, ["--method", "ties"], f"fine-tune 'code' not found: {tmp_path / 'nope'}"),
+    ):
+        result = CliRunner().invoke(app, ["merge", "-m", kit.base, *finetuned, "--out", str(out), "--force",
+                                          "--no-progress", *extra], env={"COLUMNS": "400"})
+        assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+        assert message in " ".join(result.output.split()) and "Traceback" not in result.output, result.output
+        assert _digest(out) == before, extra
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["merged"]
+
+
 @pytest.mark.parametrize("option, value, message", [("--shard-size", "2XB", "--shard-size: cannot read '2XB'"),
                                                      ("--shard-size", "-1GB", "--shard-size: cannot read"),
                                                      ("--out-dtype", "float8", "--out-dtype: unknown dtype 'float8'")])
