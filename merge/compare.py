@@ -32,6 +32,7 @@ import math
 import shutil
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -339,6 +340,9 @@ def compare(
                                 store=store, evidence_options=evidence_options, progress=progress, command=command)
     if plan_out is not None and used_plan is not None:
         used_plan.save(plan_out)
+    elif plan_out is not None and PLAN in methods:
+        warnings.warn(f"'{PLAN}' was compared by an earlier run of this store, so no plan was built and {plan_out} "
+                      f"is not written: run with --force to recompute, or write a plan with `diag plan`")
     evaluator = _Evaluator(experiment, held_out, allow_pickle=allow_pickle)
     references = _references(evaluator, writer, finetuned, tasks)
     notes = _run_methods(pending, merges, evaluator, writer, references, base_spec, finetuned,

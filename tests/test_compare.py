@@ -556,8 +556,11 @@ def test_killed_compare_resumes_after_the_last_finished_method(compared, trained
     # a finished comparison run again computes nothing
     for values in calls.values():
         values.clear()
-    again = compare(base, finetuned, data, methods=METHODS, store=Store(tmp_path / "store.zarr"), **RUN)
+    with pytest.warns(UserWarning, match="compared by an earlier run.*not written"):
+        again = compare(base, finetuned, data, methods=METHODS, store=Store(tmp_path / "store.zarr"),
+                        plan_out=tmp_path / "again.yaml", **RUN)
     assert calls["written"] == [] and calls["evidence"] == []
+    assert not (tmp_path / "again.yaml").exists()
     np.testing.assert_array_equal(again.loss.values, resumed.loss.values)
 
 
