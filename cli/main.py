@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 
 from cli.common import command_line, console, out, resolve_inputs, user_errors
-from cli.options import DATA_RUN, MODELS, RunOptions, load_experiment, run_options
+from cli.options import DATA_RUN, MODELS, SCALE_OUT, RunOptions, load_experiment, run_options
 
 app = typer.Typer(
     name="diag",
@@ -67,7 +67,7 @@ def _store_run(run: RunOptions) -> dict:
     from diagnostics.store import Store
 
     return {"store": Store(run.out), "force": run.force, "progress": run.progress, "command": command_line(),
-            "capture_budget": run.capture_bytes}
+            "capture_budget": run.capture_bytes, **run.scale_out}
 
 
 @app.command()
@@ -159,16 +159,13 @@ def _open_models(run: RunOptions):
 
 @app.command()
 @user_errors
-@run_options(*MODELS, "out", "device", "force", "progress")
+@run_options(*MODELS, "out", "device", "force", "progress", *SCALE_OUT)
 def interference(
     rank_fracs: Annotated[str, typer.Option("--rank-fracs", help="Rank fractions of the I(k)/R(k) grid.")] =
     "0.01,0.02,0.04,0.08,0.16,0.32,0.64,1",
     sar_against: Annotated[str, typer.Option("--sar-against", help="Merged matrix for SAR: ta (Σ Δ_t) or a merge "
                                              "method (iso-c, ties, tsv-m ...).")] = "ta",
     svd_dtype: Annotated[str, typer.Option("--svd-dtype", help="float32 or float64 SVDs.")] = "float32",
-    ray: Annotated[Optional[str], typer.Option("--ray", help="Measure on Ray: 'auto' starts a local instance, "
-                                               "an ADDRESS joins a cluster (pip install 'submerge[ray]').")] = None,
-    workers: Annotated[int, typer.Option("--workers", min=1, help="Ray worker processes (with --ray).")] = 1,
     run: RunOptions = None,
 ):
     """Weight-space interference of every 2-D weight matrix (no data): ‖τ‖, effective rank, cosine and
@@ -183,8 +180,8 @@ def interference(
     _, base, task_vectors, _ = _open_models(run)
     dataset = run_interference(base, task_vectors, rank_fracs=fractions, sar_against=sar_against,
                                svd_dtype=svd_dtype, device=run.device, progress=run.progress,
-                               store=Store(run.out), force=run.force, command=command_line(), ray=ray,
-                               workers=workers)
+                               store=Store(run.out), force=run.force, command=command_line(),
+                               **run.scale_out)
     short = {"matrices": "n", "task_vector_norm": "‖τ‖", "effective_rank": "eff.rank", "cosine": "cos",
              "sign_conflict": "sign≠", "sti_normalized": "STI/Σσ", "sar": "SAR"}
     for by, title in (("level", "Interference per level"), ("layer", "Interference per layer")):

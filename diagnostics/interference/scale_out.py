@@ -36,37 +36,23 @@ order otherwise).
 from __future__ import annotations
 
 import math
-import os
-import platform
-import resource
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 
 from diagnostics.interference.driver import MatrixJob, measure_matrix
+from diagnostics.scale_out import (
+    checkpoint_spec,
+    connect,
+    process_stats,
+    reopen_checkpoint,
+    reopen_task_vectors,
+    task_vector_specs,
+)
 
 __all__ = ["checkpoint_spec", "group_matrices", "ray_results", "reopen_checkpoint"]
 
 GROUP_ELEMENTS = 1 << 20  # a matrix this large is a task of its own; smaller ones are grouped up to it
-
-
-def checkpoint_spec(reader) -> dict:
-    """What a worker needs to reopen a `CheckpointReader`: its resolved path and how it was opened."""
-    from diagnostics.models import LoraReader, StateDictReader
-
-    if not hasattr(reader, "path"):
-        raise TypeError(f"ray needs checkpoints it can reopen from a path; {type(reader).__name__} has none")
-    return {"path": str(Path(reader.path).resolve()), "lora": isinstance(reader, LoraReader),
-            "allow_pickle": isinstance(reader, StateDictReader)}
-
-
-def reopen_checkpoint(spec: dict, base=None):
-    """The `CheckpointReader` of a :func:`checkpoint_spec` (a LoRA adapter is read against ``base``)."""
-    from diagnostics.models import open_checkpoint
-
-    return open_checkpoint(spec["path"], base=base if spec["lora"] else None, allow_pickle=spec["allow_pickle"])
 
 
 def group_matrices(names: list[str], sizes: list[int], workers: int) -> list[list[str]]:
@@ -90,13 +76,11 @@ class InterferenceWorker:
     """One worker process: opens the checkpoints once, then measures the groups of matrices it is given."""
 
     def __init__(self, base_spec: dict, task_specs: dict, job: MatrixJob, device: str, threads: int | None):
-        from diagnostics.models import TaskVectorReader, pick_device
+        from diagnostics.models import pick_device
 
         if threads:
             torch.set_num_threads(threads)
-        base = reopen_checkpoint(base_spec)
-        self.task_readers = {task: TaskVectorReader(task, base, reopen_checkpoint(spec, base), vocab)
-                             for task, (spec, vocab) in task_specs.items()}
+        self.task_readers = reopen_task_vectors(reopen_checkpoint(base_spec), task_specs)
         self.job, self.device = job, pick_device(device)
 
     def measure(self, names: list[str]) -> list[tuple]:
@@ -104,9 +88,7 @@ class InterferenceWorker:
 
     def stats(self) -> dict:
         """This worker process: its pid, host and peak resident memory (MiB)."""
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return {"pid": os.getpid(), "host": platform.node(),
-                "peak_rss_mib": peak / (1 << 20) if sys.platform == "darwin" else peak / 1024}
+        return process_stats()
 
 
 def _pool(actors: list):
@@ -114,21 +96,6 @@ def _pool(actors: list):
     from ray.util import ActorPool
 
     return ActorPool(actors)
-
-
-def _connect(address: str, workers: int) -> bool:
-    """Start (``"auto"``) or join (an address) Ray unless this process is connected already; True if we did."""
-    try:
-        import ray
-    except ImportError:
-        raise ImportError("ray= needs Ray: pip install 'submerge[ray]' (or pip install 'ray>=2.9')") from None
-    if ray.is_initialized():
-        return False
-    if address == "auto":
-        ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False)
-    else:
-        ray.init(address=address, log_to_driver=False)
-    return True
 
 
 def ray_results(address: str, names: list[str], base, task_readers: dict, job: MatrixJob, *, device: str, workers: int,
@@ -144,9 +111,9 @@ def ray_results(address: str, names: list[str], base, task_readers: dict, job: M
         return
     import ray
 
-    started = _connect(address, workers)
+    started = connect(address, workers)
     base_spec = checkpoint_spec(base)
-    task_specs = {task: (checkpoint_spec(reader.finetuned), reader.vocab) for task, reader in task_readers.items()}
+    task_specs = task_vector_specs(task_readers)
     remote = ray.remote(InterferenceWorker).options(num_cpus=1, num_gpus=gpus_per_worker, max_restarts=max_retries,
                                                     max_task_retries=max_retries)
     actors = [remote.remote(base_spec, task_specs, job, device, threads_per_worker) for _ in range(workers)]

@@ -1,0 +1,77 @@
+"""What every Ray scale-out shares: joining Ray, reopening checkpoints in a worker, a worker's memory.
+
+Ray is an optional extra (``pip install "submerge[ray]"``), imported only when a driver is called with
+``ray=``: ``"auto"`` starts a local Ray instance (or uses the one this process already started with
+``ray.init``), an address joins a cluster (``ray start --head`` on one node, ``ray start --address=...``
+on the others). Workers reopen the checkpoints from their paths (a file system the nodes share, or the
+same hub cache on each node). The drivers: `diagnostics.interference.scale_out` (matrices as tasks) and
+`diagnostics.linearity.scale_out` (a pipeline over blocks).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import resource
+import sys
+from pathlib import Path
+
+RAY_EXTRA = "pip install 'submerge[ray]' (or pip install 'ray>=2.9')"
+
+
+def check_workers(ray: str | None, workers: int) -> None:
+    """A worker count >= 1, and more than 1 only with Ray."""
+    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1 or (ray is None and workers != 1):
+        raise ValueError(f"workers={workers!r}: give a count >= 1, and more than 1 only with ray='auto' or an address")
+
+
+def connect(address: str, workers: int) -> bool:
+    """Start (``"auto"``) or join (an address) Ray unless this process is connected already; True if we did."""
+    try:
+        import ray
+    except ImportError:
+        raise ImportError(f"ray= needs Ray: {RAY_EXTRA}") from None
+    if ray.is_initialized():
+        return False
+    if address == "auto":
+        ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False)
+    else:
+        ray.init(address=address, log_to_driver=False)
+    return True
+
+
+def checkpoint_spec(reader) -> dict:
+    """What a worker needs to reopen a `CheckpointReader`: its resolved path and how it was opened."""
+    from diagnostics.models import LoraReader, StateDictReader
+
+    if not hasattr(reader, "path"):
+        raise TypeError(f"ray needs checkpoints it can reopen from a path; {type(reader).__name__} has none")
+    return {"path": str(Path(reader.path).resolve()), "lora": isinstance(reader, LoraReader),
+            "allow_pickle": isinstance(reader, StateDictReader)}
+
+
+def reopen_checkpoint(spec: dict, base=None):
+    """The `CheckpointReader` of a :func:`checkpoint_spec` (a LoRA adapter is read against ``base``)."""
+    from diagnostics.models import open_checkpoint
+
+    return open_checkpoint(spec["path"], base=base if spec["lora"] else None, allow_pickle=spec["allow_pickle"])
+
+
+def task_vector_specs(task_readers: dict) -> dict:
+    """{task: (checkpoint spec of the fine-tune, vocab)} of `TaskVectorReader`s, for `reopen_task_vectors`."""
+    return {task: (checkpoint_spec(reader.finetuned), reader.vocab) for task, reader in task_readers.items()}
+
+
+def reopen_task_vectors(base, specs: dict) -> dict:
+    """The `TaskVectorReader`s of `task_vector_specs` against the base `CheckpointReader` ``base``."""
+    from diagnostics.models import TaskVectorReader
+
+    return {task: TaskVectorReader(task, base, reopen_checkpoint(spec, base), vocab)
+            for task, (spec, vocab) in specs.items()}
+
+
+def process_stats() -> dict:
+    """This process: its pid, host and peak resident memory (MiB)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"pid": os.getpid(), "host": platform.node(),
+            "peak_rss_mib": peak / (1 << 20) if sys.platform == "darwin" else peak / 1024}
