@@ -168,11 +168,14 @@ class RunOptions:
         return resolve_inputs(self.model, self.finetuned, self.data, need_data=need_data)
 
     def experiment(self, *, skip: int = 0):
-        """The loaded `Experiment` (base model, task vectors, tokenised data) these options describe."""
+        """The loaded `Experiment` (base model, task vectors, tokenised data) these options describe.
+
+        With --ray the base stays on the meta device here: each worker reads its own blocks."""
         return load_experiment(self.model, self.finetuned, self.data, samples=self.samples, skip=skip,
                                max_tokens=self.max_tokens, batch_size=self.batch_size, dtype=self.dtype,
                                compute_dtype=self.compute_dtype, device=self.device, allow_pickle=self.allow_pickle,
-                               trust_remote_code=self.trust_remote_code, vocab=self.vocab)
+                               trust_remote_code=self.trust_remote_code, vocab=self.vocab,
+                               weights=self.ray is None)  # on Ray, the workers read the blocks
 
 
 OPTIONS: dict[str, object] = {

@@ -234,3 +234,5 @@ def test_ray_options_are_shared_and_checked(runner, llama_kit, tmp_path, monkeyp
     assert one.exit_code == 0 and spread.exit_code == 0, spread.output
     first, second = Store(tmp_path / "one.zarr").dataset("linearity"), Store(tmp_path / "ray.zarr").dataset("linearity")
     assert np.array_equal(first.nonlinearity_score.values, second.nonlinearity_score.values, equal_nan=True)
+    settings = [Store(tmp_path / name)._root("r")["linearity"].attrs["settings"] for name in ("one.zarr", "ray.zarr")]
+    assert settings[0] == settings[1]  # the Ray driver (base on the meta device) records the same settings

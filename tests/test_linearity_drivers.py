@@ -543,3 +543,10 @@ def test_linearity_and_alpha_on_ray_equal_one_process(two_tasks, tmp_path, monke
 def test_workers_without_ray_is_an_error(math_only):
     with pytest.raises(ValueError, match="only with ray="):
         nonlinearity(math_only, levels=("layer",), workers=2, progress=False)
+
+
+def test_a_base_without_weights_needs_ray(kit):
+    experiment = load(kit, {"math": kit.finetuned["math"]}, weights=False)
+    assert experiment.device.type == "meta"
+    with pytest.raises(ValueError, match="without weights"):
+        nonlinearity(experiment, levels=("layer",), progress=False)

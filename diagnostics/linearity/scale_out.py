@@ -171,8 +171,9 @@ class BlockWorker:
         return _to(streams, "cpu")
 
     def stats(self) -> dict:
-        """This worker process: pid, host, peak resident memory (MiB) and the blocks it holds."""
-        return {**common.process_stats(), "layers": [self.layers[0], self.layers[-1]]}
+        """This worker process: pid, host, peak resident memory (MiB), the blocks it holds and their weights (MiB)."""
+        held = sum(p.numel() * p.element_size() for p in self.base.model.parameters() if not p.is_meta)
+        return {**common.process_stats(), "layers": [self.layers[0], self.layers[-1]], "weights_mib": held / 2**20}
 
 
 class Pipeline:

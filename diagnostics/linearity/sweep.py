@@ -209,6 +209,9 @@ class Sweep:
                  compute_dtype: str | None = None, ray: str | None = None, workers: int = 1,
                  ray_options: dict | None = None):
         check_workers(ray, workers)
+        if ray is None and experiment.device.type == "meta":
+            raise ValueError("this experiment's base was loaded without weights (weights=False): only Ray workers, "
+                             "which read their own blocks, can measure it; pass ray='auto' or an address")
         self.experiment = experiment
         self.tasks = experiment.tasks
         self.source = experiment.parameter_source(compute_dtype)
