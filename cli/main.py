@@ -9,7 +9,15 @@ import typer
 from rich.table import Table
 
 from cli.common import command_line, console, out, resolve_inputs, user_errors
-from cli.options import DATA_RUN, MODELS, SCALE_OUT, RunOptions, load_experiment, run_options
+from cli.options import (
+    DATA_RUN,
+    MODELS,
+    SCALE_OUT,
+    RunOptions,
+    load_experiment,
+    run_options,
+    scale_out_arguments,
+)
 
 app = typer.Typer(
     name="diag",
@@ -272,7 +280,7 @@ def plan(
 
 @app.command()
 @user_errors
-@run_options(*MODELS, "data", "samples", "max_tokens", "device", "force", "progress", device="cpu")
+@run_options(*MODELS, "data", "samples", "max_tokens", "device", "force", "progress", *SCALE_OUT, device="cpu")
 def merge(
     plan_path: Annotated[Optional[Path], typer.Argument(help="Plan from diag plan (or use --method).")] = None,
     out_dir: Annotated[Path, typer.Option("--out", "-o", help="Directory for the merged checkpoint.")] = Path("merged"),
@@ -290,6 +298,7 @@ def merge(
                                            "(float64 for SVDs and solves).")] = "base",
     *,
     model, finetuned, data, samples, max_tokens, device, allow_pickle, vocab, force, progress,  # from run_options
+    ray, workers, gpus_per_worker,
 ):
     """Write a merged Hugging Face checkpoint, streaming tensor by tensor (sharded safetensors + config +
     tokenizer + submerge_merge.yaml)."""
@@ -309,7 +318,8 @@ def merge(
             options = {"granularity": granularity, **options}
     out_dir = run_merge(out_dir, plan=plan_path, method=method, options=options, base=base,
                         finetuned=named_finetuned, data=settings, shard_size=shard_size, device=device,
-                        allow_pickle=allow_pickle, vocab=vocab, force=force, progress=progress, out_dtype=out_dtype)
+                        allow_pickle=allow_pickle, vocab=vocab, force=force, progress=progress, out_dtype=out_dtype,
+                        **scale_out_arguments(ray, workers, gpus_per_worker))
     out.print(f"Merged checkpoint → [bold]{out_dir}[/] (load with AutoModelForCausalLM.from_pretrained)")
 
 

@@ -155,9 +155,7 @@ class RunOptions:
     @property
     def scale_out(self) -> dict:
         """The drivers' keyword arguments for Ray (``ray``, ``workers``, ``ray_options``); none without --ray."""
-        if self.ray is None:
-            return {}
-        return {"ray": self.ray, "workers": self.workers, "ray_options": {"gpus_per_worker": self.gpus_per_worker}}
+        return scale_out_arguments(self.ray, self.workers, self.gpus_per_worker)
 
     @property
     def capture_bytes(self) -> int:
@@ -176,6 +174,13 @@ class RunOptions:
                                compute_dtype=self.compute_dtype, device=self.device, allow_pickle=self.allow_pickle,
                                trust_remote_code=self.trust_remote_code, vocab=self.vocab,
                                weights=self.ray is None)  # on Ray, the workers read the blocks
+
+
+def scale_out_arguments(ray: Optional[str], workers: int, gpus_per_worker: float) -> dict:
+    """The drivers' keyword arguments for --ray/--workers/--gpus-per-worker (checked by `RunOptions`)."""
+    if ray is None:
+        return {}
+    return {"ray": ray, "workers": workers, "ray_options": {"gpus_per_worker": gpus_per_worker}}
 
 
 OPTIONS: dict[str, object] = {

@@ -10,13 +10,16 @@ same hub cache on each node). The drivers: `diagnostics.interference.scale_out` 
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import resource
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 RAY_EXTRA = "pip install 'submerge[ray]' (or pip install 'ray>=2.9')"
+GROUP_ELEMENTS = 1 << 20  # a tensor this large is a task of its own; smaller ones are grouped up to it
 
 
 def check_workers(ray: str | None, workers: int) -> None:
@@ -75,3 +78,53 @@ def process_stats() -> dict:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return {"pid": os.getpid(), "host": platform.node(),
             "peak_rss_mib": peak / (1 << 20) if sys.platform == "darwin" else peak / 1024}
+
+
+def group_matrices(names: list[str], sizes: list[int], workers: int) -> list[list[str]]:
+    """Contiguous groups of ``names`` (in order) of about min(2²⁰, total / (4·workers)) elements each."""
+    target = min(GROUP_ELEMENTS, max(1, math.ceil(sum(sizes) / (4 * max(1, workers)))))
+    groups: list[list[str]] = []
+    current: list[str] = []
+    filled = 0
+    for name, size in zip(names, sizes):
+        current.append(name)
+        filled += size
+        if filled >= target:
+            groups.append(current)
+            current, filled = [], 0
+    if current:
+        groups.append(current)
+    return groups
+
+
+def _pool(actors: list):
+    """The actors as a `ray.util.ActorPool`: ordered results, each actor given a new group when it is free."""
+    from ray.util import ActorPool
+
+    return ActorPool(actors)
+
+
+def ordered_results(address: str, worker: type, args: tuple, method: str, groups: list, *, workers: int,
+                    max_retries: int = 3, gpus_per_worker: float = 0, report: dict | None = None) -> Iterator:
+    """``worker(*args).<method>(group)`` of every group, in group order, computed by ``workers`` Ray actors.
+
+    A worker process that dies is restarted (``max_retries`` times) and its group redone; an exception of
+    the method itself is not retried. ``report`` (a dict) receives ``workers``: each actor's ``stats()``.
+    """
+    import ray
+
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    started = connect(address, workers)
+    remote = ray.remote(worker).options(num_cpus=1, num_gpus=gpus_per_worker, max_restarts=max_retries,
+                                        max_task_retries=max_retries)
+    actors = [remote.remote(*args) for _ in range(workers)]
+    try:
+        yield from _pool(actors).map(lambda actor, group: getattr(actor, method).remote(group), groups)
+        if report is not None:
+            report["workers"] = ray.get([actor.stats.remote() for actor in actors])
+    finally:
+        for actor in actors:
+            ray.kill(actor)
+        if started:
+            ray.shutdown()

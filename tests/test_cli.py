@@ -219,6 +219,9 @@ def test_ray_options_are_shared_and_checked(runner, llama_kit, tmp_path, monkeyp
     _assert_user_error(_invoke(runner, ["interference", "--model", llama_kit.base_dir, "--finetuned",
                                         f"{TASK}={llama_kit.finetuned_dir}", "--gpus-per-worker", "1"]),
                        "--gpus-per-worker 1 need(s) --ray")
+    _assert_user_error(_invoke(runner, ["merge", "--method", "ties", "--model", llama_kit.base_dir, "--finetuned",
+                                        f"{TASK}={llama_kit.finetuned_dir}", "--out", tmp_path / "m", "--workers",
+                                        "3"]), "--workers 3 need(s) --ray")
     import importlib.util
 
     find_spec = importlib.util.find_spec

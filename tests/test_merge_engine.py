@@ -734,3 +734,35 @@ def test_out_dtype_rounds_once_and_mergekit_spelling_on_the_command_line(kit, tm
     record = yaml.safe_load((tmp_path / "bf16" / "submerge_merge.yaml").read_text())
     assert record["out_dtype"] == "bfloat16" and record["method"] == "task_arithmetic"
     assert any(rule.startswith("task-arithmetic") for rule in record["rules"])
+
+
+# ----------------------------------------------------------------------- scale-out: tensors as Ray tasks
+
+
+def test_merge_on_ray_writes_the_one_process_checkpoint_though_a_worker_is_killed(kit, tmp_path,
+                                                                                 kill_first_ray_worker):
+    """A method merge (ties) and a plan merge on 2 local Ray workers: byte for byte the one-process files
+    and the same rules record, though the first worker is killed after its first group."""
+    ray = pytest.importorskip("ray")
+    plan = make_plan(kit.store, granularity="attn-mlp")
+    merges = {"ties": (kit.base, kit.finetuned, method_rule("ties", {"top_k": 0.3})),
+              "plan": (plan.base_model, plan.finetuned, plan.rule_for)}
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        for name, (base, finetuned, rule_for) in merges.items():
+            write_merge(base, finetuned, tmp_path / f"{name}-one", rule_for, progress=False)
+            write_merge(base, finetuned, tmp_path / f"{name}-ray", rule_for, progress=False, ray="auto", workers=2,
+                        shard_size="64KB")
+    finally:
+        ray.shutdown()
+    assert len(kill_first_ray_worker) == 1
+    for name in merges:
+        one, spread = _tensors(tmp_path / f"{name}-one"), _tensors(tmp_path / f"{name}-ray")
+        assert list(one) == list(spread)
+        for tensor in one:
+            assert one[tensor].dtype == spread[tensor].dtype and torch.equal(one[tensor], spread[tensor]), tensor
+        records = [yaml.safe_load((tmp_path / f"{name}-{mode}" / "submerge_merge.yaml").read_text())
+                   for mode in ("one", "ray")]
+        assert records[0]["rules"] == records[1]["rules"]
+    with pytest.raises(ValueError, match="only with ray="):
+        write_merge(kit.base, kit.finetuned, tmp_path / "refused", merges["ties"][2], workers=2, progress=False)

@@ -42,34 +42,17 @@ import torch
 
 from diagnostics.interference.driver import MatrixJob, measure_matrix
 from diagnostics.scale_out import (
+    GROUP_ELEMENTS,
     checkpoint_spec,
-    connect,
+    group_matrices,
+    ordered_results,
     process_stats,
     reopen_checkpoint,
     reopen_task_vectors,
     task_vector_specs,
 )
 
-__all__ = ["checkpoint_spec", "group_matrices", "ray_results", "reopen_checkpoint"]
-
-GROUP_ELEMENTS = 1 << 20  # a matrix this large is a task of its own; smaller ones are grouped up to it
-
-
-def group_matrices(names: list[str], sizes: list[int], workers: int) -> list[list[str]]:
-    """Contiguous groups of ``names`` (in order) of about min(2²⁰, total / (4·workers)) elements each."""
-    target = min(GROUP_ELEMENTS, max(1, math.ceil(sum(sizes) / (4 * max(1, workers)))))
-    groups: list[list[str]] = []
-    current: list[str] = []
-    filled = 0
-    for name, size in zip(names, sizes):
-        current.append(name)
-        filled += size
-        if filled >= target:
-            groups.append(current)
-            current, filled = [], 0
-    if current:
-        groups.append(current)
-    return groups
+__all__ = ["GROUP_ELEMENTS", "checkpoint_spec", "group_matrices", "ray_results", "reopen_checkpoint"]
 
 
 class InterferenceWorker:
@@ -91,13 +74,6 @@ class InterferenceWorker:
         return process_stats()
 
 
-def _pool(actors: list):
-    """The actors as a `ray.util.ActorPool`: ordered results, each actor given a new group when it is free."""
-    from ray.util import ActorPool
-
-    return ActorPool(actors)
-
-
 def ray_results(address: str, names: list[str], base, task_readers: dict, job: MatrixJob, *, device: str, workers: int,
                 max_retries: int = 3, gpus_per_worker: float = 0, threads_per_worker: int | None = None,
                 report: dict | None = None) -> Iterator[tuple]:
@@ -105,27 +81,11 @@ def ray_results(address: str, names: list[str], base, task_readers: dict, job: M
 
     ``report`` (a dict), when given, receives ``workers``: each worker's `InterferenceWorker.stats` at the end.
     """
-    if workers < 1:
-        raise ValueError(f"workers must be >= 1, got {workers}")
     if not names:
         return
-    import ray
-
-    started = connect(address, workers)
-    base_spec = checkpoint_spec(base)
-    task_specs = task_vector_specs(task_readers)
-    remote = ray.remote(InterferenceWorker).options(num_cpus=1, num_gpus=gpus_per_worker, max_restarts=max_retries,
-                                                    max_task_retries=max_retries)
-    actors = [remote.remote(base_spec, task_specs, job, device, threads_per_worker) for _ in range(workers)]
-    try:
-        sizes = [math.prod(base.shape(name)) for name in names]
-        pool = _pool(actors)
-        for group in pool.map(lambda actor, group: actor.measure.remote(group), group_matrices(names, sizes, workers)):
-            yield from group
-        if report is not None:
-            report["workers"] = ray.get([actor.stats.remote() for actor in actors])
-    finally:
-        for actor in actors:
-            ray.kill(actor)
-        if started:
-            ray.shutdown()
+    sizes = [math.prod(base.shape(name)) for name in names]
+    args = (checkpoint_spec(base), task_vector_specs(task_readers), job, device, threads_per_worker)
+    for group in ordered_results(address, InterferenceWorker, args, "measure", group_matrices(names, sizes, workers),
+                                 workers=workers, max_retries=max_retries, gpus_per_worker=gpus_per_worker,
+                                 report=report):
+        yield from group
