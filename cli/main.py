@@ -326,7 +326,7 @@ def merge(
 @app.command("eval")
 @user_errors
 @run_options("model", "finetuned", "data", "out", "max_tokens", "batch_size", "device", "dtype", "compute_dtype",
-             "allow_pickle", "trust_remote_code", "force", "progress")
+             "allow_pickle", "trust_remote_code", "force", "progress", *SCALE_OUT)
 def evaluate_command(
     merged: Annotated[Optional[list[str]], typer.Option(
         "--merged", help="NAME=DIR of a merged model to evaluate too. Repeat.")] = None,
@@ -347,7 +347,7 @@ def evaluate_command(
                        batch_size=run.batch_size, dtype=run.dtype, compute_dtype=run.compute_dtype, device=run.device,
                        allow_pickle=run.allow_pickle,
                        trust_remote_code=run.trust_remote_code, store=Store(run.out), force=run.force,
-                       progress=run.progress, command=command_line())
+                       progress=run.progress, command=command_line(), **run.scale_out)
     frame = dataset.loss.to_pandas()
     frame.columns = [f"loss {c}" for c in frame.columns]
     for task in dataset.task.values:

@@ -766,3 +766,35 @@ def test_merge_on_ray_writes_the_one_process_checkpoint_though_a_worker_is_kille
         assert records[0]["rules"] == records[1]["rules"]
     with pytest.raises(ValueError, match="only with ray="):
         write_merge(kit.base, kit.finetuned, tmp_path / "refused", merges["ties"][2], workers=2, progress=False)
+
+
+def test_eval_on_ray_equals_one_process_and_resumes_a_killed_driver(kit, tmp_path):
+    """Models as tasks of 2 local Ray workers: the eval store equals the one-process one bit for bit, also when
+    the driver was killed after its first model and the run resumed on Ray."""
+    ray = pytest.importorskip("ray")
+    from diagnostics.evaluate import evaluate
+
+    options = {"skip": FIT, "samples": 4, "max_tokens": 48, "batch_size": 4, "dtype": "float32", "device": "cpu",
+               "progress": False}
+    fresh = evaluate(kit.base, kit.finetuned, kit.data, **options)
+
+    class Killed(RuntimeError):
+        pass
+
+    def kill_the_driver(label):
+        raise Killed(label)
+
+    store = Store(tmp_path / "eval.zarr")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        with pytest.raises(Killed):
+            evaluate(kit.base, kit.finetuned, kit.data, **options, store=store, ray="auto", workers=2,
+                     on_unit=kill_the_driver)
+        resumed = evaluate(kit.base, kit.finetuned, kit.data, **options, store=store, ray="auto", workers=2)
+    finally:
+        ray.shutdown()
+    for dataset in (resumed, store.dataset("eval")):
+        assert list(dataset.model.values) == list(fresh.model.values)
+        for name, variable in fresh.data_vars.items():
+            assert np.array_equal(variable.values, dataset[name].values), name
+    assert store.dataset("eval").attrs["provenance"]["scale_out"] == {"ray": "auto", "workers": 2}
