@@ -28,19 +28,28 @@ def check_workers(ray: str | None, workers: int) -> None:
         raise ValueError(f"workers={workers!r}: give a count >= 1, and more than 1 only with ray='auto' or an address")
 
 
-def connect(address: str, workers: int) -> bool:
-    """Start (``"auto"``) or join (an address) Ray unless this process is connected already; True if we did."""
+def connect(address: str, workers: int, gpus_per_worker: float = 0) -> bool:
+    """Start (``"auto"``) or join (an address) Ray unless this process is connected already; True if we did.
+
+    Every worker holds 1 CPU (and ``gpus_per_worker`` GPUs) for the whole run, so a cluster with fewer is an
+    error here rather than a run that waits forever.
+    """
     try:
         import ray
     except ImportError:
         raise ImportError(f"ray= needs Ray: {RAY_EXTRA}") from None
-    if ray.is_initialized():
-        return False
-    if address == "auto":
+    started = not ray.is_initialized()
+    if started and address == "auto":
         ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False)
-    else:
+    elif started:
         ray.init(address=address, log_to_driver=False)
-    return True
+    have = ray.cluster_resources()
+    if have.get("CPU", 0) < workers or have.get("GPU", 0) < workers * gpus_per_worker:
+        if started:
+            ray.shutdown()
+        raise ValueError(f"{workers} Ray workers need {workers} CPUs and {workers * gpus_per_worker:g} GPUs; the "
+                         f"Ray cluster has {have.get('CPU', 0):g} CPUs and {have.get('GPU', 0):g} GPUs")
+    return started
 
 
 def checkpoint_spec(reader) -> dict:
@@ -115,7 +124,7 @@ def ordered_results(address: str, worker: type, args: tuple, method: str, groups
 
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
-    started = connect(address, workers)
+    started = connect(address, workers, gpus_per_worker)
     remote = ray.remote(worker).options(num_cpus=1, num_gpus=gpus_per_worker, max_restarts=max_retries,
                                         max_task_retries=max_retries)
     actors = [remote.remote(*args) for _ in range(workers)]

@@ -492,7 +492,8 @@ def assert_same_dataset(dataset, reference) -> None:
 
 def test_linearity_and_alpha_on_ray_equal_one_process(two_tasks, tmp_path, monkeypatch):
     """2 local Ray workers (blocks 0–1 and 2) give bitwise the single-process linearity and α, in the store too,
-    though the driver is killed after its first unit and, on resuming, a worker is killed mid-run."""
+    though the driver is killed after its first unit and, on resuming, a worker is killed mid-run; the
+    Projection Distance too."""
     ray = pytest.importorskip("ray")
     import os
     import signal
@@ -504,6 +505,8 @@ def test_linearity_and_alpha_on_ray_equal_one_process(two_tasks, tmp_path, monke
     fresh = nonlinearity(two_tasks, **options)
     fresh_alpha = {granularity: alpha(two_tasks, granularity=granularity, progress=False)
                    for granularity in ("head-mlp", "model")}
+    grid = {"levels": ("model", "layer", "mlp"), "alphas": (0.5, 1.0), "progress": False}
+    fresh_projection = projection(two_tasks, **grid)
     killed, submit = [], scale_out.Pipeline.submit
 
     def submit_then_kill_the_last_worker(self, measure):
@@ -527,6 +530,9 @@ def test_linearity_and_alpha_on_ray_equal_one_process(two_tasks, tmp_path, monke
         monkeypatch.setattr(scale_out.Pipeline, "submit", submit)
         spread_alpha = {granularity: alpha(two_tasks, granularity=granularity, progress=False, ray="auto", workers=2)
                         for granularity in fresh_alpha}
+        spread_projection = projection(two_tasks, **grid, ray="auto", workers=2)
+        with pytest.raises(ValueError, match="3 Ray workers need 3 CPUs"):  # would wait forever for a third CPU
+            nonlinearity(two_tasks, **options, ray="auto", workers=3)
         assert ray.is_initialized()  # a Ray this process started itself is left running
     finally:
         ray.shutdown()
@@ -538,6 +544,7 @@ def test_linearity_and_alpha_on_ray_equal_one_process(two_tasks, tmp_path, monke
     assert store.dataset("linearity").attrs["provenance"]["scale_out"] == {"ray": "auto", "workers": 2}
     for granularity, dataset in spread_alpha.items():
         assert_same_dataset(dataset, fresh_alpha[granularity])
+    assert_same_dataset(spread_projection, fresh_projection)
 
 
 def test_workers_without_ray_is_an_error(math_only):

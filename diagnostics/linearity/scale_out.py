@@ -190,7 +190,8 @@ class Pipeline:
 
         experiment = sweep.experiment
         self.sweep, self.report, self.ray = sweep, report, ray_api
-        self.started = common.connect(ray, workers)
+        self.ranges = split_layers(experiment.arch.num_layers, workers)
+        self.started = common.connect(ray, len(self.ranges), gpus_per_worker)
         base = {"reader": common.checkpoint_spec(experiment.base.reader), "dtype": experiment.settings["dtype"],
                 "trust_remote_code": experiment.inputs.get("trust_remote_code", False)}
         job = {"base": base,
@@ -202,7 +203,6 @@ class Pipeline:
         remote = ray_api.remote(BlockWorker).options(num_cpus=1, num_gpus=gpus_per_worker, max_restarts=max_retries,
                                                      max_task_retries=max_retries)
         self.by_layer = sweep.by_layer()
-        self.ranges = split_layers(experiment.arch.num_layers, workers)
         self.actors, self.incoming = [], [None]  # the references are kept: a restarted worker takes its own again
         for layers in self.ranges:
             modules = {layer: self.by_layer[layer] for layer in layers if layer in self.by_layer}
@@ -210,7 +210,7 @@ class Pipeline:
             if layers[-1] < experiment.arch.num_layers - 1:
                 self.incoming.append(self.actors[-1].outgoing.remote())  # the next stage starts once this forwarded
 
-    def __enter__(self) -> Pipeline:
+    def __enter__(self):
         return self
 
     def __exit__(self, kind, error, traceback) -> None:
