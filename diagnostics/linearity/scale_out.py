@@ -101,11 +101,13 @@ def load_blocks(spec: dict, layers: range, *, head: bool, device) -> object:
 class BlockWorker:
     """One pipeline stage (a Ray actor): blocks `layers` of the base and the units of `modules` in them.
 
-    ``incoming``: {task: `CaptureState`} of the base forward just before the first of `layers` (None for the
-    first stage). ``job``: what every stage shares (see `Pipeline`).
+    ``incoming``: ``[reference]`` to {task: `CaptureState`} of the base forward just before the first of
+    `layers` (``[]`` for the first stage), fetched when first needed: in a list, the reference does not hold
+    back the worker's start, so every stage loads its blocks while the stages before it run. ``job``: what
+    every stage shares (see `Pipeline`).
     """
 
-    def __init__(self, job: dict, layers: list[int], modules: dict[int, list[Submodule]], incoming: dict | None):
+    def __init__(self, job: dict, layers: list[int], modules: dict[int, list[Submodule]], incoming: list):
         from diagnostics.models import pick_device
         from diagnostics.modules import find_architecture
 
@@ -120,7 +122,7 @@ class BlockWorker:
         self.source = ParameterSource(self.base, common.reopen_task_vectors(self.base.reader, job["task_vectors"]),
                                       compute_dtype=job["compute_dtype"])
         self.batches, self.modules = job["batches"], modules
-        self.incoming = None if incoming is None else _to(incoming, self.device)
+        self.pending, self.incoming = incoming, None
         self.chunks = [[self.layers[0] + i for i in chunk]
                        for chunk in layer_chunks(len(self.layers), job["layer_bytes"], job["capture_budget"])]
         self.states: dict[str, CaptureState] = {}
@@ -128,8 +130,12 @@ class BlockWorker:
 
     def _start(self, task: str) -> CaptureState:
         """A fresh `CaptureState` at the hidden states entering this stage (the embedding for the first)."""
-        if self.incoming is None:
+        if not self.pending:
             return CaptureState()
+        if self.incoming is None:
+            import ray
+
+            self.incoming = _to(ray.get(self.pending[0]), self.device)
         return CaptureState(self.incoming[task].layer, self.incoming[task].outputs)
 
     def _record(self, paths: list[str], task: str, state: CaptureState) -> dict:
@@ -165,7 +171,7 @@ class BlockWorker:
         """The variants' streams through this stage (`model_outputs` on its blocks), on the CPU."""
         with no_tf32():
             hidden = None if hidden is None else _to(hidden, self.device)
-            state = None if self.incoming is None else self._start(task)
+            state = self._start(task) if self.pending else None
             streams = model_outputs(self.source, self.arch, self.batches[task], variants, output=output,
                                     layers=self.layers, hidden=hidden, state=state)
         return _to(streams, "cpu")
@@ -203,12 +209,12 @@ class Pipeline:
         remote = ray_api.remote(BlockWorker).options(num_cpus=1, num_gpus=gpus_per_worker, max_restarts=max_retries,
                                                      max_task_retries=max_retries)
         self.by_layer = sweep.by_layer()
-        self.actors, self.incoming = [], [None]  # the references are kept: a restarted worker takes its own again
+        self.actors, self.incoming = [], [[]]  # the references are kept: a restarted worker takes its own again
         for layers in self.ranges:
             modules = {layer: self.by_layer[layer] for layer in layers if layer in self.by_layer}
             self.actors.append(remote.remote(job, list(layers), modules, self.incoming[-1]))
             if layers[-1] < experiment.arch.num_layers - 1:
-                self.incoming.append(self.actors[-1].outgoing.remote())  # the next stage starts once this forwarded
+                self.incoming.append([self.actors[-1].outgoing.remote()])  # what the next stage starts from
 
     def __enter__(self):
         return self
