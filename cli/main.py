@@ -9,7 +9,15 @@ import typer
 from rich.table import Table
 
 from cli.common import command_line, console, out, resolve_inputs, user_errors
-from cli.options import DATA_RUN, MODELS, RunOptions, load_experiment, run_options
+from cli.options import (
+    DATA_RUN,
+    MODELS,
+    SCALE_OUT,
+    RunOptions,
+    load_experiment,
+    run_options,
+    scale_out_arguments,
+)
 
 app = typer.Typer(
     name="diag",
@@ -67,7 +75,7 @@ def _store_run(run: RunOptions) -> dict:
     from diagnostics.store import Store
 
     return {"store": Store(run.out), "force": run.force, "progress": run.progress, "command": command_line(),
-            "capture_budget": run.capture_bytes}
+            "capture_budget": run.capture_bytes, **run.scale_out}
 
 
 @app.command()
@@ -159,16 +167,13 @@ def _open_models(run: RunOptions):
 
 @app.command()
 @user_errors
-@run_options(*MODELS, "out", "device", "force", "progress")
+@run_options(*MODELS, "out", "device", "force", "progress", *SCALE_OUT)
 def interference(
     rank_fracs: Annotated[str, typer.Option("--rank-fracs", help="Rank fractions of the I(k)/R(k) grid.")] =
     "0.01,0.02,0.04,0.08,0.16,0.32,0.64,1",
     sar_against: Annotated[str, typer.Option("--sar-against", help="Merged matrix for SAR: ta (Σ Δ_t) or a merge "
                                              "method (iso-c, ties, tsv-m ...).")] = "ta",
     svd_dtype: Annotated[str, typer.Option("--svd-dtype", help="float32 or float64 SVDs.")] = "float32",
-    ray: Annotated[Optional[str], typer.Option("--ray", help="Measure on Ray: 'auto' starts a local instance, "
-                                               "an ADDRESS joins a cluster (pip install 'submerge[ray]').")] = None,
-    workers: Annotated[int, typer.Option("--workers", min=1, help="Ray worker processes (with --ray).")] = 1,
     run: RunOptions = None,
 ):
     """Weight-space interference of every 2-D weight matrix (no data): ‖τ‖, effective rank, cosine and
@@ -183,8 +188,8 @@ def interference(
     _, base, task_vectors, _ = _open_models(run)
     dataset = run_interference(base, task_vectors, rank_fracs=fractions, sar_against=sar_against,
                                svd_dtype=svd_dtype, device=run.device, progress=run.progress,
-                               store=Store(run.out), force=run.force, command=command_line(), ray=ray,
-                               workers=workers)
+                               store=Store(run.out), force=run.force, command=command_line(),
+                               **run.scale_out)
     short = {"matrices": "n", "task_vector_norm": "‖τ‖", "effective_rank": "eff.rank", "cosine": "cos",
              "sign_conflict": "sign≠", "sti_normalized": "STI/Σσ", "sar": "SAR"}
     for by, title in (("level", "Interference per level"), ("layer", "Interference per layer")):
@@ -275,7 +280,7 @@ def plan(
 
 @app.command()
 @user_errors
-@run_options(*MODELS, "data", "samples", "max_tokens", "device", "force", "progress", device="cpu")
+@run_options(*MODELS, "data", "samples", "max_tokens", "device", "force", "progress", *SCALE_OUT, device="cpu")
 def merge(
     plan_path: Annotated[Optional[Path], typer.Argument(help="Plan from diag plan (or use --method).")] = None,
     out_dir: Annotated[Path, typer.Option("--out", "-o", help="Directory for the merged checkpoint.")] = Path("merged"),
@@ -293,6 +298,7 @@ def merge(
                                            "(float64 for SVDs and solves).")] = "base",
     *,
     model, finetuned, data, samples, max_tokens, device, allow_pickle, vocab, force, progress,  # from run_options
+    ray, workers, gpus_per_worker,
 ):
     """Write a merged Hugging Face checkpoint, streaming tensor by tensor (sharded safetensors + config +
     tokenizer + submerge_merge.yaml)."""
@@ -312,14 +318,15 @@ def merge(
             options = {"granularity": granularity, **options}
     out_dir = run_merge(out_dir, plan=plan_path, method=method, options=options, base=base,
                         finetuned=named_finetuned, data=settings, shard_size=shard_size, device=device,
-                        allow_pickle=allow_pickle, vocab=vocab, force=force, progress=progress, out_dtype=out_dtype)
+                        allow_pickle=allow_pickle, vocab=vocab, force=force, progress=progress, out_dtype=out_dtype,
+                        **scale_out_arguments(ray, workers, gpus_per_worker))
     out.print(f"Merged checkpoint → [bold]{out_dir}[/] (load with AutoModelForCausalLM.from_pretrained)")
 
 
 @app.command("eval")
 @user_errors
 @run_options("model", "finetuned", "data", "out", "max_tokens", "batch_size", "device", "dtype", "compute_dtype",
-             "allow_pickle", "trust_remote_code", "force", "progress")
+             "allow_pickle", "trust_remote_code", "force", "progress", *SCALE_OUT)
 def evaluate_command(
     merged: Annotated[Optional[list[str]], typer.Option(
         "--merged", help="NAME=DIR of a merged model to evaluate too. Repeat.")] = None,
@@ -340,7 +347,7 @@ def evaluate_command(
                        batch_size=run.batch_size, dtype=run.dtype, compute_dtype=run.compute_dtype, device=run.device,
                        allow_pickle=run.allow_pickle,
                        trust_remote_code=run.trust_remote_code, store=Store(run.out), force=run.force,
-                       progress=run.progress, command=command_line())
+                       progress=run.progress, command=command_line(), **run.scale_out)
     frame = dataset.loss.to_pandas()
     frame.columns = [f"loss {c}" for c in frame.columns]
     for task in dataset.task.values:

@@ -102,6 +102,13 @@ CaptureBudgetOption = Annotated[float, typer.Option(
     "--capture-budget", callback=_positive,
     help="GiB (> 0) of recorded module inputs held at once; layers are captured in chunks that fit.")]
 ProgressOption = Annotated[bool, typer.Option("--progress/--no-progress", help="Show progress bars.")]
+RayOption = Annotated[Optional[str], typer.Option(
+    "--ray", help="Run on Ray: 'auto' starts a local instance, an ADDRESS (host:port) joins a cluster "
+                  "(pip install 'submerge[ray]').")]
+WorkersOption = Annotated[int, typer.Option("--workers", min=1, help="Ray worker processes (with --ray); the "
+                                            "data-driven diagnostics give each a contiguous range of blocks.")]
+GpusPerWorkerOption = Annotated[float, typer.Option("--gpus-per-worker", min=0, help="GPUs Ray reserves for each "
+                                                    "worker (with --ray); > 0: the workers compute on CUDA.")]
 
 
 @dataclass(frozen=True)
@@ -124,13 +131,31 @@ class RunOptions:
     vocab: str = "base"
     force: bool = False
     progress: bool = True
+    ray: Optional[str] = None
+    workers: int = 1
+    gpus_per_worker: float = 0
 
     def __post_init__(self):
+        given = [f"--workers {self.workers}"] * (self.workers != 1)
+        given += [f"--gpus-per-worker {self.gpus_per_worker:g}"] * (self.gpus_per_worker != 0)
+        if self.ray is None and given:
+            raise typer.BadParameter(f"{' and '.join(given)} need(s) --ray auto (a local Ray instance) or --ray "
+                                     "ADDRESS (a cluster)")
+        if self.ray is not None:
+            import importlib.util
+
+            if importlib.util.find_spec("ray") is None:
+                raise typer.BadParameter("--ray needs Ray, which is not installed: pip install 'submerge[ray]'")
         demo = self.model is None
         if self.samples is None:
             object.__setattr__(self, "samples", DEMO_SAMPLES if demo else SAMPLES)
         if self.max_tokens is None:
             object.__setattr__(self, "max_tokens", DEMO_MAX_TOKENS if demo else MAX_TOKENS)
+
+    @property
+    def scale_out(self) -> dict:
+        """The drivers' keyword arguments for Ray (``ray``, ``workers``, ``ray_options``); none without --ray."""
+        return scale_out_arguments(self.ray, self.workers, self.gpus_per_worker)
 
     @property
     def capture_bytes(self) -> int:
@@ -141,11 +166,21 @@ class RunOptions:
         return resolve_inputs(self.model, self.finetuned, self.data, need_data=need_data)
 
     def experiment(self, *, skip: int = 0):
-        """The loaded `Experiment` (base model, task vectors, tokenised data) these options describe."""
+        """The loaded `Experiment` (base model, task vectors, tokenised data) these options describe.
+
+        With --ray the base stays on the meta device here: each worker reads its own blocks."""
         return load_experiment(self.model, self.finetuned, self.data, samples=self.samples, skip=skip,
                                max_tokens=self.max_tokens, batch_size=self.batch_size, dtype=self.dtype,
                                compute_dtype=self.compute_dtype, device=self.device, allow_pickle=self.allow_pickle,
-                               trust_remote_code=self.trust_remote_code, vocab=self.vocab)
+                               trust_remote_code=self.trust_remote_code, vocab=self.vocab,
+                               weights=self.ray is None)  # on Ray, the workers read the blocks
+
+
+def scale_out_arguments(ray: Optional[str], workers: int, gpus_per_worker: float) -> dict:
+    """The drivers' keyword arguments for --ray/--workers/--gpus-per-worker (checked by `RunOptions`)."""
+    if ray is None:
+        return {}
+    return {"ray": ray, "workers": workers, "ray_options": {"gpus_per_worker": gpus_per_worker}}
 
 
 OPTIONS: dict[str, object] = {
@@ -154,14 +189,17 @@ OPTIONS: dict[str, object] = {
     "capture_budget": CaptureBudgetOption, "device": DeviceOption, "dtype": DtypeOption,
     "compute_dtype": ComputeDtypeOption, "allow_pickle": PickleOption,
     "trust_remote_code": RemoteCodeOption, "vocab": VocabOption, "force": ForceOption, "progress": ProgressOption,
+    "ray": RayOption, "workers": WorkersOption, "gpus_per_worker": GpusPerWorkerOption,
 }
 """Annotation (type + typer.Option) of each shared option; the defaults are `RunOptions`'s."""
 
 INPUTS = ("model", "finetuned", "data", "out")
 MODELS = ("model", "finetuned", "allow_pickle", "vocab")
 """The options of every command that opens a base and its fine-tunes."""
+SCALE_OUT = ("ray", "workers", "gpus_per_worker")
+"""The options of the commands that run on Ray."""
 DATA_RUN = (*MODELS, "data", "out", "samples", "max_tokens", "batch_size", "capture_budget", "device", "dtype",
-            "compute_dtype", "trust_remote_code", "force", "progress")
+            "compute_dtype", "trust_remote_code", "force", "progress", *SCALE_OUT)
 """The options of the data-driven diagnostics (linearity, projection, alpha)."""
 
 

@@ -425,20 +425,32 @@ def model_outputs(
     *,
     output: str = "hidden",
     on_layer: Callable[[int], None] | None = None,
+    layers: range | None = None,
+    hidden: list[list[torch.Tensor]] | None = None,
+    state: CaptureState | None = None,
 ) -> list[list[torch.Tensor]]:
     """Final hidden states (after the final norm) or logits of every variant, block by block.
 
     Returns outputs[variant][batch] of shape (batch, seq, hidden | vocab), in the compute dtype
     (`source.dtype_for`). Only one block's parameters per variant exist at a time, never a second model.
+
+    A pipeline stage (`diagnostics.linearity.scale_out`) runs only the blocks `layers`: `hidden` holds the
+    variants' streams entering the first of them (None: the embedding stage runs here) and `state` the base
+    forward's `CaptureState` just before it (left unchanged); the final norm and head run only when `layers`
+    ends at the last block, else the streams leaving `layers` come back.
     """
     model = source.base.model
     device = next(model.parameters()).device
-    layer_paths = [arch.layer_path(i) for i in range(arch.num_layers)]
+    layers = range(arch.num_layers) if layers is None else layers
+    layer_paths = [arch.layer_path(i) for i in layers]
     # 1. the inputs of every block on the base (kwargs: masks, positions do not depend on weights)
-    block_inputs = record_inputs(model, arch, layer_paths, batches, device=device, compute=source.compute_dtype)
+    state = None if state is None else CaptureState(state.layer, state.outputs)
+    block_inputs = record_inputs(model, arch, layer_paths, batches, device=device, compute=source.compute_dtype,
+                                 state=state)
     # 2. the embedding stage per variant, 3. the blocks, 4. the final norm and, on request, the output head
-    hidden = [_embedded(source, arch, batches, variant, block_inputs[layer_paths[0]]) for variant in variants]
-    for i, path in enumerate(layer_paths):
+    if hidden is None:
+        hidden = [_embedded(source, arch, batches, variant, block_inputs[layer_paths[0]]) for variant in variants]
+    for i, path in zip(layers, layer_paths):
         block, compute = model.get_submodule(path), source.dtype_for(path)
         for v, variant in enumerate(variants):
             params = source.variant(path, variant)
@@ -450,6 +462,15 @@ def model_outputs(
         if on_layer:
             on_layer(i)
     del block_inputs
+    if layers[-1] == arch.num_layers - 1:
+        _final_stages(source, arch, hidden, variants, output)
+    return hidden
+
+
+def _final_stages(source: ParameterSource, arch: Architecture, hidden: list[list[torch.Tensor]],
+                  variants: list[Variant], output: str) -> None:
+    """The final norm and, for ``output="logits"``, the output head, applied to every stream in place."""
+    model = source.base.model
     heads = [arch.final_norm_path] if arch.final_norm_path else []
     if output == "logits":
         heads.append(_output_head_path(model))
@@ -457,11 +478,10 @@ def model_outputs(
         module = model.get_submodule(path)
         for v, variant in enumerate(variants):
             params = source.variant(path, variant)
-            for b in range(len(batches)):
+            for b in range(len(hidden[v])):
                 x = upcast(hidden[v][b], source.dtype_for(path))
                 hidden[v][b] = functional_call(module, params, (x,), strict=False) if params else module(x)
         source.clear()
-    return hidden
 
 
 def _embedded(source: ParameterSource, arch: Architecture, batches, variant: Variant, first_inputs) -> list:

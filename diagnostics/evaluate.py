@@ -9,7 +9,7 @@ directory, hub id or LoRA adapter), so only one model is ever in memory.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -22,6 +22,7 @@ from diagnostics.experiment import check_device, pick_compute_dtype
 from diagnostics.models import BaseModel, load_base_model, open_checkpoint
 from diagnostics.modules import find_architecture
 from diagnostics.progress import progress_bar
+from diagnostics.scale_out import check_workers
 from diagnostics.store import Store, UnitWriter
 
 
@@ -61,6 +62,59 @@ def load_weights(base: BaseModel, spec: str | None, *, allow_pickle: bool = Fals
         parameter.copy_(tensor)
 
 
+def model_losses(base: BaseModel, arch, spec: str | None, tasks: list[str], batches: dict, compute: torch.dtype, *,
+                 allow_pickle: bool = False, describe: Callable[[str], None] = lambda task: None) -> tuple[list, list]:
+    """(loss per task, predicted tokens per task) of the checkpoint `spec` (None: the base) loaded into `base`."""
+    load_weights(base, spec, allow_pickle=allow_pickle)
+    losses, counts = [], []
+    for task in tasks:
+        describe(task)
+        with computing_in(base.model, arch, compute), no_tf32():
+            loss, count = task_loss(base.model, batches[task])
+        losses.append(loss)
+        counts.append(count)
+    return losses, counts
+
+
+class EvalWorker:
+    """A Ray worker of `evaluate`: one base model instance, into which each model of its groups is loaded."""
+
+    def __init__(self, base_spec: str, load: dict, tasks: list[str], batches: dict, compute: torch.dtype,
+                 threads: int | None):
+        if threads:
+            torch.set_num_threads(threads)
+        self.base = load_base_model(base_spec, **load)
+        self.arch, self.tasks, self.batches, self.compute = find_architecture(self.base.model), tasks, batches, compute
+        self.allow_pickle = load["allow_pickle"]
+
+    def evaluate(self, group: list[str | None]) -> list[tuple[list, list]]:
+        return [model_losses(self.base, self.arch, spec, self.tasks, self.batches, self.compute,
+                             allow_pickle=self.allow_pickle) for spec in group]
+
+    def stats(self) -> dict:
+        from diagnostics.scale_out import process_stats
+
+        return process_stats()
+
+
+def _losses(base, arch, specs: list[str | None], tasks, batches, compute, load: dict, scale_out: dict | None,
+            describe) -> Iterator[tuple[list, list]]:
+    """`model_losses` of every spec in order: here, or one model per task on Ray workers (``scale_out``)."""
+    if scale_out is None:
+        for spec in specs:
+            yield model_losses(base, arch, spec, tasks, batches, compute, allow_pickle=load["allow_pickle"],
+                               describe=lambda task, spec=spec: describe(f"{spec or 'base'} on {task}"))
+        return
+    from diagnostics.scale_out import ordered_results
+
+    describe(f"{scale_out['workers']} Ray worker(s)")
+    options = dict(scale_out.get("ray_options") or {})
+    args = (base.spec, load, tasks, batches, compute, options.pop("threads_per_worker", None))
+    for group in ordered_results(scale_out["ray"], EvalWorker, args, "evaluate", [[spec] for spec in specs],
+                                 workers=scale_out["workers"], **options):
+        yield from group
+
+
 def _piece(label: str, spec: str, tasks: list[str], losses: list[float], counts: list[int]) -> xr.Dataset:
     """One store unit of `eval`: one model's loss, perplexity and token count per task."""
     return xr.Dataset(
@@ -93,16 +147,22 @@ def evaluate(
     progress: bool = True,
     command: str | None = None,
     on_unit: Callable[[str], None] | None = None,
+    ray: str | None = None,
+    workers: int = 1,
+    ray_options: dict | None = None,
 ) -> xr.Dataset:
     """Loss and perplexity of 'base' and every model in `models` (label → spec) on each task's held-out records.
 
     Weights are kept in `dtype` (storage); the forwards run in `compute_dtype` stage by stage, TF32 off.
+    ``ray`` (``"auto"`` or an address): each model is a task of ``workers`` Ray processes, each holding one
+    model instance (``ray_options``: max_retries, gpus_per_worker, threads_per_worker, report); this process
+    loads the base on the meta device only and alone writes the store, model by model, in order.
     """
     compute = pick_compute_dtype(compute_dtype)
     check_device(device)
-    base = load_base_model(
-        base_spec, dtype=dtype, device=device, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code
-    )
+    check_workers(ray, workers)
+    load = {"dtype": dtype, "device": device, "allow_pickle": allow_pickle, "trust_remote_code": trust_remote_code}
+    base = load_base_model(base_spec, **load, weights=ray is None)  # on Ray, each worker loads the model
     if not hasattr(base.model, "get_output_embeddings") or base.model.get_output_embeddings() is None:
         raise ModelInputError(f"{base_spec}: eval needs a causal language model with an output head")
     task_data = {task: read_task_file(task, path, samples=samples, skip=skip) for task, path in data.items()}
@@ -121,26 +181,23 @@ def evaluate(
         "base_model": base.reader.fingerprint() | {"spec": base_spec},
         "models": models,
         "data": {t: d.provenance() for t, d in task_data.items()},
+        **({} if ray is None else {"scale_out": {"ray": ray, "workers": workers}}),
     }
     writer = UnitWriter(store, "eval", settings, dim="model", force=force, on_unit=on_unit, inputs=inputs,
                         command=command)
+    todo = [label for label in labels if label not in writer.done]
+    specs = {label: None if label == "base" else models[label] for label in labels}
+    scale_out = None if ray is None else {"ray": ray, "workers": workers, "ray_options": ray_options}
     with progress_bar(progress) as bar:
         job = bar.add_task("Evaluating", total=len(labels) * len(tasks))
-        for label in labels:
-            if label in writer.done:
-                bar.advance(job, len(tasks))
-                continue
-            load_weights(base, None if label == "base" else models[label], allow_pickle=allow_pickle)
-            losses, counts = [], []
-            for task in tasks:
-                bar.update(job, description=f"Evaluating {label} on {task}")
-                with computing_in(base.model, arch, compute), no_tf32():
-                    loss, count = task_loss(base.model, batches[task])
-                losses.append(loss)
-                counts.append(count)
-                bar.advance(job)
-            writer.add(_piece(label, base_spec if label == "base" else models[label], tasks, losses, counts), label)
-    load_weights(base, None)
+        bar.advance(job, (len(labels) - len(todo)) * len(tasks))
+        losses = _losses(base, arch, [specs[label] for label in todo], tasks, batches, compute, load, scale_out,
+                         lambda text: bar.update(job, description=f"Evaluating {text}"))
+        for label, (loss, counts) in zip(todo, losses):
+            writer.add(_piece(label, specs[label] or base_spec, tasks, loss, counts), label)
+            bar.advance(job, len(tasks))
+    if ray is None:
+        load_weights(base, None)
     notes = {
         "loss": "mean next-token cross-entropy over real tokens, nats",
         "perplexity": "exp(loss)",

@@ -14,7 +14,7 @@ import torch
 from diagnostics.capture import ParameterSource
 from diagnostics.data import TaskData, TokenBatch, read_task_file, tokenize
 from diagnostics.errors import DataInputError, ModelInputError
-from diagnostics.models import BaseModel, TaskVectorReader, load_base_model, open_finetunes
+from diagnostics.models import BaseModel, TaskVectorReader, load_base_model, open_finetunes, pick_device
 from diagnostics.modules import Architecture, find_architecture
 from diagnostics.store import run_attrs
 
@@ -93,7 +93,10 @@ class Experiment:
         trust_remote_code: bool = False,
         vocab: str = "base",
         need_data_for_every_task: bool = True,
+        weights: bool = True,
     ) -> Experiment:
+        """The base, its fine-tunes' task vectors and the tokenised data; ``weights=False`` leaves the base on the
+        meta device (a Ray driver: its workers read their blocks themselves)."""
         if not data:
             raise DataInputError("no task data given (use --data NAME=PATH, one per fine-tune)")
         if need_data_for_every_task:
@@ -109,7 +112,7 @@ class Experiment:
         check_device(device)
         task_data = {task: read_task_file(task, path, samples=samples, skip=skip) for task, path in data.items()}
         base = load_base_model(model, dtype=dtype, device=device, revision=revision, allow_pickle=allow_pickle,
-                               trust_remote_code=trust_remote_code)
+                               trust_remote_code=trust_remote_code, weights=weights)
         task_vectors, report = open_finetunes(base.reader, finetuned, allow_pickle=allow_pickle, vocab=vocab)
         arch = find_architecture(base.model)
         batches = {task: tokenize(d, base.tokenizer, max_tokens=max_tokens, batch_size=batch_size)
@@ -121,7 +124,7 @@ class Experiment:
             "base_model": base.reader.fingerprint() | {"spec": model, "architecture": type(base.model).__name__},
             "finetuned": {t: tv.finetuned.fingerprint() for t, tv in task_vectors.items()},
             "data": {t: d.provenance() for t, d in task_data.items()},
-            "device": str(next(base.model.parameters()).device),
+            "device": str(next(base.model.parameters()).device if weights else pick_device(device)),
             "preflight": report,
             "trust_remote_code": trust_remote_code,
             "allow_pickle": allow_pickle,

@@ -484,9 +484,15 @@ def load_base_model(
     revision: str | None = None,
     allow_pickle: bool = False,
     trust_remote_code: bool = False,
+    weights: bool = True,
 ) -> BaseModel:
-    """Instantiate the base model (causal LM, or the bare encoder for BERT-like models) and its tokenizer."""
+    """Instantiate the base model (causal LM, or the bare encoder for BERT-like models) and its tokenizer.
+
+    ``weights=False``: the model on the meta device, nothing read (a Ray driver whose workers hold the blocks).
+    """
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
+
+    from diagnostics.tensors import meta_model
 
     path = local_path(spec, revision=revision, allow_pickle=allow_pickle, role="base model")
     target = pick_device(device)
@@ -509,7 +515,8 @@ def load_base_model(
         auto = AutoModelForCausalLM if causal else AutoModel
         try:
             model = auto.from_pretrained(path, dtype=torch_dtype, trust_remote_code=trust_remote_code,
-                                         use_safetensors=not allow_pickle or None)
+                                         use_safetensors=not allow_pickle or None) if weights else \
+                meta_model(path, trust_remote_code=trust_remote_code, dtype=torch_dtype)
         except Exception as exc:
             raise ModelInputError(f"could not load the base model from {path}: {exc}") from exc
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -517,7 +524,7 @@ def load_base_model(
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
     tokenizer.padding_side = "right"
     _check_vocabulary(tokenizer, model, path)
-    model.to(target).eval()
+    (model.to(target) if weights else model).eval()
     model.requires_grad_(False)
     reader = open_checkpoint(str(path), allow_pickle=allow_pickle)
     base = BaseModel(model=model, tokenizer=tokenizer, reader=reader, spec=spec)

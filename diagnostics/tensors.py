@@ -154,9 +154,14 @@ class TensorTable:
         return cls.from_model(model, checkpoint_name_map(model, reader))
 
 
-def meta_model(path, *, trust_remote_code: bool = False) -> nn.Module:
-    """The model class of a checkpoint directory (or .gguf file) instantiated on the meta device."""
+def meta_model(path, *, trust_remote_code: bool = False, buffers: bool = True, dtype=None) -> nn.Module:
+    """The model class of a checkpoint directory (or .gguf file) instantiated on the meta device.
+
+    With ``buffers=False`` only the parameters are on the meta device: buffers (rotary frequencies, position
+    ids, masks) are built on the CPU as the model's constructor computes them, in the default dtype `dtype`.
+    """
     import torch
+    from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
     directory = path if path.is_dir() else path.parent
@@ -168,8 +173,8 @@ def meta_model(path, *, trust_remote_code: bool = False) -> nn.Module:
         raise ModelInputError(f"{directory} has no config.json: cannot tell what its tensors are")
     causal = any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in (config.architectures or []))
     auto = AutoModelForCausalLM if causal else AutoModel
-    with torch.device("meta"):
-        return auto.from_config(config, trust_remote_code=trust_remote_code)
+    with torch.device("meta") if buffers else init_empty_weights(include_buffers=False):
+        return auto.from_config(config, trust_remote_code=trust_remote_code, **({"dtype": dtype} if dtype else {}))
 
 
 def _output_embedding_weight(model: nn.Module):

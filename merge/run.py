@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from diagnostics.scale_out import check_workers
 from merge.rules import RuleFunction, checked_method, method_rule, regmean_rule
 from merge.strategies import STRATEGIES
 from merge.writer import MergeError, check_not_an_input, check_output, parse_size, write_merge
@@ -64,15 +65,20 @@ def run_merge(
     force: bool = False,
     progress: bool = True,
     out_dtype: str | torch.dtype | None = None,
+    ray: str | None = None,
+    workers: int = 1,
+    ray_options: dict | None = None,
 ) -> Path:
     """Write the merged checkpoint of a plan file or of `method` (+ `options`) on `base` + `finetuned`.
 
     Every setting is checked before any work (output, shard size, out dtype, outputs that would
     overwrite an input); tensors are written in `out_dtype` ("base" or None: each base tensor's dtype).
+    ``ray``, ``workers``, ``ray_options``: the tensors merged by Ray workers (`merge.scale_out`).
     """
     out_dir = Path(out_dir)
     if (plan is None) == (method is None):
         raise ValueError("give either a plan or a method")
+    check_workers(ray, workers)
     check_output(out_dir, force)
     parse_size(shard_size)
     dtype = parse_out_dtype(out_dtype)
@@ -89,7 +95,8 @@ def run_merge(
     setup.record["out_dtype"] = str(dtype).removeprefix("torch.") if dtype else "base"
     return write_merge(base, finetuned, out_dir, setup.rule_for, record=setup.record, force=force,
                        allow_pickle=allow_pickle, vocab=vocab, shard_size=shard_size, dtype=dtype, device=device,
-                       gram_matrices=setup.gram_matrices, progress=progress)
+                       gram_matrices=setup.gram_matrices, progress=progress, ray=ray, workers=workers,
+                       ray_options=ray_options)
 
 
 OUT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,

@@ -17,7 +17,7 @@ import json
 import math
 import os
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -25,6 +25,7 @@ import yaml
 
 from diagnostics.models import local_path, open_checkpoint, open_finetunes
 from diagnostics.progress import progress_bar
+from diagnostics.scale_out import check_workers
 from diagnostics.store import provenance
 from diagnostics.tensors import TensorInfo, TensorTable
 from merge.rules import MergeError, ParameterRule, method_rule, regmean_rule
@@ -258,6 +259,9 @@ def write_merge(
     device: str = "cpu",
     gram_matrices: Callable[[str], list[torch.Tensor] | None] | None = None,
     progress: bool = True,
+    ray: str | None = None,
+    workers: int = 1,
+    ray_options: dict | None = None,
 ) -> Path:
     """Merge `finetuned` into `base` tensor by tensor with the rule `rule_for(info)` gives (info: the tensor table's).
 
@@ -266,8 +270,13 @@ def write_merge(
     existing output is removed only then, so a failed merge leaves it as it was. An `out_dir` that is,
     contains or is inside an input model's directory is refused before anything is written.
     Returns the output directory, loadable with `AutoModelForCausalLM.from_pretrained`.
+
+    ``ray`` (``"auto"`` or an address) merges groups of tensors in ``workers`` Ray processes
+    (`merge.scale_out`, ``ray_options`` its options); this process alone writes the shards, in order.
     """
     out_dir = Path(out_dir)
+    check_workers(ray, workers)
+    scale_out = None if ray is None else {"address": ray, "workers": workers, **(ray_options or {})}
     check_output(out_dir, force)
     limit = parse_size(shard_size)
     base_reader = open_checkpoint(base, allow_pickle=allow_pickle)
@@ -279,8 +288,9 @@ def write_merge(
     staging = _staging_directory(out_dir)
     try:
         shards = ShardWriter(staging, limit, layout)
-        used = _stream_tensors(base_reader, task_vectors, rule_for, shards, dtype=dtype, device=device,
-                               gram_matrices=gram_matrices, progress=progress)
+        tensors = _merged_tensors(base_reader, task_vectors, rule_for, dtype=dtype, device=device,
+                                  gram_matrices=gram_matrices, scale_out=scale_out)
+        used = _stream_tensors(tensors, len(names), shards, progress)
         shards.finish()
         _copy_model_files(base, staging, allow_pickle)
         _write_record(staging, record, used, base, task_vectors, report)
@@ -296,29 +306,50 @@ def _written_dtype(stored: torch.dtype, out_dtype: torch.dtype | None) -> torch.
     return out_dtype if (out_dtype is not None and stored.is_floating_point) else stored
 
 
-def _stream_tensors(base_reader, task_vectors, rule_for, shards: ShardWriter, *, dtype, device, gram_matrices,
-                    progress) -> dict[str, str]:
-    """Merge every tensor of the base in checkpoint order into `shards`; returns name → rule description."""
+def merge_named(name: str, base_reader, task_vectors, table: TensorTable, rule_for, *, dtype, device,
+                gram_matrices) -> tuple[torch.Tensor, str | None]:
+    """(merged tensor, description of its rule) of the base tensor `name`; an integer buffer comes back as read
+    (no rule). The inputs' files are unmapped afterwards, so their pages do not pile up in the RSS."""
+    base_tensor = base_reader.get(name, device=device)
+    merged, used = base_tensor, None
+    if base_tensor.is_floating_point():
+        info = table.get(name, tuple(base_tensor.shape))
+        rule = rule_for(info)
+        vectors = {task: reader.get(name, torch.float32, device) for task, reader in task_vectors.items()}
+        grams = gram_matrices(name) if (gram_matrices and rule.method == "regmean") else None
+        merged, used = merge_tensor(info, base_tensor, vectors, rule, grams, dtype=dtype), rule.describe()
+        del vectors
+    for reader in (base_reader, *(tv.finetuned for tv in task_vectors.values())):
+        reader.release()
+    return merged, used
+
+
+def _merged_tensors(base_reader, task_vectors, rule_for, *, dtype, device, gram_matrices,
+                    scale_out: dict | None) -> Iterator[tuple[str, torch.Tensor, str | None]]:
+    """(name, merged tensor, rule description) of every base tensor in checkpoint order: merged here, or by
+    Ray workers (``scale_out``: ``ray``, ``workers`` and the `merge.scale_out.ray_merged` options)."""
+    if scale_out is not None:
+        from merge.scale_out import ray_merged
+
+        yield from ray_merged(base_reader, task_vectors, rule_for, dtype=dtype, device=device,
+                              gram_matrices=gram_matrices, **scale_out)
+        return
     table = TensorTable.from_reader(base_reader)
+    for name in base_reader.names():
+        yield name, *merge_named(name, base_reader, task_vectors, table, rule_for, dtype=dtype, device=device,
+                                 gram_matrices=gram_matrices)
+
+
+def _stream_tensors(tensors: Iterator, total: int, shards: ShardWriter, progress: bool) -> dict[str, str]:
+    """Write the merged `tensors` (name, tensor, rule) into `shards` in order; returns name → rule description."""
     used: dict[str, str] = {}
-    names = base_reader.names()
     with progress_bar(progress) as bar:
-        job = bar.add_task("Merging tensors", total=len(names))
-        for name in names:
-            base_tensor = base_reader.get(name, device=device)
-            merged = base_tensor
-            if base_tensor.is_floating_point():
-                info = table.get(name, tuple(base_tensor.shape))
-                rule = rule_for(info)
-                vectors = {task: reader.get(name, torch.float32, device) for task, reader in task_vectors.items()}
-                grams = gram_matrices(name) if (gram_matrices and rule.method == "regmean") else None
-                merged = merge_tensor(info, base_tensor, vectors, rule, grams, dtype=dtype)
-                used[name] = rule.describe()
-                del vectors
+        job = bar.add_task("Merging tensors", total=total)
+        for name, merged, rule in tensors:
             shards.add(name, merged)
-            del merged, base_tensor
-            for reader in (base_reader, *(tv.finetuned for tv in task_vectors.values())):
-                reader.release()  # unmap what was read: the inputs' pages do not pile up in the RSS
+            if rule is not None:
+                used[name] = rule
+            del merged
             bar.advance(job)
     return used
 

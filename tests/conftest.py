@@ -88,3 +88,34 @@ def toy_kit(toy_root):
 @pytest.fixture(scope="session")
 def llama_kit(toy_kit) -> ToyKit:
     return toy_kit("llama")
+
+
+@pytest.fixture
+def kill_first_ray_worker(monkeypatch) -> list:
+    """Ray scale-outs whose first pooled worker is SIGKILLed right after its first group is submitted.
+
+    Patches `diagnostics.scale_out._pool`; the returned list receives the killed process id.
+    """
+    import os
+    import signal
+
+    ray = pytest.importorskip("ray")
+    from ray.util import ActorPool
+
+    from diagnostics import scale_out
+
+    killed: list[int] = []
+
+    class KillsItsFirstWorker(ActorPool):
+        def submit(self, fn, value):
+            def kill_after_submitting(actor, group):
+                pid = ray.get(actor.stats.remote())["pid"]
+                reference = fn(actor, group)  # this group is now queued or running on that process
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+                return reference
+
+            super().submit(fn if killed else kill_after_submitting, value)
+
+    monkeypatch.setattr(scale_out, "_pool", KillsItsFirstWorker)
+    return killed

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import yaml
 from safetensors.torch import load_file, save_file
@@ -207,3 +208,34 @@ def test_unrecognised_architecture(runner, llama_kit, tmp_path):
                               "-o", tmp_path / "o.zarr", "--device", "cpu", "--no-progress"])
     _assert_user_error(result, "could not find transformer blocks in MambaForCausalLM",
                        "backbone.layers (2 x MambaBlock)")
+
+
+def test_ray_options_are_shared_and_checked(runner, llama_kit, tmp_path, monkeypatch):
+    """--ray/--workers/--gpus-per-worker: one definition for every command; a worker count needs --ray, and
+    --ray needs the ray extra; with --ray auto the store is bitwise the one-process store."""
+    out = tmp_path / "o.zarr"
+    _assert_user_error(_invoke(runner, [*_linearity_arguments(llama_kit, out), "--workers", "2"]),
+                       "--workers 2 need(s) --ray auto")
+    _assert_user_error(_invoke(runner, ["interference", "--model", llama_kit.base_dir, "--finetuned",
+                                        f"{TASK}={llama_kit.finetuned_dir}", "--gpus-per-worker", "1"]),
+                       "--gpus-per-worker 1 need(s) --ray")
+    _assert_user_error(_invoke(runner, ["merge", "--method", "ties", "--model", llama_kit.base_dir, "--finetuned",
+                                        f"{TASK}={llama_kit.finetuned_dir}", "--out", tmp_path / "m", "--workers",
+                                        "3"]), "--workers 3 need(s) --ray")
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    with monkeypatch.context() as patched:
+        patched.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else find_spec(name, *a))
+        _assert_user_error(_invoke(runner, [*_linearity_arguments(llama_kit, out), "--ray", "auto"]),
+                           "pip install 'submerge[ray]'")
+    assert not out.exists()
+    pytest.importorskip("ray")
+    one = _invoke(runner, _linearity_arguments(llama_kit, tmp_path / "one.zarr"))
+    spread = _invoke(runner, [*_linearity_arguments(llama_kit, tmp_path / "ray.zarr"), "--ray", "auto",
+                              "--workers", "2"])
+    assert one.exit_code == 0 and spread.exit_code == 0, spread.output
+    first, second = Store(tmp_path / "one.zarr").dataset("linearity"), Store(tmp_path / "ray.zarr").dataset("linearity")
+    assert np.array_equal(first.nonlinearity_score.values, second.nonlinearity_score.values, equal_nan=True)
+    settings = [Store(tmp_path / name)._root("r")["linearity"].attrs["settings"] for name in ("one.zarr", "ray.zarr")]
+    assert settings[0] == settings[1]  # the Ray driver (base on the meta device) records the same settings

@@ -553,35 +553,17 @@ def test_group_matrices_for_ray_tasks():
     assert group_matrices([], [], 2) == []
 
 
-def test_interference_on_ray_equals_one_process_and_survives_a_killed_worker(tiny_checkpoints, tmp_path, monkeypatch):
+def test_interference_on_ray_equals_one_process_and_survives_a_killed_worker(tiny_checkpoints, tmp_path,
+                                                                             kill_first_ray_worker):
     """2 local Ray workers give bitwise the single-process results, in the store too, though one is killed."""
     ray = pytest.importorskip("ray")
-    import os
-    import signal
-
-    from ray.util import ActorPool
-
-    from diagnostics.interference import interference, scale_out
+    from diagnostics.interference import interference
     from diagnostics.store import Store
 
     base, finetuned, _, _ = tiny_checkpoints
     options = {"rank_fracs": (0.25, 1.0), "progress": False, "device": "cpu", "sar_against": "ties"}
     fresh = interference(base, finetuned, **options)
-
-    killed = []
-
-    class KillsItsFirstWorker(ActorPool):
-        def submit(self, fn, value):
-            def kill_after_submitting(actor, group):
-                pid = ray.get(actor.stats.remote())["pid"]
-                reference = fn(actor, group)  # this group is now queued or running on that process
-                os.kill(pid, signal.SIGKILL)
-                killed.append(pid)
-                return reference
-
-            super().submit(fn if killed else kill_after_submitting, value)
-
-    monkeypatch.setattr(scale_out, "_pool", KillsItsFirstWorker)
+    killed = kill_first_ray_worker
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         store, report = Store(tmp_path / "ray.zarr"), {}

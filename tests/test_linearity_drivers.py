@@ -478,3 +478,82 @@ def test_toy_table(every_level):
         assert table.loc["linear", task][0] <= 1e-9
         for level in ("model", "layer", "attn", "mlp", "head"):
             assert table.loc[level, task][0] > 1e-6, (level, task)
+
+
+# ------------------------------------------------------------------ scale-out: the pipeline over blocks on Ray
+
+
+def assert_same_dataset(dataset, reference) -> None:
+    assert [str(m) for m in dataset.module.values] == [str(m) for m in reference.module.values]
+    for name, variable in reference.data_vars.items():
+        assert variable.dtype == dataset[name].dtype, name
+        assert np.array_equal(variable.values, dataset[name].values, equal_nan=True), name
+
+
+def test_linearity_and_alpha_on_ray_equal_one_process(two_tasks, tmp_path, monkeypatch):
+    """2 local Ray workers (blocks 0–1 and 2) give bitwise the single-process linearity and α, in the store too,
+    though the driver is killed after its first unit and, on resuming, a worker is killed mid-run; the
+    Projection Distance too."""
+    ray = pytest.importorskip("ray")
+    import os
+    import signal
+
+    from diagnostics.linearity import scale_out
+
+    levels = ("model", "layer", "attn", "head", "mlp")
+    options = {"levels": levels, "steps": 3, "progress": False}
+    fresh = nonlinearity(two_tasks, **options)
+    fresh_alpha = {granularity: alpha(two_tasks, granularity=granularity, progress=False)
+                   for granularity in ("head-mlp", "model")}
+    grid = {"levels": ("model", "layer", "mlp"), "alphas": (0.5, 1.0), "progress": False}
+    fresh_projection = projection(two_tasks, **grid)
+    killed, submit = [], scale_out.Pipeline.submit
+
+    def submit_then_kill_the_last_worker(self, measure):
+        pid = ray.get(self.actors[-1].stats.remote())["pid"]
+        submitted = submit(self, measure)  # its layers are now queued or running on that process
+        os.kill(pid, signal.SIGKILL)
+        killed.append(pid)
+        return submitted
+
+    def kill_the_driver(label):
+        raise Killed(label)
+
+    store, report = Store(tmp_path / "ray.zarr"), {}
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        with pytest.raises(Killed):
+            nonlinearity(two_tasks, **options, store=store, ray="auto", workers=2, on_unit=kill_the_driver)
+        monkeypatch.setattr(scale_out.Pipeline, "submit", submit_then_kill_the_last_worker)
+        resumed = nonlinearity(two_tasks, **options, store=store, ray="auto", workers=2,
+                               ray_options={"report": report})
+        monkeypatch.setattr(scale_out.Pipeline, "submit", submit)
+        spread_alpha = {granularity: alpha(two_tasks, granularity=granularity, progress=False, ray="auto", workers=2)
+                        for granularity in fresh_alpha}
+        spread_projection = projection(two_tasks, **grid, ray="auto", workers=2)
+        with pytest.raises(ValueError, match="3 Ray workers need 3 CPUs"):  # would wait forever for a third CPU
+            nonlinearity(two_tasks, **options, ray="auto", workers=3)
+        assert ray.is_initialized()  # a Ray this process started itself is left running
+    finally:
+        ray.shutdown()
+    assert len(killed) == 1 and killed[0] not in [worker["pid"] for worker in report["workers"]]  # restarted
+    assert [worker["layers"] for worker in report["workers"]] == [[0, 1], [2, 2]]
+    for dataset in (resumed, store.dataset("linearity")):
+        assert_same_dataset(dataset, fresh)
+    assert store.is_complete("linearity")
+    assert store.dataset("linearity").attrs["provenance"]["scale_out"] == {"ray": "auto", "workers": 2}
+    for granularity, dataset in spread_alpha.items():
+        assert_same_dataset(dataset, fresh_alpha[granularity])
+    assert_same_dataset(spread_projection, fresh_projection)
+
+
+def test_workers_without_ray_is_an_error(math_only):
+    with pytest.raises(ValueError, match="only with ray="):
+        nonlinearity(math_only, levels=("layer",), workers=2, progress=False)
+
+
+def test_a_base_without_weights_needs_ray(kit):
+    experiment = load(kit, {"math": kit.finetuned["math"]}, weights=False)
+    assert experiment.device.type == "meta"
+    with pytest.raises(ValueError, match="without weights"):
+        nonlinearity(experiment, levels=("layer",), progress=False)

@@ -756,3 +756,67 @@ def test_out_dtype_rounds_once_and_mergekit_spelling_on_the_command_line(kit, tm
     record = yaml.safe_load((tmp_path / "bf16" / "submerge_merge.yaml").read_text())
     assert record["out_dtype"] == "bfloat16" and record["method"] == "task_arithmetic"
     assert any(rule.startswith("task-arithmetic") for rule in record["rules"])
+
+
+# ----------------------------------------------------------------------- scale-out: tensors as Ray tasks
+
+
+def test_merge_on_ray_writes_the_one_process_checkpoint_though_a_worker_is_killed(kit, tmp_path,
+                                                                                 kill_first_ray_worker):
+    """A method merge (ties) and a plan merge on 2 local Ray workers: byte for byte the one-process files
+    and the same rules record, though the first worker is killed after its first group."""
+    ray = pytest.importorskip("ray")
+    plan = make_plan(kit.store, granularity="attn-mlp")
+    merges = {"ties": (kit.base, kit.finetuned, method_rule("ties", {"top_k": 0.3})),
+              "plan": (plan.base_model, plan.finetuned, plan.rule_for)}
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        for name, (base, finetuned, rule_for) in merges.items():
+            write_merge(base, finetuned, tmp_path / f"{name}-one", rule_for, progress=False)
+            write_merge(base, finetuned, tmp_path / f"{name}-ray", rule_for, progress=False, ray="auto", workers=2,
+                        shard_size="64KB")
+    finally:
+        ray.shutdown()
+    assert len(kill_first_ray_worker) == 1
+    for name in merges:
+        one, spread = _tensors(tmp_path / f"{name}-one"), _tensors(tmp_path / f"{name}-ray")
+        assert list(one) == list(spread)
+        for tensor in one:
+            assert one[tensor].dtype == spread[tensor].dtype and torch.equal(one[tensor], spread[tensor]), tensor
+        records = [yaml.safe_load((tmp_path / f"{name}-{mode}" / "submerge_merge.yaml").read_text())
+                   for mode in ("one", "ray")]
+        assert records[0]["rules"] == records[1]["rules"]
+    with pytest.raises(ValueError, match="only with ray="):
+        write_merge(kit.base, kit.finetuned, tmp_path / "refused", merges["ties"][2], workers=2, progress=False)
+
+
+def test_eval_on_ray_equals_one_process_and_resumes_a_killed_driver(kit, tmp_path):
+    """Models as tasks of 2 local Ray workers: the eval store equals the one-process one bit for bit, also when
+    the driver was killed after its first model and the run resumed on Ray."""
+    ray = pytest.importorskip("ray")
+    from diagnostics.evaluate import evaluate
+
+    options = {"skip": FIT, "samples": 4, "max_tokens": 48, "batch_size": 4, "dtype": "float32", "device": "cpu",
+               "progress": False}
+    fresh = evaluate(kit.base, kit.finetuned, kit.data, **options)
+
+    class Killed(RuntimeError):
+        pass
+
+    def kill_the_driver(label):
+        raise Killed(label)
+
+    store = Store(tmp_path / "eval.zarr")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        with pytest.raises(Killed):
+            evaluate(kit.base, kit.finetuned, kit.data, **options, store=store, ray="auto", workers=2,
+                     on_unit=kill_the_driver)
+        resumed = evaluate(kit.base, kit.finetuned, kit.data, **options, store=store, ray="auto", workers=2)
+    finally:
+        ray.shutdown()
+    for dataset in (resumed, store.dataset("eval")):
+        assert list(dataset.model.values) == list(fresh.model.values)
+        for name, variable in fresh.data_vars.items():
+            assert np.array_equal(variable.values, dataset[name].values), name
+    assert store.dataset("eval").attrs["provenance"]["scale_out"] == {"ray": "auto", "workers": 2}

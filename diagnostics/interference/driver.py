@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from diagnostics.interference.metrics import DEFAULT_RANK_FRACS, SAR_EPS, rank_from_fraction, task_matrix_interference
+from diagnostics.scale_out import check_workers
 from diagnostics.spectral import svd_dtype as _svd_dtype
 
 __all__ = ["GROUP", "MatrixJob", "interference", "measure_matrix", "summarize_interference"]
@@ -90,8 +91,7 @@ def measure_matrix(name: str, task_readers: dict, job: MatrixJob, device) -> tup
 def _check_settings(svd_dtype, rank_fracs: Sequence[float], sar_against: str, sar_options: dict | None,
                     ray: str | None, workers: int) -> None:
     """Fail on a bad SVD dtype, rank fraction, SAR strategy or worker count before any work."""
-    if not isinstance(workers, int) or workers < 1 or (ray is None and workers != 1):
-        raise ValueError(f"workers={workers!r}: give a count >= 1, and more than 1 only with ray='auto' or an address")
+    check_workers(ray, workers)
     _svd_dtype(svd_dtype)
     for frac in rank_fracs:
         rank_from_fraction(frac, 1)  # validates the fraction

@@ -36,67 +36,34 @@ order otherwise).
 from __future__ import annotations
 
 import math
-import os
-import platform
-import resource
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 
 from diagnostics.interference.driver import MatrixJob, measure_matrix
+from diagnostics.scale_out import (
+    GROUP_ELEMENTS,
+    checkpoint_spec,
+    group_matrices,
+    ordered_results,
+    process_stats,
+    reopen_checkpoint,
+    reopen_task_vectors,
+    task_vector_specs,
+)
 
-__all__ = ["checkpoint_spec", "group_matrices", "ray_results", "reopen_checkpoint"]
-
-GROUP_ELEMENTS = 1 << 20  # a matrix this large is a task of its own; smaller ones are grouped up to it
-
-
-def checkpoint_spec(reader) -> dict:
-    """What a worker needs to reopen a `CheckpointReader`: its resolved path and how it was opened."""
-    from diagnostics.models import LoraReader, StateDictReader
-
-    if not hasattr(reader, "path"):
-        raise TypeError(f"ray needs checkpoints it can reopen from a path; {type(reader).__name__} has none")
-    return {"path": str(Path(reader.path).resolve()), "lora": isinstance(reader, LoraReader),
-            "allow_pickle": isinstance(reader, StateDictReader)}
-
-
-def reopen_checkpoint(spec: dict, base=None):
-    """The `CheckpointReader` of a :func:`checkpoint_spec` (a LoRA adapter is read against ``base``)."""
-    from diagnostics.models import open_checkpoint
-
-    return open_checkpoint(spec["path"], base=base if spec["lora"] else None, allow_pickle=spec["allow_pickle"])
-
-
-def group_matrices(names: list[str], sizes: list[int], workers: int) -> list[list[str]]:
-    """Contiguous groups of ``names`` (in order) of about min(2²⁰, total / (4·workers)) elements each."""
-    target = min(GROUP_ELEMENTS, max(1, math.ceil(sum(sizes) / (4 * max(1, workers)))))
-    groups: list[list[str]] = []
-    current: list[str] = []
-    filled = 0
-    for name, size in zip(names, sizes):
-        current.append(name)
-        filled += size
-        if filled >= target:
-            groups.append(current)
-            current, filled = [], 0
-    if current:
-        groups.append(current)
-    return groups
+__all__ = ["GROUP_ELEMENTS", "checkpoint_spec", "group_matrices", "ray_results", "reopen_checkpoint"]
 
 
 class InterferenceWorker:
     """One worker process: opens the checkpoints once, then measures the groups of matrices it is given."""
 
     def __init__(self, base_spec: dict, task_specs: dict, job: MatrixJob, device: str, threads: int | None):
-        from diagnostics.models import TaskVectorReader, pick_device
+        from diagnostics.models import pick_device
 
         if threads:
             torch.set_num_threads(threads)
-        base = reopen_checkpoint(base_spec)
-        self.task_readers = {task: TaskVectorReader(task, base, reopen_checkpoint(spec, base), vocab)
-                             for task, (spec, vocab) in task_specs.items()}
+        self.task_readers = reopen_task_vectors(reopen_checkpoint(base_spec), task_specs)
         self.job, self.device = job, pick_device(device)
 
     def measure(self, names: list[str]) -> list[tuple]:
@@ -104,31 +71,7 @@ class InterferenceWorker:
 
     def stats(self) -> dict:
         """This worker process: its pid, host and peak resident memory (MiB)."""
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return {"pid": os.getpid(), "host": platform.node(),
-                "peak_rss_mib": peak / (1 << 20) if sys.platform == "darwin" else peak / 1024}
-
-
-def _pool(actors: list):
-    """The actors as a `ray.util.ActorPool`: ordered results, each actor given a new group when it is free."""
-    from ray.util import ActorPool
-
-    return ActorPool(actors)
-
-
-def _connect(address: str, workers: int) -> bool:
-    """Start (``"auto"``) or join (an address) Ray unless this process is connected already; True if we did."""
-    try:
-        import ray
-    except ImportError:
-        raise ImportError("ray= needs Ray: pip install 'submerge[ray]' (or pip install 'ray>=2.9')") from None
-    if ray.is_initialized():
-        return False
-    if address == "auto":
-        ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False)
-    else:
-        ray.init(address=address, log_to_driver=False)
-    return True
+        return process_stats()
 
 
 def ray_results(address: str, names: list[str], base, task_readers: dict, job: MatrixJob, *, device: str, workers: int,
@@ -138,27 +81,11 @@ def ray_results(address: str, names: list[str], base, task_readers: dict, job: M
 
     ``report`` (a dict), when given, receives ``workers``: each worker's `InterferenceWorker.stats` at the end.
     """
-    if workers < 1:
-        raise ValueError(f"workers must be >= 1, got {workers}")
     if not names:
         return
-    import ray
-
-    started = _connect(address, workers)
-    base_spec = checkpoint_spec(base)
-    task_specs = {task: (checkpoint_spec(reader.finetuned), reader.vocab) for task, reader in task_readers.items()}
-    remote = ray.remote(InterferenceWorker).options(num_cpus=1, num_gpus=gpus_per_worker, max_restarts=max_retries,
-                                                    max_task_retries=max_retries)
-    actors = [remote.remote(base_spec, task_specs, job, device, threads_per_worker) for _ in range(workers)]
-    try:
-        sizes = [math.prod(base.shape(name)) for name in names]
-        pool = _pool(actors)
-        for group in pool.map(lambda actor, group: actor.measure.remote(group), group_matrices(names, sizes, workers)):
-            yield from group
-        if report is not None:
-            report["workers"] = ray.get([actor.stats.remote() for actor in actors])
-    finally:
-        for actor in actors:
-            ray.kill(actor)
-        if started:
-            ray.shutdown()
+    sizes = [math.prod(base.shape(name)) for name in names]
+    args = (checkpoint_spec(base), task_vector_specs(task_readers), job, device, threads_per_worker)
+    for group in ordered_results(address, InterferenceWorker, args, "measure", group_matrices(names, sizes, workers),
+                                 workers=workers, max_retries=max_retries, gpus_per_worker=gpus_per_worker,
+                                 report=report):
+        yield from group

@@ -65,6 +65,9 @@ def alpha(
     command: str | None = None,
     on_unit: Callable[[str], None] | None = None,
     compute_dtype: str | None = None,
+    ray: str | None = None,
+    workers: int = 1,
+    ray_options: dict | None = None,
 ) -> xr.Dataset:
     """Closed-form merge coefficients α per submodule (seed 002 Eq. 12–14; balanced Eq. 33–34).
 
@@ -73,6 +76,8 @@ def alpha(
     ill-conditioned (flagged, with the condition number). The Eq. 10 objective
     (true module outputs) is stored at the solved α and at uniform weights 1/T,
     and the linearised objective (Eq. 22 / 33) at both.
+    ``ray`` (``"auto"`` or an address), ``workers``, ``ray_options``: a pipeline of Ray workers over the
+    blocks (`diagnostics.linearity.scale_out`); this process alone writes the store.
     """
     if granularity not in GRANULARITIES:
         raise ValueError(f"unknown granularity '{granularity}' (choose from {list(GRANULARITIES)})")
@@ -81,7 +86,8 @@ def alpha(
     sweep = Sweep(experiment, GRANULARITIES[granularity], f"alpha/{granularity}",
                   {"granularity": granularity, "balance": balance, "max_condition": max_condition},
                   store=store, force=force, command=command, on_unit=on_unit, capture_budget=capture_budget,
-                  compute_dtype=compute_dtype)
+                  compute_dtype=compute_dtype, ray=ray, workers=workers,
+                  ray_options=ray_options)
 
     def measure(unit: Unit) -> dict:
         replays = {task: unit.run(task, [{}] + [{t: 1.0} for t in tasks]) for task in tasks}

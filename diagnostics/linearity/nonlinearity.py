@@ -33,6 +33,9 @@ def nonlinearity(
     command: str | None = None,
     on_unit: Callable[[str], None] | None = None,
     compute_dtype: str | None = None,
+    ray: str | None = None,
+    workers: int = 1,
+    ray_options: dict | None = None,
 ) -> xr.Dataset:
     """Non-linearity Score (seed 002 Eq. 19) of every fine-tune on its own task, per module and sample.
 
@@ -41,13 +44,16 @@ def nonlinearity(
     modules the fine-tune left untouched score NaN and are flagged. ``sample`` is
     the record index in the task's file; ``level``, ``layer`` (−1 for the model)
     and ``head`` label ``module``.
+    ``ray`` (``"auto"`` or an address), ``workers``, ``ray_options``: a pipeline of Ray workers over the
+    blocks (`diagnostics.linearity.scale_out`); this process alone writes the store.
     """
     if steps < 1:
         raise ValueError("steps must be at least 1")
     tasks = experiment.tasks
     settings = {"levels": list(levels), "steps": steps, "model_output": model_output}
     sweep = Sweep(experiment, levels, "linearity", settings, store=store, force=force, command=command,
-                  on_unit=on_unit, capture_budget=capture_budget, compute_dtype=compute_dtype,
+                  on_unit=on_unit, capture_budget=capture_budget, compute_dtype=compute_dtype, ray=ray, workers=workers,
+                  ray_options=ray_options,
                   model_output=model_output)
     positions = np.arange(experiment.settings["skip"], experiment.settings["skip"] + experiment.max_samples)
     position_of = {int(index): j for j, index in enumerate(positions)}

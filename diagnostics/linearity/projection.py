@@ -58,12 +58,17 @@ def projection(
     command: str | None = None,
     on_unit: Callable[[str], None] | None = None,
     compute_dtype: str | None = None,
+    ray: str | None = None,
+    workers: int = 1,
+    ray_options: dict | None = None,
 ) -> xr.Dataset:
     """Projection Distance (Eq. 8), cosine_merge (Eq. 16) and cosine_base (Eq. 17) per module.
 
     For every subset S of two or more fine-tunes and every α in its grid (seed 002
     Fig. 3 unless `alphas`), over x in the union of S's task data:
     Δ_merge = f(x; θ0 + Σ α_t τ_t) − f(x; θ0), Δ_lin = Σ α_t Δf_t(x).
+    ``ray`` (``"auto"`` or an address), ``workers``, ``ray_options``: a pipeline of Ray workers over the
+    blocks (`diagnostics.linearity.scale_out`); this process alone writes the store.
     """
     tasks = experiment.tasks
     if len(tasks) < 2:
@@ -79,7 +84,8 @@ def projection(
     sweep = Sweep(experiment, levels, "projection", {"levels": list(levels),
                                                      "alphas": None if alphas is None else list(alphas)},
                   store=store, force=force, command=command, on_unit=on_unit, capture_budget=capture_budget,
-                  compute_dtype=compute_dtype)
+                  compute_dtype=compute_dtype, ray=ray, workers=workers,
+                  ray_options=ray_options)
 
     def measure(unit: Unit) -> dict:
         results = {}

@@ -13,6 +13,7 @@ unit whose replays run the whole network block by block (`model_outputs`).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -33,7 +34,8 @@ from diagnostics.capture import (
 )
 from diagnostics.modules import Submodule, find_submodules, get_module
 from diagnostics.progress import progress_bar
-from diagnostics.store import Store, UnitWriter
+from diagnostics.scale_out import check_workers
+from diagnostics.store import Store, UnitWriter, run_attrs
 
 DEFAULT_CAPTURE_BUDGET = 2 * 1024**3  # bytes of recorded inputs held at once
 PRECISION_NOTE = {
@@ -119,8 +121,12 @@ def replay_variants(source, arch, path: str, recorded, variants: Sequence[Varian
 def replay_model(source, arch, batches, variants: Sequence[Variant], *, output: str = "hidden") -> Replayed:
     """The whole network run block by block for each variant (`model_outputs`) on `batches`."""
     device = next(source.base.model.parameters()).device
-    return Replayed(model_outputs(source, arch, batches, list(variants), output=output),
-                    [batch.attention_mask.to(device).bool() for batch in batches],
+    return model_replayed(model_outputs(source, arch, batches, list(variants), output=output), batches, device)
+
+
+def model_replayed(outputs: list[list[torch.Tensor]], batches, device) -> Replayed:
+    """The model level's `Replayed`: `model_outputs`' outputs[variant][batch] with the batches' masks."""
+    return Replayed(outputs, [batch.attention_mask.to(device).bool() for batch in batches],
                     [batch.sample_index for batch in batches])
 
 
@@ -161,6 +167,27 @@ def modules_for(experiment, levels: Sequence[str]) -> list[Submodule]:
     return modules
 
 
+def block_unit(source, arch, path: str, served: list[Submodule], recorded: dict) -> Unit:
+    """The `Unit` of the module at `path` (serving `served`) replayed on `recorded` ({task: {path: inputs}})."""
+    heads = any(m.level == "head" for m in served)
+
+    def run(task, variants):
+        return replay_variants(source, arch, path, recorded[task][path], variants, heads=heads)
+
+    return Unit(path, served, run, lambda task: source.changed(path, task))
+
+
+def measure_layer(source, arch, modules: list[Submodule], recorded: dict, measure: Callable[[Unit], dict],
+                  describe: Callable[[str], None] = lambda text: None) -> dict:
+    """{module name: result} of one layer's `modules`: ``measure`` on each unit, replayed on `recorded`."""
+    results = {}
+    for path, served in units_of(modules).items():
+        describe(served[0].name)
+        results.update(measure(block_unit(source, arch, path, served, recorded)))
+        source.clear()
+    return results
+
+
 def _bytes_per_layer(experiment, paths_per_layer: int, compute: torch.dtype) -> int:
     """Bytes of one layer's recorded inputs (kept in the storage dtype promoted to `compute`)."""
     hidden = experiment.base.model.config.get_text_config().hidden_size
@@ -170,11 +197,21 @@ def _bytes_per_layer(experiment, paths_per_layer: int, compute: torch.dtype) -> 
 
 
 class Sweep:
-    """One driver's pass over the modules of `levels`, writing store group `group` one layer at a time."""
+    """One driver's pass over the modules of `levels`, writing store group `group` one layer at a time.
+
+    With ``ray`` (``"auto"`` or a cluster address) the layers are measured by a pipeline of ``workers`` Ray
+    processes, each holding a contiguous range of blocks (`diagnostics.linearity.scale_out`, ``ray_options``
+    its options); this process alone writes the store, in layer order, as in one process.
+    """
 
     def __init__(self, experiment, levels: Sequence[str], group: str, settings: dict, *, store: Store | None,
                  force: bool, command: str | None, on_unit, capture_budget: int, model_output: str = "hidden",
-                 compute_dtype: str | None = None):
+                 compute_dtype: str | None = None, ray: str | None = None, workers: int = 1,
+                 ray_options: dict | None = None):
+        check_workers(ray, workers)
+        if ray is None and experiment.device.type == "meta":
+            raise ValueError("this experiment's base was loaded without weights (weights=False): only Ray workers, "
+                             "which read their own blocks, can measure it; pass ray='auto' or an address")
         self.experiment = experiment
         self.tasks = experiment.tasks
         self.source = experiment.parameter_source(compute_dtype)
@@ -182,44 +219,68 @@ class Sweep:
         self.modules = modules_for(experiment, levels)
         self.capture_budget = capture_budget
         self.model_output = model_output
+        self.scale_out = None if ray is None else {"ray": ray, "workers": workers}
+        inputs = experiment.inputs if ray is None else {**experiment.inputs, "scale_out": self.scale_out}
+        root, attrs = run_attrs(command, inputs)  # scale_out: provenance only, a run resumes across both
+        self.ray_options = ray_options or {}
         self.writer = UnitWriter(store, group, {**experiment.settings, **compute, **settings}, force=force,
-                                 root=experiment.root_attrs(command),
-                                 attrs=experiment.group_attrs(command, precision=PRECISION_NOTE), on_unit=on_unit)
+                                 root=root, attrs={**attrs, "precision": PRECISION_NOTE}, on_unit=on_unit)
 
     def run(self, title: str, measure: Callable[[Unit], dict], piece: Callable[[list[Submodule], dict], xr.Dataset],
             progress: bool) -> None:
         """``measure(unit)`` → {module name: result}; ``piece(modules, results)`` → one store unit."""
         done = self.writer.done
-        with progress_bar(progress) as bar, no_tf32():
+        with progress_bar(progress) as bar, no_tf32(), self._engine() as engine:
             job = bar.add_task(title, total=len(self.modules))
             bar.advance(job, sum(1 for m in self.modules if m.name in done))
-            for layer_modules, recorded in self._layers(lambda text: bar.update(job, description=f"{title} · {text}")):
-                results = {}
-                for path, served in units_of(layer_modules).items():
-                    bar.update(job, description=f"{title} · {served[0].name}")
-                    results.update(measure(self._block_unit(path, served, recorded)))
-                    self.source.clear()
+
+            def describe(text):
+                bar.update(job, description=f"{title} · {text}")
+
+            for layer_modules, results in engine.layer_results(measure, describe):
                 self.writer.add(piece(layer_modules, results), layer_modules[-1].name)
                 bar.advance(job, len(layer_modules))
             model = [m for m in self.modules if m.level == "model" and m.name not in done]
             if model:
-                bar.update(job, description=f"{title} · model")
-                self.writer.add(piece(model, measure(self._model_unit(model))), model[-1].name)
+                describe("model")
+                self.writer.add(piece(model, measure(engine.model_unit(model))), model[-1].name)
                 bar.advance(job)
+
+    def _engine(self):
+        """This sweep (one process), or the Ray pipeline when asked for and something is left to measure."""
+        if self.scale_out is None or all(m.name in self.writer.done for m in self.modules):
+            return nullcontext(self)
+        from diagnostics.linearity.scale_out import Pipeline
+
+        return Pipeline(self, **self.scale_out, **self.ray_options)
+
+    def by_layer(self) -> dict[int, list[Submodule]]:
+        """The block modules not yet in the store, by layer."""
+        by_layer: dict[int, list[Submodule]] = {}
+        for module in self.modules:
+            if module.level != "model" and module.name not in self.writer.done:
+                by_layer.setdefault(module.layer, []).append(module)
+        return by_layer
+
+    def layer_bytes(self) -> int:
+        """Bytes of one layer's recorded inputs over all tasks (what `layer_chunks` splits the budget by)."""
+        paths_per_layer = max((len(units_of([m for m in self.modules if m.layer == layer]))
+                               for layer in {m.layer for m in self.modules if m.level != "model"}), default=1)
+        return _bytes_per_layer(self.experiment, paths_per_layer, self.source.compute_dtype) * len(self.tasks)
+
+    def layer_results(self, measure: Callable[[Unit], dict], describe) -> Iterator[tuple[list[Submodule], dict]]:
+        """(modules, {module name: result}) per layer still to do, in layer order, measured here."""
+        for layer_modules, recorded in self._layers(describe):
+            yield layer_modules, measure_layer(self.source, self.experiment.arch, layer_modules, recorded, measure,
+                                               describe)
 
     def _layers(self, describe) -> Iterator[tuple[list[Submodule], dict]]:
         """Per layer with modules not yet done: (those modules, recorded inputs by task and path)."""
-        experiment, done = self.experiment, self.writer.done
-        by_layer: dict[int, list[Submodule]] = {}
-        for module in self.modules:
-            if module.level != "model":
-                by_layer.setdefault(module.layer, []).append(module)
-        paths_per_layer = max((len(units_of(ms)) for ms in by_layer.values()), default=1)
-        layer_bytes = _bytes_per_layer(experiment, paths_per_layer, self.source.compute_dtype) * len(self.tasks)
-        chunks = layer_chunks(experiment.arch.num_layers, layer_bytes, self.capture_budget)
+        experiment, by_layer = self.experiment, self.by_layer()
+        chunks = layer_chunks(experiment.arch.num_layers, self.layer_bytes(), self.capture_budget)
         states = {task: CaptureState() for task in self.tasks}  # each chunk starts where the previous one stopped
         for chunk in chunks:
-            chunk_modules = [m for layer in chunk for m in by_layer.get(layer, []) if m.name not in done]
+            chunk_modules = [m for layer in chunk for m in by_layer.get(layer, [])]
             if not chunk_modules:
                 continue
             describe(f"capturing layers {chunk[0]}–{chunk[-1]}")
@@ -228,21 +289,12 @@ class Sweep:
                                             compute=self.source.compute_dtype)
                         for task in self.tasks}
             for layer in chunk:
-                layer_modules = [m for m in by_layer.get(layer, []) if m.name not in done]
-                if layer_modules:
-                    yield layer_modules, recorded
+                if layer in by_layer:
+                    yield by_layer[layer], recorded
             del recorded
 
-    def _block_unit(self, path: str, served: list[Submodule], recorded: dict) -> Unit:
-        heads = any(m.level == "head" for m in served)
-        arch, source = self.experiment.arch, self.source
-
-        def run(task, variants):
-            return replay_variants(source, arch, path, recorded[task][path], variants, heads=heads)
-
-        return Unit(path, served, run, lambda task: source.changed(path, task))
-
-    def _model_unit(self, modules: list[Submodule]) -> Unit:
+    def model_unit(self, modules: list[Submodule]) -> Unit:
+        """The model level: the whole network replayed here, block by block, for the variants asked."""
         experiment = self.experiment
 
         def run(task, variants):
