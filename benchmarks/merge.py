@@ -122,6 +122,17 @@ def _status_kib(pid: int, field: str) -> int | None:
     return 0
 
 
+def in_fresh_process(function, *args):
+    """`function(*args)` in a spawned process. Building checkpoints here would raise this process's RSS high-water
+    mark, and Linux reports a child's ru_maxrss as at least its parent's high-water mark at fork/exec time: every
+    command measured after a build would show the build's peak, not its own."""
+    import concurrent.futures
+    import multiprocessing
+
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(function, *args).result()
+
+
 def measure(command: list[str], env: dict | None = None) -> dict:
     """Run `command`; its wall time, peak RSS (wait4 ru_maxrss) and peak RssAnon (sampled), and its stdout."""
     start = time.perf_counter()
@@ -239,7 +250,8 @@ def main() -> None:
     directory.mkdir(parents=True, exist_ok=True)
     try:
         start = time.perf_counter()
-        size, largest = build(directory, args.layers, args.hidden, args.intermediate, args.vocab, dtype=args.dtype)
+        size, largest = in_fresh_process(build, directory, args.layers, args.hidden, args.intermediate, args.vocab,
+                                         0, args.dtype)
         mib = size / 2**20
         print(f"model: Llama, {args.layers} layers, hidden {args.hidden}, intermediate {args.intermediate}, "
               f"vocab {args.vocab}, {args.dtype}: {mib:.0f} MiB per checkpoint, 1 base + {len(TASKS)} fine-tunes "

@@ -51,7 +51,7 @@ def _merge_benchmark():
 
 
 _METER = _merge_benchmark()
-measure, max_difference = _METER.measure, _METER.max_difference
+measure, max_difference, in_fresh_process = _METER.measure, _METER.max_difference, _METER.in_fresh_process
 
 HIDDEN, INTERMEDIATE, HEADS = 4096, 11008, 32
 TASKS = ("math", "code", "trivia")
@@ -229,7 +229,12 @@ def run_slice(layers: int, directory: Path, args, tokenizer_dir: Path, data: dic
 
     work = directory / f"L{layers}"
     start = time.perf_counter()
-    paths = build_slice(work, layers, tokenizer_dir)
+    built = work / "built.json"  # a slice kept by --keep is reused
+    if built.exists():
+        paths = {name: Path(path) for name, path in json.loads(built.read_text()).items()}
+    else:
+        paths = in_fresh_process(build_slice, work, layers, tokenizer_dir)
+        built.write_text(json.dumps({name: str(path) for name, path in paths.items()}))
     print(f"L = {layers}: built base + 3 dense fine-tunes + 3 LoRA adapters in {time.perf_counter() - start:.0f} s",
           flush=True)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
