@@ -243,7 +243,7 @@ def run_slice(layers: int, directory: Path, args, tokenizer_dir: Path, data: dic
     for name in args.commands:
         if name == "merge-plan":
             plan = [sys.executable, "-m", "cli.main", "plan", str(work / "scale.zarr"), "--granularity", "attn-mlp",
-                    "--out", str(work / "plan.yaml")]
+                    "--out", str(work / "plan.yaml"), "--force"]
             measure(plan, env=env)
         results[name] = measure(runs[name], env=env)
         r = results[name]

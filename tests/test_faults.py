@@ -31,7 +31,7 @@ from diagnostics.store import Store
 ROOT = Path(__file__).resolve().parents[1]
 
 SERVER = textwrap.dedent("""
-    import json, os, resource, sys
+    import json, os, resource, signal, sys
     import torch
     torch.set_num_threads(1)
     import transformers, transformers.modeling_utils
@@ -57,6 +57,9 @@ SERVER = textwrap.dedent("""
             os.dup2(writer, 1)
             os.dup2(writer, 2)
             os.environ.update(request["env"])
+            # Ctrl-C raises KeyboardInterrupt as at a terminal, also when this test run was started as a
+            # background job (which inherits SIGINT ignored, and then Python installs no handler)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
             if request.get("fsize") is not None:
                 hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
                 resource.setrlimit(resource.RLIMIT_FSIZE, (request["fsize"], hard))
