@@ -410,7 +410,12 @@ class ParameterSource:
         return any(bool(d.abs().max() > 0) for d in self.deltas(path, task).values() if d.numel())
 
     def clear(self) -> None:
+        """Drop the cached task vectors and unmap the checkpoints' files (their pages read so far stop counting
+        in the RSS; a file is reopened on its next read), so memory does not grow with the units done."""
         self._cache.clear()
+        for reader in self.task_vectors.values():
+            reader.finetuned.release()
+            reader.base.release()
 
 
 # --------------------------------------------------------------------------- the model level

@@ -123,6 +123,11 @@ class CheckpointReader:
     def get(self, name: str, dtype: torch.dtype | None = None, device: str | torch.device = "cpu") -> torch.Tensor:
         raise NotImplementedError
 
+    def get_rows(self, name: str, rows: slice, dtype: torch.dtype | None = None,
+                 device: str | torch.device = "cpu") -> torch.Tensor:
+        """Rows `rows` (a slice of dim 0) of one tensor; readers of memory-mapped files read only those rows."""
+        return self.get(name, dtype, device)[rows]
+
     def source_of(self, name: str) -> str:
         """The file a tensor lives in (for error messages)."""
         return str(self.path)
@@ -194,6 +199,12 @@ class SafetensorsReader(CheckpointReader):
         if name not in self._files:
             raise self._missing(name)
         tensor = self._handle(self._files[name]).get_tensor(name)
+        return tensor.to(device=device, dtype=dtype or tensor.dtype)
+
+    def get_rows(self, name, rows, dtype=None, device="cpu"):
+        if name not in self._files:
+            raise self._missing(name)
+        tensor = self._handle(self._files[name]).get_slice(name)[rows]
         return tensor.to(device=device, dtype=dtype or tensor.dtype)
 
     def source_of(self, name: str) -> str:
@@ -576,6 +587,21 @@ class TaskVectorReader:
     vocab: str = "base"
     cropped: dict[str, tuple[int, int]] = field(default_factory=dict)
 
+    def reads_rows(self, checkpoint_name: str) -> bool:
+        """Whether `get_rows` reads only the rows asked for (a full fine-tune of the base's shape; not LoRA)."""
+        return (not isinstance(self.finetuned, LoraReader) and checkpoint_name in self.finetuned
+                and self.finetuned.shape(checkpoint_name) == self.base.shape(checkpoint_name))
+
+    def get_rows(self, checkpoint_name: str, rows: slice, dtype: torch.dtype = torch.float32,
+                 device="cpu") -> torch.Tensor:
+        """τ for rows `rows` (dim 0) of one tensor, in `dtype`, checked for NaN/Inf (see `reads_rows`)."""
+        if not self.reads_rows(checkpoint_name):
+            return self.get(checkpoint_name, dtype, device)[rows]
+        delta = (self.finetuned.get_rows(checkpoint_name, rows, torch.float32, device)
+                 - self.base.get_rows(checkpoint_name, rows, torch.float32, device))
+        self._check_finite(checkpoint_name, delta, f" in rows {rows.start}:{rows.stop}")
+        return delta.to(dtype)
+
     def get(self, checkpoint_name: str, dtype: torch.dtype = torch.float32, device="cpu") -> torch.Tensor:
         """τ for one tensor, in `dtype` (float32 by default), checked for NaN/Inf."""
         if isinstance(self.finetuned, LoraReader):
@@ -590,13 +616,16 @@ class TaskVectorReader:
             if tuned.shape != base.shape:
                 tuned = self._fit_vocab(checkpoint_name, tuned, base)
             delta = tuned - base
+        self._check_finite(checkpoint_name, delta)
+        return delta.to(dtype)
+
+    def _check_finite(self, checkpoint_name: str, delta: torch.Tensor, where: str = "") -> None:
         if not torch.isfinite(delta).all():
             bad = (~torch.isfinite(delta)).sum().item()
             raise NonFiniteWeights(
                 f"fine-tune '{self.name}': tensor '{checkpoint_name}' in {self.finetuned.source_of(checkpoint_name)} "
-                f"has {bad} NaN/Inf values"
+                f"has {bad} NaN/Inf values{where}"
             )
-        return delta.to(dtype)
 
     def _fit_vocab(self, name: str, tuned: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
         if self.vocab == "base" and has_added_vocabulary(base.shape, tuned.shape):

@@ -53,6 +53,7 @@ __all__ = [
     "COMPUTE_DTYPE",
     "DEFAULT_FALLBACK",
     "PARAMETER_KINDS",
+    "ROW_LOCAL_METHODS",
     "STRATEGIES",
     "MergeMethod",
     "SftmSystem",
@@ -65,6 +66,7 @@ __all__ = [
     "della",
     "drop_and_rescale",
     "elect_sign_disjoint_mean",
+    "is_row_local",
     "iso_c",
     "iso_cts",
     "keep_top_magnitude",
@@ -1025,6 +1027,20 @@ def merge_parameter(
             matrices = [task_vector.reshape(shape[0], -1) for task_vector in task_vectors]
             return merge_method.function(matrices, **resolved).reshape(shape)
     return merge_method.function(list(task_vectors), **resolved)
+
+
+#: Methods whose merged row i depends on row i of the task vectors alone (no statistic over the whole tensor,
+#: no random stream): a large tensor can be read, merged and written in row blocks (`merge.writer`).
+ROW_LOCAL_METHODS = frozenset({"task-arithmetic", "weight-average", "closed-form"})
+
+
+def is_row_local(method: str | MergeMethod, kind: str) -> bool:
+    """Whether `method` (after the matrix-only fallback for `kind`) merges a tensor row by row."""
+    merge_method, _ = resolve_method(method)
+    if merge_method.matrix_only and kind != "matrix":
+        route = DEFAULT_FALLBACK.get(kind)
+        return route is not None and route[0] in ROW_LOCAL_METHODS
+    return merge_method.name in ROW_LOCAL_METHODS
 
 
 def _fallback(name, task_vectors, merge_method: MergeMethod, kind: str, fallback) -> torch.Tensor:

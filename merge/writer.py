@@ -17,7 +17,7 @@ import json
 import math
 import os
 import shutil
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -29,7 +29,7 @@ from diagnostics.scale_out import check_workers
 from diagnostics.store import provenance
 from diagnostics.tensors import TensorInfo, TensorTable
 from merge.rules import MergeError, ParameterRule, method_rule, regmean_rule
-from merge.strategies import compute_dtype, merge_parameter, weighted_task_arithmetic
+from merge.strategies import CHUNK_THRESHOLD, compute_dtype, is_row_local, merge_parameter, weighted_task_arithmetic
 
 __all__ = ["MergeError", "ParameterRule", "ShardWriter", "check_not_an_input", "check_output", "merge_tensor",
            "method_rule", "parse_size", "regmean_rule", "write_merge"]
@@ -178,18 +178,24 @@ class ShardWriter:
             self.shards.pop()
         self.position, self.file, self.current = 0, None, -1
 
-    def add(self, name: str, tensor: torch.Tensor) -> None:
+    def add(self, name: str, tensor: torch.Tensor | Iterable[torch.Tensor]) -> None:
+        """Write the next laid-out tensor: the tensor, or its blocks of rows (dim 0) in order."""
         if self.position >= len(self.layout):
             raise MergeError(f"shard writer: '{name}' was not laid out (all {len(self.layout)} tensors are written)")
         expected, shape, dtype = self.layout[self.position]
-        if (name, tuple(tensor.shape), tensor.dtype) != (expected, tuple(shape), dtype):
-            raise MergeError(f"shard writer: got '{name}' {tuple(tensor.shape)} {tensor.dtype}, "
-                             f"expected '{expected}' {tuple(shape)} {dtype}")
-        if self.weight_map[name] != self.current:
-            self._open(self.weight_map[name])
-        data = tensor.detach().to("cpu").contiguous().reshape(-1)
-        if data.numel():
-            self.file.write(data.view(torch.uint8).numpy().data)
+        rows = 0
+        for piece in [tensor] if isinstance(tensor, torch.Tensor) else tensor:
+            if (name, piece.ndim, tuple(piece.shape[1:]), piece.dtype) != (expected, len(shape), tuple(shape[1:]), dtype):
+                raise MergeError(f"shard writer: got '{name}' {tuple(piece.shape)} {piece.dtype}, "
+                                 f"expected '{expected}' {tuple(shape)} {dtype}")
+            if self.weight_map[name] != self.current:
+                self._open(self.weight_map[name])
+            data = piece.detach().to("cpu").contiguous().reshape(-1)
+            if data.numel():
+                self.file.write(data.view(torch.uint8).numpy().data)
+            rows += piece.shape[0] if piece.ndim else 1
+        if rows != (shape[0] if shape else 1):
+            raise MergeError(f"shard writer: '{name}' got {rows} rows, expected {tuple(shape)}")
         self.position += 1
 
     def _path(self, shard: int) -> Path:
@@ -301,6 +307,12 @@ def write_merge(
     return out_dir
 
 
+#: Tensors above this many entries whose rule merges row by row are read, merged and written in row blocks of
+#: about STREAM_ELEMENTS entries per input (`merge_row_blocks`).
+STREAM_THRESHOLD = CHUNK_THRESHOLD
+STREAM_ELEMENTS = 2**24
+
+
 def _written_dtype(stored: torch.dtype, out_dtype: torch.dtype | None) -> torch.dtype:
     """`out_dtype` for floating tensors when given, else the stored dtype (integer buffers always keep theirs)."""
     return out_dtype if (out_dtype is not None and stored.is_floating_point) else stored
@@ -336,8 +348,42 @@ def _merged_tensors(base_reader, task_vectors, rule_for, *, dtype, device, gram_
         return
     table = TensorTable.from_reader(base_reader)
     for name in base_reader.names():
-        yield name, *merge_named(name, base_reader, task_vectors, table, rule_for, dtype=dtype, device=device,
-                                 gram_matrices=gram_matrices)
+        streamed = merge_row_blocks(name, base_reader, task_vectors, table, rule_for, dtype=dtype, device=device)
+        yield name, *(streamed or merge_named(name, base_reader, task_vectors, table, rule_for, dtype=dtype,
+                                              device=device, gram_matrices=gram_matrices))
+
+
+def _row_local(rule: ParameterRule, info: TensorInfo) -> bool:
+    if rule.weights is not None:
+        return all(isinstance(w, (int, float)) for w in rule.weights.values())  # per-head weights slice columns
+    return is_row_local(rule.method, info.kind)
+
+
+def merge_row_blocks(name: str, base_reader, task_vectors, table: TensorTable, rule_for, *, dtype,
+                     device) -> tuple[Iterator[torch.Tensor], str] | None:
+    """(θ0 + τ_M in blocks of rows, rule description) of a tensor above STREAM_THRESHOLD entries whose rule merges
+    row by row (`merge.strategies.is_row_local`), each block read from the checkpoints alone (about
+    STREAM_ELEMENTS entries per input): the peak is a few blocks, not T + 3 copies of the tensor. None for
+    any other tensor (merged whole by `merge_named`). The blocks are bitwise the rows of the whole merge."""
+    shape = tuple(base_reader.shape(name))
+    if (len(shape) < 2 or math.prod(shape) <= STREAM_THRESHOLD or not base_reader.dtype(name).is_floating_point
+            or not all(reader.reads_rows(name) for reader in task_vectors.values())):
+        return None
+    info = table.get(name, shape)
+    rule = rule_for(info)
+    if not _row_local(rule, info):
+        return None
+    step = max(1, STREAM_ELEMENTS // math.prod(shape[1:]))
+
+    def blocks() -> Iterator[torch.Tensor]:
+        for start in range(0, shape[0], step):
+            rows = slice(start, min(start + step, shape[0]))
+            vectors = {task: reader.get_rows(name, rows, torch.float32, device) for task, reader in task_vectors.items()}
+            yield merge_tensor(info, base_reader.get_rows(name, rows, device=device), vectors, rule, dtype=dtype)
+        for reader in (base_reader, *(tv.finetuned for tv in task_vectors.values())):
+            reader.release()
+
+    return blocks(), rule.describe()
 
 
 def _stream_tensors(tensors: Iterator, total: int, shards: ShardWriter, progress: bool) -> dict[str, str]:

@@ -820,3 +820,63 @@ def test_eval_on_ray_equals_one_process_and_resumes_a_killed_driver(kit, tmp_pat
         for name, variable in fresh.data_vars.items():
             assert np.array_equal(variable.values, dataset[name].values), name
     assert store.dataset("eval").attrs["provenance"]["scale_out"] == {"ray": "auto", "workers": 2}
+
+
+@pytest.mark.parametrize("method, options, streamed, embedding_streamed", [
+    ("task-arithmetic", {"scaling": 0.5}, True, True),
+    ("weight-average", {}, True, True),
+    ("ties", {"top_k": 0.2}, False, False),  # its trim threshold is over the whole tensor
+    ("tsv-m", {}, False, True),  # matrices by SVD; its embedding fallback (task arithmetic) is row-local
+])
+def test_row_local_merges_stream_row_blocks_and_equal_the_whole_tensor_merge(kit, tmp_path, monkeypatch, method,
+                                                                               options, streamed, embedding_streamed):
+    """Above the threshold a row-local rule reads, merges and writes blocks of rows: bitwise the whole merge."""
+    from merge import writer
+
+    whole = write_merge(kit.base, kit.finetuned, tmp_path / "whole", method_rule(method, options), progress=False)
+    calls = []
+    original = writer.merge_row_blocks
+
+    def spy(name, *args, **kwargs):
+        result = original(name, *args, **kwargs)
+        calls.append((name, result is not None))
+        return result
+
+    monkeypatch.setattr(writer, "STREAM_THRESHOLD", 100)
+    monkeypatch.setattr(writer, "STREAM_ELEMENTS", 3 * HIDDEN + 5)  # 3 rows a block: blocks end mid-tensor
+    monkeypatch.setattr(writer, "merge_row_blocks", spy)
+    blocks = write_merge(kit.base, kit.finetuned, tmp_path / "blocks", method_rule(method, options), progress=False)
+    expected, got = _tensors(whole), _tensors(blocks)
+    assert set(expected) == set(got)
+    for name in expected:
+        assert torch.equal(expected[name], got[name]), name
+    streamed_names = {name for name, done in calls if done}
+    table = TensorTable.from_checkpoint(kit.base)
+    matrices = {name for name, _ in calls if table.get(name).kind == "matrix"}
+    assert ("model.embed_tokens.weight" in streamed_names) == embedding_streamed
+    assert matrices and (matrices <= streamed_names if streamed else not matrices & streamed_names)
+
+
+def test_plan_weights_stream_and_a_nan_in_a_row_block_names_the_tensor_and_rows(kit, tmp_path, monkeypatch):
+    from merge import writer
+
+    plan = make_plan(kit.store, granularity="attn-mlp")
+    whole = write_merge(kit.base, kit.finetuned, tmp_path / "whole", plan.rule_for, progress=False)
+    monkeypatch.setattr(writer, "STREAM_THRESHOLD", 100)
+    monkeypatch.setattr(writer, "STREAM_ELEMENTS", 2 * HIDDEN)
+    blocks = write_merge(kit.base, kit.finetuned, tmp_path / "blocks", plan.rule_for, progress=False)
+    expected, got = _tensors(whole), _tensors(blocks)
+    for name in expected:
+        assert torch.equal(expected[name], got[name]), name
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for file in Path(kit.finetuned["code"]).iterdir():
+        (broken / file.name).write_bytes(file.read_bytes())
+    tensors = load_file(str(broken / "model.safetensors"))
+    tensors["model.layers.1.mlp.up_proj.weight"][40, 3] = float("nan")
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(Exception, match=r"model.layers.1.mlp.up_proj.weight.*NaN/Inf values in rows 40:42"):
+        write_merge(kit.base, {**kit.finetuned, "code": str(broken)}, tmp_path / "nan", plan.rule_for,
+                    progress=False)
