@@ -352,8 +352,6 @@ def test_plan_paths_work_from_the_plan_folder(llama_kit, tmp_path, monkeypatch):
 # ------------------------------------------------------------------ the README's figures
 
 
-@pytest.mark.xfail(strict=True, reason="issue 10 item 9: docs/figures/*.png are not committed yet (they come from "
-                                       "the real demo run); remove this marker when they are")
 def test_every_image_the_readme_shows_is_in_the_repository():
     import re
     from pathlib import Path
