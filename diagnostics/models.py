@@ -593,12 +593,14 @@ class TaskVectorReader:
                 and self.finetuned.shape(checkpoint_name) == self.base.shape(checkpoint_name))
 
     def get_rows(self, checkpoint_name: str, rows: slice, dtype: torch.dtype = torch.float32,
-                 device="cpu") -> torch.Tensor:
-        """τ for rows `rows` (dim 0) of one tensor, in `dtype`, checked for NaN/Inf (see `reads_rows`)."""
+                 device="cpu", base: torch.Tensor | None = None) -> torch.Tensor:
+        """τ for rows `rows` (dim 0) of one tensor, in `dtype`, checked for NaN/Inf (see `reads_rows`); `base`:
+        those rows of the base in float32, when the caller has them already (read once for T fine-tunes)."""
         if not self.reads_rows(checkpoint_name):
             return self.get(checkpoint_name, dtype, device)[rows]
-        delta = (self.finetuned.get_rows(checkpoint_name, rows, torch.float32, device)
-                 - self.base.get_rows(checkpoint_name, rows, torch.float32, device))
+        if base is None:
+            base = self.base.get_rows(checkpoint_name, rows, torch.float32, device)
+        delta = self.finetuned.get_rows(checkpoint_name, rows, torch.float32, device) - base
         self._check_finite(checkpoint_name, delta, f" in rows {rows.start}:{rows.stop}")
         return delta.to(dtype)
 

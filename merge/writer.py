@@ -378,8 +378,12 @@ def merge_row_blocks(name: str, base_reader, task_vectors, table: TensorTable, r
     def blocks() -> Iterator[torch.Tensor]:
         for start in range(0, shape[0], step):
             rows = slice(start, min(start + step, shape[0]))
-            vectors = {task: reader.get_rows(name, rows, torch.float32, device) for task, reader in task_vectors.items()}
-            yield merge_tensor(info, base_reader.get_rows(name, rows, device=device), vectors, rule, dtype=dtype)
+            base = base_reader.get_rows(name, rows, device=device)
+            base32 = base.to(torch.float32)
+            vectors = {task: reader.get_rows(name, rows, torch.float32, device, base=base32)
+                       for task, reader in task_vectors.items()}
+            del base32
+            yield merge_tensor(info, base, vectors, rule, dtype=dtype)
         for reader in (base_reader, *(tv.finetuned for tv in task_vectors.values())):
             reader.release()
 
