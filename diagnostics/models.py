@@ -577,6 +577,14 @@ def checkpoint_name_map(model: torch.nn.Module, reader: CheckpointReader) -> dic
 # --------------------------------------------------------------------------- task vectors
 
 
+def all_finite(tensor: torch.Tensor) -> bool:
+    """Whether every entry is finite, in one reduction: a NaN or ±Inf entry makes the sum non-finite; only a sum
+    that is not finite (an entry like that, or an overflow) is checked entry by entry."""
+    if tensor.numel() == 0 or bool(torch.isfinite(tensor.sum())):
+        return True
+    return bool(torch.isfinite(tensor).all())
+
+
 @dataclass
 class TaskVectorReader:
     """τ_t = θ_t − θ0 of one fine-tune, read tensor by tensor against the base."""
@@ -622,7 +630,7 @@ class TaskVectorReader:
         return delta.to(dtype)
 
     def _check_finite(self, checkpoint_name: str, delta: torch.Tensor, where: str = "") -> None:
-        if not torch.isfinite(delta).all():
+        if not all_finite(delta):
             bad = (~torch.isfinite(delta)).sum().item()
             raise NonFiniteWeights(
                 f"fine-tune '{self.name}': tensor '{checkpoint_name}' in {self.finetuned.source_of(checkpoint_name)} "

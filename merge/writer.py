@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from diagnostics.models import local_path, open_checkpoint, open_finetunes
+from diagnostics.models import all_finite, local_path, open_checkpoint, open_finetunes
 from diagnostics.progress import progress_bar
 from diagnostics.scale_out import check_workers
 from diagnostics.store import provenance
@@ -146,7 +146,7 @@ def merge_tensor(info: TensorInfo, base_tensor: torch.Tensor, task_vectors: Mapp
             delta = delta.T
     compute = compute_dtype(base_tensor.dtype)
     merged = (base_tensor.to(compute) + delta.to(compute)).to(dtype or base_tensor.dtype)
-    if not torch.isfinite(merged).all():
+    if not all_finite(merged):
         raise MergeError(f"merged tensor '{info.name}' has NaN/Inf values (rule: {rule.describe()})")
     return merged
 

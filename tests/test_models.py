@@ -444,3 +444,17 @@ def test_content_hash_tells_a_fine_tune_from_its_base(llama_kit):
     base = open_checkpoint(str(llama_kit.base_dir)).fingerprint()
     tuned = open_checkpoint(str(llama_kit.finetuned_dir)).fingerprint()
     assert base["content_sha256"] != tuned["content_sha256"]
+
+
+def test_all_finite_is_exact_also_when_the_sum_overflows_or_infinities_cancel():
+    from diagnostics.models import all_finite
+
+    big = torch.full((4,), 3e38)  # finite entries whose float32 sum overflows to inf
+    assert all_finite(big) and all_finite(torch.zeros(0)) and all_finite(torch.arange(5))
+    assert all_finite(torch.tensor([1e38, -3e38, 3e38, 3e38]))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        tensor = torch.randn(1000)
+        tensor[417] = bad
+        assert not all_finite(tensor), bad
+    assert not all_finite(torch.tensor([float("inf"), -float("inf"), 1.0]))  # sum NaN, not a false pass
+    assert not all_finite(torch.tensor([3e38, 3e38, float("nan")]))
