@@ -164,7 +164,8 @@ def _in_compute_dtype(handles: list, model: nn.Module, arch: Architecture, compu
                       skipped: list[nn.Module]) -> None:
     """Hooks that run each stage of the forward in `compute` (its tensors upcast on entry, restored on exit).
 
-    The weights go back to their own dtype bit for bit (a value of the narrow dtype survives the round trip);
+    On exit each weight gets its own stored tensor back (the very same storage, not a rounded copy, so
+    weights memory-mapped from the checkpoint stay mapped pages instead of becoming private memory);
     the stage's floating inputs are upcast and its outputs stay in `compute`, so a base stored in bfloat16 is
     captured as the float32 forward of the same weights. Nothing is hooked when nothing would change, nor
     on the `skipped` blocks.
@@ -177,16 +178,18 @@ def _in_compute_dtype(handles: list, model: nn.Module, arch: Architecture, compu
         tensors = [t for t in (*stage.parameters(), *stage.buffers()) if upcast(t, compute) is not t]
         if not tensors:
             continue
-        stored = [t.dtype for t in tensors]
+        stored: list[torch.Tensor] = []
 
-        def enter(module, args, kwargs, tensors=tensors):
+        def enter(module, args, kwargs, tensors=tensors, stored=stored):
+            stored[:] = [tensor.data for tensor in tensors]
             for tensor in tensors:
                 tensor.data = tensor.data.to(compute)
             return upcast(args, compute), upcast(kwargs, compute)
 
         def leave(module, args, output, tensors=tensors, stored=stored):
-            for tensor, dtype in zip(tensors, stored):
-                tensor.data = tensor.data.to(dtype)
+            for tensor, original in zip(tensors, stored):
+                tensor.data = original
+            stored.clear()
 
         handles.append(stage.register_forward_pre_hook(enter, with_kwargs=True, prepend=True))
         handles.append(stage.register_forward_hook(leave, prepend=True, always_call=True))

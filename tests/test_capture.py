@@ -309,3 +309,20 @@ def test_padding_does_not_change_nonlinearity_score(toy_kit, tmp_path, name):
     assert scores[1].shape == scores[2].shape
     assert np.isfinite(scores[1]).all()
     np.testing.assert_allclose(scores[2], scores[1], rtol=1e-4, atol=1e-7)
+
+
+def test_capture_in_float32_gives_each_half_precision_weight_its_own_storage_back(toy_kit):
+    """A bfloat16 base captured in float32: every weight ends in the very tensor it started with (same storage,
+    same bits), so weights memory-mapped from a checkpoint are not turned into private copies by a capture."""
+    base, _ = toy_kit("llama").load()
+    model = base.model.to(torch.bfloat16)
+    arch = find_architecture(model)
+    before = {name: (p.data_ptr(), p.detach().clone()) for name, p in model.named_parameters()}
+    batches = tokenize(read_task_file(TASK, toy_kit("llama").data_path, samples=2), base.tokenizer, max_tokens=16,
+                       batch_size=2)
+    recorded = record_inputs(model, arch, [arch.layer_path(1)], batches, compute=torch.float32)
+    assert recorded[arch.layer_path(1)][0].args[0].dtype == torch.float32  # the forward ran in float32
+    for name, parameter in model.named_parameters():
+        pointer, values = before[name]
+        assert parameter.dtype == torch.bfloat16 and parameter.data_ptr() == pointer, name
+        assert torch.equal(parameter, values), name
