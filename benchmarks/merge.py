@@ -290,7 +290,7 @@ def main() -> None:
                 row["mergekit"] = measure([mergekit_yaml, str(config_path), str(out_theirs), "--quiet",
                                            "--no-write-model-card", "--no-copy-tokenizer",
                                            "--out-shard-size", shard_parameters])
-                row["max_abs_diff"], row["worst_tensor"], row["tensors"], row["entries"], row["differing"] = max_difference(out_ours, out_theirs)
+                row["max_abs_diff"], row["worst_tensor"], row["tensors"], row["entries"], row["differing"] = in_fresh_process(max_difference, out_ours, out_theirs)
                 if not args.keep:
                     shutil.rmtree(out_theirs)
             if not args.keep:

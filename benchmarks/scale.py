@@ -53,6 +53,12 @@ def _merge_benchmark():
 _METER = _merge_benchmark()
 measure, max_difference, in_fresh_process = _METER.measure, _METER.max_difference, _METER.in_fresh_process
 
+
+def _largest_difference(first: Path, second: Path) -> float:
+    """max |first − second| over two checkpoints; run in a spawned process (`in_fresh_process`), since reading
+    them here would raise this process's RSS high-water mark, which every later child would report as its own."""
+    return max_difference(first, second)[0]
+
 HIDDEN, INTERMEDIATE, HEADS = 4096, 11008, 32
 TASKS = ("math", "code", "trivia")
 FULL_LAYERS = 32
@@ -179,7 +185,8 @@ def commands(paths: dict[str, Path], data: dict[str, Path], work: Path, samples:
     common = ["--model", str(paths["base"]), "--samples", str(samples), "--max-tokens", str(max_tokens),
               "--no-progress", "--dtype", "float16"]
     store = str(work / "scale.zarr")
-    return {
+    # --force everywhere: with --keep a second invocation must measure the work again, not a resume that skips it
+    return {name: command + ["--force"] for name, command in {
         "linearity": diag + ["linearity", *common, *dense, *tasks_data, "--levels", "model,layer,attn,mlp,head",
                              "--out", store],
         "alpha": diag + ["alpha", *common, *dense, *tasks_data, "--granularity", "attn-mlp", "--out", store],
@@ -195,7 +202,7 @@ def commands(paths: dict[str, Path], data: dict[str, Path], work: Path, samples:
         "eval": diag + ["eval", "--model", str(paths["base"]), *dense, "--merged", f"ta={work / 'ta'}",
                         *tasks_data, "--skip", "0", "--samples", str(samples), "--max-tokens", str(max_tokens),
                         "--dtype", "float16", "--out", str(work / "eval.zarr"), "--no-progress"],
-    }
+    }.items()}
 
 
 def mergekit_runs(python: str, paths: dict[str, Path], work: Path) -> dict:
@@ -252,7 +259,8 @@ def run_slice(layers: int, directory: Path, args, tokenizer_dir: Path, data: dic
     if args.mergekit_python:
         for name, r in mergekit_runs(args.mergekit_python, paths, work).items():
             ours = results.get(name)
-            difference = max_difference(work / ("ta" if name == "merge-ta" else "ties"), r["out"])[0] if ours else None
+            mine = work / ("ta" if name == "merge-ta" else "ties")
+            difference = in_fresh_process(_largest_difference, mine, r["out"]) if ours else None
             results[f"{name}:mergekit"] = {**r, "max_abs_diff": difference}
             print(f"  {name + ' mergekit':<18} wall {r['wall_s']:8.1f} s   peak RSS {r['peak_rss_mib']:8.0f} MiB"
                   + (f"   max |ours − mergekit| {difference:.3g}" if difference is not None else ""), flush=True)
