@@ -59,6 +59,7 @@ def _largest_difference(first: Path, second: Path) -> float:
     them here would raise this process's RSS high-water mark, which every later child would report as its own."""
     return max_difference(first, second)[0]
 
+
 HIDDEN, INTERMEDIATE, HEADS = 4096, 11008, 32
 TASKS = ("math", "code", "trivia")
 FULL_LAYERS = 32
