@@ -42,6 +42,7 @@ import re
 import shutil
 import signal
 import sys
+import threading
 import uuid
 import warnings
 from dataclasses import dataclass
@@ -239,6 +240,58 @@ def _atomic_write(path: Path, data: bytes) -> None:
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise
+
+
+@contextlib.contextmanager
+def _interrupts_deferred():
+    """Ctrl-C (SIGINT) during a store write takes effect as soon as the write is done, not in the middle of it.
+
+    zarr writes from its own event-loop thread: a KeyboardInterrupt in the waiting main thread would leave that
+    thread writing on its own (and print its traceback). Each write block is short (one unit), so the
+    interrupt waits for it; then the handler that was in place runs as it would have. Only in the main thread
+    (the only one Python delivers signals to).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if received:
+        if callable(previous):
+            previous(signal.SIGINT, None)
+        elif previous == signal.SIG_DFL:
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+def _drop_unretrieved_write_errors() -> None:
+    """After a write failed (full disk, file-size limit), keep zarr's sibling writes quiet.
+
+    zarr writes a call's files concurrently on its event loop; the first OSError is reported (a StoreError),
+    and the other writes of that call, failing the same way, end as "exception was never retrieved"
+    tracebacks printed when they are collected. Those, and only those (OSErrors nobody retrieved), are
+    dropped; everything else goes to the loop's handler as before.
+    """
+    from zarr.core.sync import _get_loop
+
+    loop = _get_loop()
+    previous = loop.get_exception_handler()
+    if getattr(previous, "drops_unretrieved_write_errors", False):
+        return
+
+    def handler(loop, context):
+        if isinstance(context.get("exception"), OSError) and "never retrieved" in context.get("message", ""):
+            return
+        if previous is not None:
+            previous(loop, context)
+        else:
+            loop.default_exception_handler(context)
+
+    handler.drops_unretrieved_write_errors = True
+    loop.set_exception_handler(handler)
 
 
 class _LocalStore(LocalStore):
@@ -600,10 +653,11 @@ class Store:
         """Hold the lock; an OS error (full disk, file-size limit, permissions) becomes a StoreError."""
         self.lock.acquire()
         try:
-            with _quiet():
+            with _quiet(), _interrupts_deferred():
                 yield
         except OSError as exc:
             self.lock.release()
+            _drop_unretrieved_write_errors()
             where = f" ({exc.filename})" if exc.filename else ""
             raise StoreError(
                 f"could not write the store {self.path}: {exc.strerror or exc}{where}. The units written before "

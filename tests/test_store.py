@@ -302,6 +302,54 @@ def test_lock_released_on_error(tmp_path):
     assert not (store.path / ".submerge.lock").exists()
 
 
+def test_ctrl_c_during_a_write_waits_for_the_write(tmp_path, monkeypatch):
+    """SIGINT in the middle of an append (here from inside zarr's writer thread) stops the run after the unit is
+    committed, with the usual KeyboardInterrupt and the lock released; the handler in place is restored."""
+    import signal
+
+    from diagnostics import store as store_module
+
+    store = Store(tmp_path / "s.zarr")
+    store.begin("g", {"a": 1})
+    monkeypatch.setenv(store_module.FAULT_ENV, "write:2:interrupt")
+    monkeypatch.setitem(store_module._fault_counts, "write", 0)
+    before = signal.getsignal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt):
+        store.append("g", _unit(["layers.0.attn", "layers.1.attn"], 1.0))
+    assert store_module._fault_counts["write"] > 2  # the interrupt came mid-append and the append went on
+    assert signal.getsignal(signal.SIGINT) is before
+    assert not (store.path / ".submerge.lock").exists()
+    monkeypatch.delenv(store_module.FAULT_ENV)
+    assert store.begin("g", {"a": 1}) == {"layers.0.attn", "layers.1.attn"}  # the unit was committed whole
+    np.testing.assert_array_equal(store.dataset("g").score.values[:, 0], [1.0, 1.0])
+
+
+def test_after_a_failed_write_only_zarrs_unretrieved_write_errors_are_dropped(caplog):
+    """A full disk fails several of zarr's concurrent writes; the first is the StoreError, the others must not
+    print "exception was never retrieved" tracebacks. Other loop errors still reach the log."""
+    import logging
+
+    from zarr.core.sync import _get_loop
+
+    from diagnostics import store as store_module
+
+    loop = _get_loop()
+    before = loop.get_exception_handler()
+    try:
+        store_module._drop_unretrieved_write_errors()
+        store_module._drop_unretrieved_write_errors()  # once is enough: not wrapped twice
+        handler = loop.get_exception_handler()
+        assert handler.drops_unretrieved_write_errors
+        with caplog.at_level(logging.ERROR, logger="asyncio"):
+            handler(loop, {"message": "Task exception was never retrieved", "exception": OSError(27, "File too large")})
+            assert caplog.records == []
+            handler(loop, {"message": "Task exception was never retrieved", "exception": ValueError("a bug")})
+            handler(loop, {"message": "something else", "exception": OSError(5, "I/O error")})
+        assert len(caplog.records) == 2
+    finally:
+        loop.set_exception_handler(before)
+
+
 def test_status_partial_complete_and_corrupt(tmp_path):
     store = Store(tmp_path / "s.zarr")
     writer = UnitWriter(store, "g", {"k": 1}, expected=3)
