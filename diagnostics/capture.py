@@ -263,6 +263,80 @@ def record_inputs(
     return recorded
 
 
+class _NotPassedThrough(Exception):
+    """A backbone that does not hand a block's returned tensor to the next block as it is (an older layout)."""
+
+
+def _pass_through(*args, **kwargs):
+    return args[0] if args else kwargs["hidden_states"]
+
+
+@torch.no_grad()
+def block_kwargs(
+    model: nn.Module,
+    arch: Architecture,
+    layers: Iterable[int],
+    batches: list[TokenBatch],
+    *,
+    device: torch.device | str = "cpu",
+    compute: torch.dtype | None = None,
+) -> dict[str, list[Recorded]]:
+    """What each block of `layers` receives besides its hidden state (mask, positions …), per batch, cheaply.
+
+    These inputs depend on the tokens, not on the weights, so no block runs: each passes its input on, and
+    only the embedding stage computes. The hidden state is left out (None; `_with_hidden` puts a stream in),
+    except for block 0, whose input is the base's embedding. Memory is the masks, not L hidden states.
+    Backbones whose block loop does not take a block's tensor as it is get `record_inputs` instead.
+    """
+    layers = sorted(set(layers))
+    paths = [arch.layer_path(i) for i in layers]
+    blocks = [model.get_submodule(arch.layer_path(i)) for i in range(arch.num_layers)]
+    backbone = get_module(model, arch.backbone_path)
+    recorded: dict[str, list[Recorded]] = {path: [] for path in paths}
+
+    def keep(layer, path, batch, mask, embedded):
+        def hook(module, args, kwargs):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            if not isinstance(hidden, torch.Tensor) or hidden.shape != embedded[0].shape:
+                raise _NotPassedThrough
+            if layer == 0:
+                recorded[path].append(Recorded(tuple(args), _clean_kwargs(kwargs), mask, batch.sample_index))
+            elif args:
+                recorded[path].append(Recorded((None, *args[1:]), _clean_kwargs(kwargs), mask, batch.sample_index))
+            else:
+                recorded[path].append(Recorded((), {**_clean_kwargs(kwargs), "hidden_states": None}, mask,
+                                               batch.sample_index))
+        return hook
+
+    def first(module, args, kwargs, embedded):
+        embedded[:] = [args[0] if args else kwargs["hidden_states"]]
+
+    try:
+        with hooks() as handles:
+            _in_compute_dtype(handles, model, arch, compute, blocks)
+            for block in blocks:
+                block.forward = _pass_through
+            for b, batch in enumerate(batches):
+                mask, embedded = batch.attention_mask.to(device).bool(), []
+                with hooks() as batch_handles:
+                    batch_handles.append(blocks[0].register_forward_pre_hook(
+                        lambda m, a, k, embedded=embedded: first(m, a, k, embedded), with_kwargs=True))
+                    for layer, path in zip(layers, paths):
+                        batch_handles.append(blocks[layer].register_forward_pre_hook(
+                            keep(layer, path, batch, mask, embedded), with_kwargs=True))
+                    if layers and layers[-1] < arch.num_layers - 1:
+                        batch_handles.append(blocks[layers[-1]].register_forward_hook(_stop_forward))
+                    _until_stop(lambda batch=batch: _call_backbone(backbone, batch, device))
+    except _NotPassedThrough:
+        recorded = None
+    finally:
+        for block in blocks:
+            block.__dict__.pop("forward", None)
+    if recorded is None:
+        return record_inputs(model, arch, paths, batches, device=device, compute=compute)
+    return recorded
+
+
 def _layer_of(arch: Architecture, path: str) -> int:
     prefix = arch.layers_path + "."
     if not path.startswith(prefix):
@@ -435,7 +509,6 @@ def model_outputs(
     on_layer: Callable[[int], None] | None = None,
     layers: range | None = None,
     hidden: list[list[torch.Tensor]] | None = None,
-    state: CaptureState | None = None,
 ) -> list[list[torch.Tensor]]:
     """Final hidden states (after the final norm) or logits of every variant, block by block.
 
@@ -443,18 +516,15 @@ def model_outputs(
     (`source.dtype_for`). Only one block's parameters per variant exist at a time, never a second model.
 
     A pipeline stage (`diagnostics.linearity.scale_out`) runs only the blocks `layers`: `hidden` holds the
-    variants' streams entering the first of them (None: the embedding stage runs here) and `state` the base
-    forward's `CaptureState` just before it (left unchanged); the final norm and head run only when `layers`
-    ends at the last block, else the streams leaving `layers` come back.
+    variants' streams entering the first of them (None: the embedding stage runs here); the final norm and
+    head run only when `layers` ends at the last block, else the streams leaving `layers` come back.
     """
     model = source.base.model
     device = next(model.parameters()).device
     layers = range(arch.num_layers) if layers is None else layers
     layer_paths = [arch.layer_path(i) for i in layers]
-    # 1. the inputs of every block on the base (kwargs: masks, positions do not depend on weights)
-    state = None if state is None else CaptureState(state.layer, state.outputs)
-    block_inputs = record_inputs(model, arch, layer_paths, batches, device=device, compute=source.compute_dtype,
-                                 state=state)
+    # 1. what every block receives besides the stream (masks, positions: they do not depend on weights)
+    block_inputs = block_kwargs(model, arch, layers, batches, device=device, compute=source.compute_dtype)
     # 2. the embedding stage per variant, 3. the blocks, 4. the final norm and, on request, the output head
     if hidden is None:
         hidden = [_embedded(source, arch, batches, variant, block_inputs[layer_paths[0]]) for variant in variants]
@@ -481,7 +551,7 @@ def _final_stages(source: ParameterSource, arch: Architecture, hidden: list[list
     model = source.base.model
     heads = [arch.final_norm_path] if arch.final_norm_path else []
     if output == "logits":
-        heads.append(_output_head_path(model))
+        heads.append(output_head_path(model))
     for path in heads:
         module = model.get_submodule(path)
         for v, variant in enumerate(variants):
@@ -512,7 +582,7 @@ def _embedded(source: ParameterSource, arch: Architecture, batches, variant: Var
     return hidden
 
 
-def _output_head_path(model: nn.Module) -> str:
+def output_head_path(model: nn.Module) -> str:
     embeddings = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if embeddings is None:
         raise ValueError(f"{type(model).__name__} has no output head; use --model-output hidden")

@@ -1,9 +1,12 @@
 """`diag eval`: mean token loss and perplexity per task, for the base, fine-tunes and merges.
 
 Held-out records: the records after the first `skip` of each task file (the
-first ones fit α and the diagnostics). One model instance is kept; each model
-evaluated has its weights copied in tensor by tensor from its checkpoint (a
-directory, hub id or LoRA adapter), so only one model is ever in memory.
+first ones fit α and the diagnostics). Each model (a directory, hub id or LoRA
+adapter) is evaluated as θ0 + τ, block by block like the model level of `diag
+linearity` (`capture.model_outputs`): the batches of every task go through one
+block before the next, whose weights are then read from the checkpoint in the
+compute dtype. The base stays as stored (memory-mapped), and memory is one
+block's weights plus the hidden states of the batches, never a second model.
 """
 
 from __future__ import annotations
@@ -14,12 +17,13 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import torch
 import xarray as xr
+from torch.func import functional_call
 
-from diagnostics.capture import computing_in, no_tf32
+from diagnostics.capture import ParameterSource, model_outputs, no_tf32, output_head_path, upcast
 from diagnostics.data import read_task_file, tokenize
 from diagnostics.errors import ModelInputError
 from diagnostics.experiment import check_device, pick_compute_dtype
-from diagnostics.models import BaseModel, load_base_model, open_checkpoint
+from diagnostics.models import BaseModel, TaskVectorReader, load_base_model, open_checkpoint
 from diagnostics.modules import find_architecture
 from diagnostics.progress import progress_bar
 from diagnostics.scale_out import check_workers
@@ -62,18 +66,48 @@ def load_weights(base: BaseModel, spec: str | None, *, allow_pickle: bool = Fals
         parameter.copy_(tensor)
 
 
+@torch.no_grad()
+def streamed_losses(source: ParameterSource, arch, batches: dict, variant: dict) -> dict[str, tuple[float, int]]:
+    """`task_loss` per task of θ0 + Σ c τ (`variant`), computed block by block (`model_outputs`) over the batches
+    of every task together (each block's weights are read once per model), the head batch by batch."""
+    model = source.base.model
+    device = next(model.parameters()).device
+    tasks = [task for task in batches for _ in batches[task]]
+    flat = [batch for task in batches for batch in batches[task]]
+    hidden = model_outputs(source, arch, flat, [variant], output="hidden")[0]
+    head_path = output_head_path(model)
+    head = model.get_submodule(head_path)
+    params = source.variant(head_path, variant)
+    totals = {task: [0.0, 0] for task in batches}
+    for b, (task, batch) in enumerate(zip(tasks, flat)):
+        x = upcast(hidden[b], source.dtype_for(head_path))
+        hidden[b] = None
+        logits = (functional_call(head, params, (x,), strict=False) if params else head(x))[:, :-1].float()
+        ids, mask = batch.input_ids.to(device), batch.attention_mask.to(device)
+        valid = mask[:, 1:].bool()
+        losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+        totals[task][0] += float(losses[valid].double().sum())
+        totals[task][1] += int(valid.sum())
+    source.clear()
+    return {task: ((total / count if count else math.nan), count) for task, (total, count) in totals.items()}
+
+
 def model_losses(base: BaseModel, arch, spec: str | None, tasks: list[str], batches: dict, compute: torch.dtype, *,
-                 allow_pickle: bool = False, describe: Callable[[str], None] = lambda task: None) -> tuple[list, list]:
-    """(loss per task, predicted tokens per task) of the checkpoint `spec` (None: the base) loaded into `base`."""
-    load_weights(base, spec, allow_pickle=allow_pickle)
-    losses, counts = [], []
-    for task in tasks:
-        describe(task)
-        with computing_in(base.model, arch, compute), no_tf32():
-            loss, count = task_loss(base.model, batches[task])
-        losses.append(loss)
-        counts.append(count)
-    return losses, counts
+                 allow_pickle: bool = False, describe: Callable[[str], None] = lambda text: None) -> tuple[list, list]:
+    """(loss per task, predicted tokens per task) of the checkpoint `spec` (None: the base), as θ0 + τ in `compute`.
+
+    Nothing is written into the base model: one block of the checkpoint at a time is read (`streamed_losses`).
+    """
+    if spec is None:
+        vectors, variant = {}, {}
+    else:
+        checkpoint = open_checkpoint(spec, base=base.reader, allow_pickle=allow_pickle)
+        vectors, variant = {spec: TaskVectorReader(spec, base.reader, checkpoint)}, {spec: 1.0}
+    source = ParameterSource(base, vectors, compute_dtype=compute)
+    describe(", ".join(tasks))
+    with no_tf32():
+        results = streamed_losses(source, arch, {task: batches[task] for task in tasks}, variant)
+    return [results[task][0] for task in tasks], [results[task][1] for task in tasks]
 
 
 class EvalWorker:
@@ -196,8 +230,6 @@ def evaluate(
         for label, (loss, counts) in zip(todo, losses):
             writer.add(_piece(label, specs[label] or base_spec, tasks, loss, counts), label)
             bar.advance(job, len(tasks))
-    if ray is None:
-        load_weights(base, None)
     notes = {
         "loss": "mean next-token cross-entropy over real tokens, nats",
         "perplexity": "exp(loss)",

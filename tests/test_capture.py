@@ -15,6 +15,7 @@ import torch
 from diagnostics.capture import (
     CaptureState,
     ParameterSource,
+    block_kwargs,
     head_output,
     input_gram_matrices,
     input_grams_by_layer,
@@ -252,6 +253,63 @@ def test_recording_stops_after_the_deepest_requested_block(llama_kit):
     assert recorded[arch.attn_path(0)][0].sample_index == [0, 1]
 
 
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, (tuple, list)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return a == b
+
+
+def _without_stream(recorded):
+    if recorded.args:
+        return recorded.args[1:], recorded.kwargs
+    return recorded.args, {k: v for k, v in recorded.kwargs.items() if k != "hidden_states"}
+
+
+def test_block_kwargs_are_what_a_real_forward_gives_each_block(engine):
+    """Masks and positions of every block (gemma3: sliding and global layers differ) without running a block:
+    the same tensors a real forward hands each block; the stream is left out except block 0's (the embedding)."""
+    arch, layers = engine.arch, range(engine.arch.num_layers)
+    calls = []
+    handle = engine.base.model.get_submodule(arch.layer_path(0)).register_forward_hook(lambda *a: calls.append(1))
+    try:
+        cheap = block_kwargs(engine.base.model, arch, layers, engine.batches)
+    finally:
+        handle.remove()
+    real = record_inputs(engine.base.model, arch, [arch.layer_path(i) for i in layers], engine.batches)
+    assert len(calls) == len(engine.batches)  # block 0's hook ran, its computation did not (passed through)
+    for i in layers:
+        path = arch.layer_path(i)
+        assert len(cheap[path]) == len(engine.batches)
+        for got, want in zip(cheap[path], real[path]):
+            assert _same(_without_stream(got), _without_stream(want)), path
+            stream = got.args[0] if got.args else got.kwargs["hidden_states"]
+            if i == 0:
+                assert torch.equal(stream, want.args[0] if want.args else want.kwargs["hidden_states"])
+            else:
+                assert stream is None
+            assert torch.equal(got.token_mask, want.token_mask) and got.sample_index == want.sample_index
+
+
+def test_block_kwargs_falls_back_to_a_real_forward_when_blocks_cannot_pass_through(llama_kit, monkeypatch):
+    """A backbone that does not hand a block's returned tensor on as it is (older transformers: tuples)."""
+    from diagnostics import capture
+
+    base, _ = llama_kit.load()
+    arch = find_architecture(base.model)
+    batches = tokenize(read_task_file(TASK, llama_kit.data_path, samples=2), base.tokenizer, max_tokens=16,
+                       batch_size=2)
+    monkeypatch.setattr(capture, "_pass_through", lambda *args, **kwargs: (args[0] if args else
+                                                                          kwargs["hidden_states"])[..., :1])
+    recorded = block_kwargs(base.model, arch, [1], batches)
+    real = record_inputs(base.model, arch, [arch.layer_path(1)], batches)
+    assert torch.equal(recorded[arch.layer_path(1)][0].args[0], real[arch.layer_path(1)][0].args[0])
+    assert not any("forward" in vars(base.model.get_submodule(arch.layer_path(i))) for i in range(arch.num_layers))
+
+
 # --------------------------------------------------------------------------- padding
 
 
@@ -326,3 +384,29 @@ def test_capture_in_float32_gives_each_half_precision_weight_its_own_storage_bac
         pointer, values = before[name]
         assert parameter.dtype == torch.bfloat16 and parameter.data_ptr() == pointer, name
         assert torch.equal(parameter, values), name
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3", "gpt2"])
+def test_eval_streamed_block_by_block_is_the_whole_models_loss(toy_kit, name):
+    """`diag eval`'s losses (θ0 + τ block by block, every task's batches through a block at once) against the
+    fine-tune loaded whole and run by Hugging Face; the base's weights are read, never written."""
+    from diagnostics.evaluate import model_losses, task_loss
+
+    kit = toy_kit(name)
+    base, _ = kit.load()
+    arch = find_architecture(base.model)
+    data = read_task_file(TASK, kit.data_path, samples=6)
+    batches = {"a": tokenize(data, base.tokenizer, max_tokens=40, batch_size=4),
+               "b": tokenize(read_task_file(TASK, kit.data_path, samples=2, skip=6), base.tokenizer, max_tokens=24,
+                             batch_size=2)}
+    before = {n: (p.data_ptr(), p.detach().clone()) for n, p in base.model.named_parameters()}
+    losses, counts = model_losses(base, arch, str(kit.finetuned_dir), ["a", "b"], batches, torch.float32)
+    finetuned = kit.finetuned_model()
+    for task, loss, count in zip(["a", "b"], losses, counts):
+        expected, tokens = task_loss(finetuned, batches[task])
+        assert count == tokens and loss == pytest.approx(expected, rel=1e-5), task
+    base_losses, _ = model_losses(base, arch, None, ["a", "b"], batches, torch.float32)
+    assert base_losses[0] == pytest.approx(task_loss(base.model, batches["a"])[0], rel=1e-5)
+    assert abs(base_losses[0] - losses[0]) > 1e-4  # the fine-tune is a different model
+    for n, p in base.model.named_parameters():
+        assert p.data_ptr() == before[n][0] and torch.equal(p, before[n][1]), n

@@ -171,9 +171,8 @@ class BlockWorker:
         """The variants' streams through this stage (`model_outputs` on its blocks), on the CPU."""
         with no_tf32():
             hidden = None if hidden is None else _to(hidden, self.device)
-            state = self._start(task) if self.pending else None
             streams = model_outputs(self.source, self.arch, self.batches[task], variants, output=output,
-                                    layers=self.layers, hidden=hidden, state=state)
+                                    layers=self.layers, hidden=hidden)
         return _to(streams, "cpu")
 
     def stats(self) -> dict:
