@@ -16,13 +16,13 @@ Methods (labels along dimension ``method`` of the store group ``compare``):
 
 Records: the first `fit` records of each task fit α, λ, RegMean's Grams and the evidence choice; the
 `samples` records after the first `skip` (≥ `fit`) are held out, and every loss in the group is on
-them (`diagnostics.evaluate.task_loss`: mean next-token cross-entropy over real tokens, nats).
+them (`diagnostics.evaluate.streamed_losses`: mean next-token cross-entropy over real tokens, nats).
 
 Normalised gain of a model on task t: (L_base,t − L_model,t) / (L_base,t − L_finetune_t,t) — 0 is
 the base, 1 the task's own fine-tune; the leaderboard sorts by its mean over tasks.
 
-Streaming: one merged checkpoint at a time is written to a temporary directory, loaded into the
-single model instance and deleted (kept under ``keep/<method>`` when `keep` is given). The group is
+Streaming: one merged checkpoint at a time is written to a temporary directory, evaluated block by
+block over the base (one block's weights at a time, as `diag eval`) and deleted (kept under ``keep/<method>`` when `keep` is given). The group is
 written one method at a time, so a killed run resumes after the last finished method.
 """
 
@@ -39,7 +39,6 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-import torch
 import xarray as xr
 
 from diagnostics.errors import SubmergeError
@@ -196,32 +195,44 @@ def prepare(experiment, finetuned: dict[str, str], methods: list[str], *, plan=N
 
 
 class _Evaluator:
-    """The single model instance: loads a checkpoint's (or scaled) weights and measures held-out losses."""
+    """Held-out losses of one model at a time, computed block by block over the base (`diag eval`'s way): a
+    checkpoint as θ0 + τ, or θ0 + λ·(θ_reader − θ0), in the experiment's compute dtype; nothing is written into
+    the base model, and only one block's weights are built at a time."""
 
     def __init__(self, experiment, held_out: dict, *, allow_pickle: bool = False):
-        self.base, self.held_out, self.fit = experiment.base, held_out, experiment.batches
-        self.tasks, self.allow_pickle = experiment.tasks, allow_pickle
+        self.base, self.arch, self.held_out, self.fit = experiment.base, experiment.arch, held_out, experiment.batches
+        self.tasks, self.allow_pickle, self.compute = experiment.tasks, allow_pickle, experiment.compute_dtype
+        self.load(None)
 
     def losses(self, batches: dict | None = None) -> np.ndarray:
-        from diagnostics.evaluate import task_loss
+        from diagnostics.capture import no_tf32
+        from diagnostics.evaluate import streamed_losses
 
         batches = batches or self.held_out
-        return np.array([task_loss(self.base.model, batches[t])[0] for t in self.tasks])
+        with no_tf32():
+            results = streamed_losses(self.source, self.arch, {t: batches[t] for t in self.tasks}, self.variant)
+        return np.array([results[t][0] for t in self.tasks])
 
     def load(self, spec: str | None) -> None:
-        from diagnostics.evaluate import load_weights
+        """The checkpoint `spec` (None: the base) is the model the next `losses` measure."""
+        from diagnostics.models import open_checkpoint
 
-        load_weights(self.base, spec, allow_pickle=self.allow_pickle)
+        if spec is None:
+            self._use({}, {})
+        else:
+            self.load_scaled(open_checkpoint(spec, base=self.base.reader, allow_pickle=self.allow_pickle), 1.0,
+                             name=spec)
 
-    @torch.no_grad()
-    def load_scaled(self, reader, scale: float) -> None:
-        """θ0 + scale · (θ_reader − θ0) into the model, tensor by tensor."""
-        for name, parameter in self.base.model.named_parameters():
-            checkpoint = self.base.checkpoint_name(name)
-            base = self.base.reader.get(checkpoint, torch.float32, parameter.device)
-            other = reader.get(checkpoint, torch.float32, parameter.device)
-            rows = parameter.shape[0]
-            parameter.copy_((base[:rows] + scale * (other[:rows] - base[:rows])).to(parameter.dtype))
+    def load_scaled(self, reader, scale: float, *, name: str = "scaled") -> None:
+        """θ0 + scale · (θ_reader − θ0) is the model the next `losses` measure."""
+        from diagnostics.models import TaskVectorReader
+
+        self._use({name: TaskVectorReader(name, self.base.reader, reader)}, {name: scale})
+
+    def _use(self, vectors: dict, variant: dict) -> None:
+        from diagnostics.capture import ParameterSource
+
+        self.source, self.variant = ParameterSource(self.base, vectors, compute_dtype=self.compute), variant
 
 
 def _tune_lambda(evaluator: _Evaluator, write: Callable, lambdas) -> tuple[float, dict[float, float]]:
