@@ -195,14 +195,6 @@ def _in_compute_dtype(handles: list, model: nn.Module, arch: Architecture, compu
         handles.append(stage.register_forward_hook(leave, prepend=True, always_call=True))
 
 
-@contextmanager
-def computing_in(model: nn.Module, arch: Architecture, compute: torch.dtype):
-    """Full forwards of `model` inside the block run stage by stage in `compute` (see `_in_compute_dtype`)."""
-    with hooks() as handles:
-        _in_compute_dtype(handles, model, arch, compute, [])
-        yield
-
-
 def _partial_forward(model, arch, batches, device, deepest: int, first: int, register, state,
                      compute: torch.dtype | None = None) -> None:
     """Run the backbone on each batch with `register(handles, b, batch, mask)`'s hooks, stopping after `deepest`.

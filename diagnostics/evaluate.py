@@ -32,7 +32,8 @@ from diagnostics.store import Store, UnitWriter
 
 @torch.no_grad()
 def task_loss(model: torch.nn.Module, batches) -> tuple[float, int]:
-    """Mean next-token cross-entropy over real tokens (nats) and the number of predicted tokens."""
+    """Mean next-token cross-entropy over real tokens (nats) and the number of predicted tokens, of `model` run
+    whole as it is (the plain forward `streamed_losses` is checked against)."""
     device = next(model.parameters()).device
     total, count = 0.0, 0
     for batch in batches:
@@ -44,26 +45,6 @@ def task_loss(model: torch.nn.Module, batches) -> tuple[float, int]:
         total += float(losses[valid].double().sum())
         count += int(valid.sum())
     return (total / count if count else math.nan), count
-
-
-@torch.no_grad()
-def load_weights(base: BaseModel, spec: str | None, *, allow_pickle: bool = False) -> None:
-    """Copy a checkpoint's tensors into the base model instance (None: the base's own)."""
-    reader = base.reader if spec is None else open_checkpoint(spec, base=base.reader, allow_pickle=allow_pickle)
-    for name, parameter in base.model.named_parameters():
-        checkpoint_name = base.checkpoint_name(name)
-        if checkpoint_name not in reader:
-            raise ModelInputError(f"{spec}: no tensor '{checkpoint_name}' for parameter '{name}'")
-        tensor = reader.get(checkpoint_name, parameter.dtype, parameter.device)
-        if tensor.shape != parameter.shape:
-            if tensor.shape[1:] == parameter.shape[1:] and tensor.shape[0] > parameter.shape[0]:
-                tensor = tensor[: parameter.shape[0]]  # added vocabulary rows (vocab policy 'base')
-            else:
-                raise ModelInputError(
-                    f"{spec}: tensor '{checkpoint_name}' has shape {tuple(tensor.shape)}, "
-                    f"the base {tuple(parameter.shape)}"
-                )
-        parameter.copy_(tensor)
 
 
 @torch.no_grad()
@@ -111,7 +92,7 @@ def model_losses(base: BaseModel, arch, spec: str | None, tasks: list[str], batc
 
 
 class EvalWorker:
-    """A Ray worker of `evaluate`: one base model instance, into which each model of its groups is loaded."""
+    """A Ray worker of `evaluate`: the base (memory-mapped), over which each model of its groups is run block by block."""
 
     def __init__(self, base_spec: str, load: dict, tasks: list[str], batches: dict, compute: torch.dtype,
                  threads: int | None):
