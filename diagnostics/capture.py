@@ -259,8 +259,13 @@ class _NotPassedThrough(Exception):
     """A backbone that does not hand a block's returned tensor to the next block as it is (an older layout)."""
 
 
-def _pass_through(*args, **kwargs):
+def _stream(args: tuple, kwargs: dict):
+    """The hidden state among a block's inputs: its first argument, or the keyword ``hidden_states``."""
     return args[0] if args else kwargs["hidden_states"]
+
+
+def _pass_through(*args, **kwargs):
+    return _stream(args, kwargs)
 
 
 @torch.no_grad()
@@ -288,20 +293,19 @@ def block_kwargs(
 
     def keep(layer, path, batch, mask, embedded):
         def hook(module, args, kwargs):
-            hidden = args[0] if args else kwargs["hidden_states"]
+            hidden = _stream(args, kwargs)
             if not isinstance(hidden, torch.Tensor) or hidden.shape != embedded[0].shape:
                 raise _NotPassedThrough
-            if layer == 0:
-                recorded[path].append(Recorded(tuple(args), _clean_kwargs(kwargs), mask, batch.sample_index))
-            elif args:
-                recorded[path].append(Recorded((None, *args[1:]), _clean_kwargs(kwargs), mask, batch.sample_index))
-            else:
-                recorded[path].append(Recorded((), {**_clean_kwargs(kwargs), "hidden_states": None}, mask,
-                                               batch.sample_index))
+            inputs = Recorded(tuple(args), _clean_kwargs(kwargs), mask, batch.sample_index)
+            if layer != 0:  # any other block's input here is the embedding passed on, not its real stream
+                inputs = Recorded(*_with_hidden(inputs, None), mask, batch.sample_index)
+            recorded[path].append(inputs)
         return hook
 
-    def first(module, args, kwargs, embedded):
-        embedded[:] = [args[0] if args else kwargs["hidden_states"]]
+    def note_embedding(embedded):
+        def hook(module, args, kwargs):
+            embedded[:] = [_stream(args, kwargs)]
+        return hook
 
     try:
         with hooks() as handles:
@@ -311,8 +315,8 @@ def block_kwargs(
             for b, batch in enumerate(batches):
                 mask, embedded = batch.attention_mask.to(device).bool(), []
                 with hooks() as batch_handles:
-                    batch_handles.append(blocks[0].register_forward_pre_hook(
-                        lambda m, a, k, embedded=embedded: first(m, a, k, embedded), with_kwargs=True))
+                    batch_handles.append(blocks[0].register_forward_pre_hook(note_embedding(embedded),
+                                                                             with_kwargs=True))
                     for layer, path in zip(layers, paths):
                         batch_handles.append(blocks[layer].register_forward_pre_hook(
                             keep(layer, path, batch, mask, embedded), with_kwargs=True))
@@ -585,7 +589,7 @@ def output_head_path(model: nn.Module) -> str:
 
 
 def _hidden_of(recorded: Recorded) -> torch.Tensor:
-    return recorded.args[0] if recorded.args else recorded.kwargs["hidden_states"]
+    return _stream(recorded.args, recorded.kwargs)
 
 
 def _with_hidden(recorded: Recorded, hidden: torch.Tensor) -> tuple[tuple, dict]:
@@ -598,7 +602,7 @@ def _embed_with(backbone, params, model, first_layer_path, batch, device) -> tor
     seen = {}
 
     def hook(module, args, kwargs):
-        seen["hidden"] = args[0] if args else kwargs["hidden_states"]
+        seen["hidden"] = _stream(args, kwargs)
         raise _StopForward
 
     kwargs = {"input_ids": batch.input_ids.to(device), "attention_mask": batch.attention_mask.to(device)}

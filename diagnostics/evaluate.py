@@ -30,6 +30,14 @@ from diagnostics.scale_out import check_workers
 from diagnostics.store import Store, UnitWriter
 
 
+def _summed_token_loss(logits: torch.Tensor, batch, device) -> tuple[float, int]:
+    """Next-token cross-entropy summed over a batch's real tokens (nats), and their number."""
+    ids, mask = batch.input_ids.to(device), batch.attention_mask.to(device)
+    valid = mask[:, 1:].bool()
+    losses = torch.nn.functional.cross_entropy(logits[:, :-1].float().transpose(1, 2), ids[:, 1:], reduction="none")
+    return float(losses[valid].double().sum()), int(valid.sum())
+
+
 @torch.no_grad()
 def task_loss(model: torch.nn.Module, batches) -> tuple[float, int]:
     """Mean next-token cross-entropy over real tokens (nats) and the number of predicted tokens, of `model` run
@@ -38,37 +46,41 @@ def task_loss(model: torch.nn.Module, batches) -> tuple[float, int]:
     total, count = 0.0, 0
     for batch in batches:
         ids, mask = batch.input_ids.to(device), batch.attention_mask.to(device)
-        logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
-        targets = ids[:, 1:]
-        valid = mask[:, 1:].bool()
-        losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
-        total += float(losses[valid].double().sum())
-        count += int(valid.sum())
+        batch_total, batch_count = _summed_token_loss(model(input_ids=ids, attention_mask=mask).logits, batch, device)
+        total, count = total + batch_total, count + batch_count
     return (total / count if count else math.nan), count
+
+
+def scaled_source(base: BaseModel, checkpoint, scale: float, compute: torch.dtype, name: str = "model"):
+    """(ParameterSource, variant) of θ0 + scale · (θ_checkpoint − θ0) in `compute`; `checkpoint` (an opened
+    reader) None: the base itself."""
+    if checkpoint is None:
+        return ParameterSource(base, {}, compute_dtype=compute), {}
+    vectors = {name: TaskVectorReader(name, base.reader, checkpoint)}
+    return ParameterSource(base, vectors, compute_dtype=compute), {name: scale}
 
 
 @torch.no_grad()
 def streamed_losses(source: ParameterSource, arch, batches: dict, variant: dict) -> dict[str, tuple[float, int]]:
     """`task_loss` per task of θ0 + Σ c τ (`variant`), computed block by block (`model_outputs`) over the batches
-    of every task together (each block's weights are read once per model), the head batch by batch."""
+    of every task together (each block's weights are read once per model), the head batch by batch; TF32 off."""
     model = source.base.model
     device = next(model.parameters()).device
     tasks = [task for task in batches for _ in batches[task]]
     flat = [batch for task in batches for batch in batches[task]]
-    hidden = model_outputs(source, arch, flat, [variant], output="hidden")[0]
-    head_path = output_head_path(model)
-    head = model.get_submodule(head_path)
-    params = source.variant(head_path, variant)
     totals = {task: [0.0, 0] for task in batches}
-    for b, (task, batch) in enumerate(zip(tasks, flat)):
-        x = upcast(hidden[b], source.dtype_for(head_path))
-        hidden[b] = None
-        logits = (functional_call(head, params, (x,), strict=False) if params else head(x))[:, :-1].float()
-        ids, mask = batch.input_ids.to(device), batch.attention_mask.to(device)
-        valid = mask[:, 1:].bool()
-        losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
-        totals[task][0] += float(losses[valid].double().sum())
-        totals[task][1] += int(valid.sum())
+    with no_tf32():
+        hidden = model_outputs(source, arch, flat, [variant], output="hidden")[0]
+        head_path = output_head_path(model)
+        head = model.get_submodule(head_path)
+        params = source.variant(head_path, variant)
+        for b, (task, batch) in enumerate(zip(tasks, flat)):
+            x = upcast(hidden[b], source.dtype_for(head_path))
+            hidden[b] = None
+            logits = functional_call(head, params, (x,), strict=False) if params else head(x)
+            batch_total, batch_count = _summed_token_loss(logits, batch, device)
+            totals[task][0] += batch_total
+            totals[task][1] += batch_count
     source.clear()
     return {task: ((total / count if count else math.nan), count) for task, (total, count) in totals.items()}
 
@@ -79,15 +91,10 @@ def model_losses(base: BaseModel, arch, spec: str | None, tasks: list[str], batc
 
     Nothing is written into the base model: one block of the checkpoint at a time is read (`streamed_losses`).
     """
-    if spec is None:
-        vectors, variant = {}, {}
-    else:
-        checkpoint = open_checkpoint(spec, base=base.reader, allow_pickle=allow_pickle)
-        vectors, variant = {spec: TaskVectorReader(spec, base.reader, checkpoint)}, {spec: 1.0}
-    source = ParameterSource(base, vectors, compute_dtype=compute)
+    checkpoint = None if spec is None else open_checkpoint(spec, base=base.reader, allow_pickle=allow_pickle)
+    source, variant = scaled_source(base, checkpoint, 1.0, compute, name=spec or "base")
     describe(", ".join(tasks))
-    with no_tf32():
-        results = streamed_losses(source, arch, {task: batches[task] for task in tasks}, variant)
+    results = streamed_losses(source, arch, {task: batches[task] for task in tasks}, variant)
     return [results[task][0] for task in tasks], [results[task][1] for task in tasks]
 
 

@@ -22,8 +22,9 @@ Normalised gain of a model on task t: (L_base,t − L_model,t) / (L_base,t − L
 the base, 1 the task's own fine-tune; the leaderboard sorts by its mean over tasks.
 
 Streaming: one merged checkpoint at a time is written to a temporary directory, evaluated block by
-block over the base (one block's weights at a time, as `diag eval`) and deleted (kept under ``keep/<method>`` when `keep` is given). The group is
-written one method at a time, so a killed run resumes after the last finished method.
+block over the base (one block's weights at a time, as `diag eval`) and deleted (kept under
+``keep/<method>`` when `keep` is given). The group is written one method at a time, so a killed run
+resumes after the last finished method.
 """
 
 from __future__ import annotations
@@ -205,34 +206,25 @@ class _Evaluator:
         self.load(None)
 
     def losses(self, batches: dict | None = None) -> np.ndarray:
-        from diagnostics.capture import no_tf32
         from diagnostics.evaluate import streamed_losses
 
         batches = batches or self.held_out
-        with no_tf32():
-            results = streamed_losses(self.source, self.arch, {t: batches[t] for t in self.tasks}, self.variant)
+        results = streamed_losses(self.source, self.arch, {t: batches[t] for t in self.tasks}, self.variant)
         return np.array([results[t][0] for t in self.tasks])
 
     def load(self, spec: str | None) -> None:
         """The checkpoint `spec` (None: the base) is the model the next `losses` measure."""
         from diagnostics.models import open_checkpoint
 
-        if spec is None:
-            self._use({}, {})
-        else:
-            self.load_scaled(open_checkpoint(spec, base=self.base.reader, allow_pickle=self.allow_pickle), 1.0,
-                             name=spec)
+        checkpoint = None if spec is None else open_checkpoint(spec, base=self.base.reader,
+                                                               allow_pickle=self.allow_pickle)
+        self.load_scaled(checkpoint, 1.0, name=spec or "base")
 
     def load_scaled(self, reader, scale: float, *, name: str = "scaled") -> None:
         """θ0 + scale · (θ_reader − θ0) is the model the next `losses` measure."""
-        from diagnostics.models import TaskVectorReader
+        from diagnostics.evaluate import scaled_source
 
-        self._use({name: TaskVectorReader(name, self.base.reader, reader)}, {name: scale})
-
-    def _use(self, vectors: dict, variant: dict) -> None:
-        from diagnostics.capture import ParameterSource
-
-        self.source, self.variant = ParameterSource(self.base, vectors, compute_dtype=self.compute), variant
+        self.source, self.variant = scaled_source(self.base, reader, scale, self.compute, name=name)
 
 
 def _tune_lambda(evaluator: _Evaluator, write: Callable, lambdas) -> tuple[float, dict[float, float]]:
@@ -358,7 +350,6 @@ def compare(
     references = _references(evaluator, writer, finetuned, tasks)
     notes = _run_methods(pending, merges, evaluator, writer, references, base_spec, finetuned,
                          lambdas=lambdas, keep=keep, allow_pickle=allow_pickle, vocab=vocab, progress=progress)
-    evaluator.load(None)
     result = writer.finish({
         "loss": "mean next-token cross-entropy over real tokens on held-out records, nats",
         "gain": "(loss_base - loss_model) / (loss_base - loss_finetune_of_the_task): 0 = base, 1 = own fine-tune",
