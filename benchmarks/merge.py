@@ -24,8 +24,10 @@ the largest tensor, not by the model's depth (measured at 4 layers: about 14 cop
 time ours/mergekit and peak RSS ours/mergekit.
 
 Targets (issue 9): peak RSS ≤ 1.0× mergekit, wall ≤ 1.2× mergekit, tensors equal to 1e-6. TIES
-can differ where magnitudes tie exactly at the trim threshold: ours keeps the earlier of equal
-entries (a stable sort), mergekit's ``torch.argsort`` leaves their order unspecified.
+can differ only where its equations do not decide (`ties_differences_explained`): magnitudes tied
+exactly at the trim threshold (ours keeps the earlier of equal entries, a stable sort; mergekit's
+``torch.argsort`` leaves their order unspecified) and entries whose trimmed sum is exactly 0 (the
+equation's sgn(0) = 0 merges them to 0; mergekit elects +). Elsewhere the tensors must agree to 1e-6.
 
 mergekit 0.1.5 in its own environment that shares this one's torch (nothing else changed):
 ``python -m venv /tmp/mk && echo $(python -c 'import site; print(site.getsitepackages()[0])') >
@@ -54,7 +56,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 TASKS = ("math", "code", "chat")
 TA_SCALING = 0.5
-TIES_TOP_K = 0.25  # 0.25 · numel is an integer for every tensor here: our round() and mergekit's int() agree
+TIES_TOP_K = 0.25  # ⌊0.25 · numel⌋ entries kept per tensor, by ours and by mergekit alike
 TIES_SCALING = 1.0
 
 
@@ -225,6 +227,70 @@ def max_difference(first: Path, second: Path) -> tuple[float, str, int, int, int
     return worst, where, len(ours), entries, differing
 
 
+def _tensor_files(directory: Path) -> dict:
+    from safetensors import safe_open
+
+    mapping = {}
+    for file in sorted(Path(directory).glob("*.safetensors")):
+        with safe_open(str(file), "pt") as handle:
+            mapping.update({name: file for name in handle.keys()})  # noqa: SIM118 (safe_open is not a dict)
+    return mapping
+
+
+def ties_differences_explained(ours: Path, theirs: Path, base: Path, finetuned: list[Path], top_k: float) -> dict:
+    """Where two TIES merges of the same inputs differ, and whether TIES' equations decide those entries.
+
+    TIES leaves two things to the implementation. (1) Equal magnitudes at the trim threshold: when more
+    entries of τ_t have |τ_t| = t_t (the ⌊k n⌋-th largest) than fit, which are kept is a choice — ours keeps
+    the earlier ones in row-major order, mergekit's unstable ``torch.argsort`` an order torch does not
+    specify. (2) An entry whose trimmed sum is exactly 0: the equation's γ = sgn(0) = 0 merges it to 0 (ours),
+    mergekit takes γ = +1. Half-precision task vectors are quantised, so both are common there.
+    Returns the entries (all tensors) in each set, the entries differing > 1e-6 and the largest
+    |ours − theirs| outside the two sets (0 means: equal wherever the equations decide)."""
+    import math
+
+    import torch
+    from safetensors import safe_open
+
+    def read(files, name):
+        with safe_open(str(files[name]), "pt") as handle:
+            return handle.get_tensor(name).to(torch.float32)
+
+    ours_files, theirs_files, base_files = _tensor_files(ours), _tensor_files(theirs), _tensor_files(base)
+    tuned_files = [_tensor_files(f) for f in finetuned]
+    totals = {"entries": 0, "at_ties": 0, "zero_sum": 0, "differing": 0, "differing_decided": 0,
+              "max_decided": 0.0, "max_all": 0.0}
+    for name in ours_files:
+        theta0 = read(base_files, name)
+        taus = [read(files, name) - theta0 for files in tuned_files]
+        n = theta0.numel()
+        keep = max(1, min(n, math.floor(top_k * n + 1e-9)))
+        undecided = torch.zeros(theta0.shape, dtype=torch.bool)
+        trimmed_sum = torch.zeros_like(theta0)
+        any_kept = torch.zeros(theta0.shape, dtype=torch.bool)
+        for tau in taus:
+            magnitude = tau.abs()
+            threshold = torch.kthvalue(magnitude.reshape(-1), n - keep + 1).values
+            at_threshold = magnitude == threshold
+            if int((magnitude > threshold).sum()) + int(at_threshold.sum()) > keep:  # more equal entries than fit
+                undecided |= at_threshold
+            kept = magnitude > threshold  # the decided ones; the threshold entries are undecided if they tie
+            trimmed_sum += torch.where(kept | at_threshold, tau, 0.0)
+            any_kept |= (kept | at_threshold) & (tau != 0)
+        zero_sum = ~undecided & any_kept & (trimmed_sum == 0)
+        difference = (read(ours_files, name) - read(theirs_files, name)).abs()
+        decided = ~(undecided | zero_sum)
+        totals["entries"] += n
+        totals["at_ties"] += int(undecided.sum())
+        totals["zero_sum"] += int(zero_sum.sum())
+        totals["differing"] += int((difference > 1e-6).sum())
+        totals["differing_decided"] += int(((difference > 1e-6) & decided).sum())
+        totals["max_all"] = max(totals["max_all"], float(difference.max()))
+        if bool(decided.any()):
+            totals["max_decided"] = max(totals["max_decided"], float(difference[decided].max()))
+    return totals
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -291,6 +357,9 @@ def main() -> None:
                                            "--no-write-model-card", "--no-copy-tokenizer",
                                            "--out-shard-size", shard_parameters])
                 row["max_abs_diff"], row["worst_tensor"], row["tensors"], row["entries"], row["differing"] = in_fresh_process(max_difference, out_ours, out_theirs)
+                if method == "ties":
+                    row["explained"] = in_fresh_process(ties_differences_explained, out_ours, out_theirs,
+                                                        directory / "base", [directory / t for t in TASKS], TIES_TOP_K)
                 if not args.keep:
                     shutil.rmtree(out_theirs)
             if not args.keep:
@@ -324,9 +393,15 @@ def main() -> None:
                       f"{row['differing']} of {row['entries']} entries differ by > 1e-6); time ours/mergekit = {ours['wall_s'] / theirs['wall_s']:.2f}; "
                       f"peak RSS ours/mergekit = {ours['peak_rss_mib'] / theirs['peak_rss_mib']:.2f}; "
                       f"peak anon ours/mergekit = {ours['peak_anon_mib'] / theirs['peak_anon_mib']:.2f}")
+                decided = row.get("explained")
+                if decided:
+                    print(f"  undecided by TIES' equations: {decided['at_ties']} entries tied at a trim threshold, "
+                          f"{decided['zero_sum']} with trimmed sum 0; {decided['differing_decided']} differing entries "
+                          f"elsewhere, max |ours - mergekit| there {decided['max_decided']:.3g}")
                 met = {"peak RSS <= 1.0x": ours["peak_rss_mib"] <= theirs["peak_rss_mib"],
                        "wall <= 1.2x": ours["wall_s"] <= 1.2 * theirs["wall_s"],
-                       "max diff <= 1e-6": row["max_abs_diff"] <= 1e-6}
+                       "max diff <= 1e-6" + (" where decided" if decided else ""):
+                           (decided["max_decided"] if decided else row["max_abs_diff"]) <= 1e-6}
                 print("  targets: " + ", ".join(f"{k} {'met' if v else 'NOT met'}" for k, v in met.items()))
     finally:
         if not args.keep:

@@ -52,6 +52,16 @@ def _merge_benchmark():
 
 _METER = _merge_benchmark()
 measure, max_difference, in_fresh_process = _METER.measure, _METER.max_difference, _METER.in_fresh_process
+ties_differences_explained = _METER.ties_differences_explained
+
+
+def _explained(counts: dict) -> str:
+    """One line from `ties_differences_explained`."""
+    entries = counts["entries"]
+    return (f"{counts['differing']:,} of {entries:,} entries differ > 1e-6, {counts['differing_decided']:,} of them "
+            f"where TIES' equations decide; max |ours − mergekit| there {counts['max_decided']:.3g}; "
+            f"undecided: {counts['at_ties'] / entries:.1%} tied at a trim threshold, "
+            f"{counts['zero_sum'] / entries:.2%} with trimmed sum exactly 0")
 
 
 def _largest_difference(first: Path, second: Path) -> float:
@@ -265,6 +275,11 @@ def run_slice(layers: int, directory: Path, args, tokenizer_dir: Path, data: dic
             results[f"{name}:mergekit"] = {**r, "max_abs_diff": difference}
             print(f"  {name + ' mergekit':<18} wall {r['wall_s']:8.1f} s   peak RSS {r['peak_rss_mib']:8.0f} MiB"
                   + (f"   max |ours − mergekit| {difference:.3g}" if difference is not None else ""), flush=True)
+            if ours and name == "merge-ties":
+                explained = in_fresh_process(ties_differences_explained, mine, r["out"], paths["base"],
+                                             [paths[t] for t in TASKS], 0.2)
+                results[f"{name}:mergekit"]["explained"] = explained
+                print(f"  {'':<18} {_explained(explained)}", flush=True)
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
     return results
@@ -294,7 +309,9 @@ def report(by_layers: dict[int, dict], tokens: int) -> None:
             ours, other = by_layers[L][name], by_layers[L][theirs]
             print(f"L={L} {name}: wall ours/mergekit {ours['wall_s'] / other['wall_s']:.2f}, peak RSS "
                   f"ours/mergekit {ours['peak_rss_mib'] / other['peak_rss_mib']:.2f}, max |ours − mergekit| "
-                  f"{other['max_abs_diff']:.3g}")
+                  f"{other['max_abs_diff']:.3g}"
+                  + (f"; where the equations decide {other['explained']['max_decided']:.3g}"
+                     if "explained" in other else ""))
 
 
 def main() -> None:

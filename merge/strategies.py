@@ -273,8 +273,10 @@ class _TopMagnitude:
 
 
 def _top_count(top_k: float, total: int) -> int:
+    """⌊k · n⌋ entries, at least one when k > 0: the count of the TIES authors' ``topk_values_mask``
+    (``int(n · K)``) and of mergekit's ``magnitude`` sparsification, so the same density keeps the same number."""
     top_k = _check_fraction(top_k, "top_k")
-    keep = _count_from_fraction(top_k, total)
+    keep = min(total, math.floor(top_k * total + 1e-9))  # + 1e-9: 0.3 · 10 is 3, not 2.9999…
     return max(1, keep) if top_k > 0 else keep
 
 
@@ -282,7 +284,7 @@ def keep_top_magnitude(task_vector: torch.Tensor, top_k: float) -> torch.Tensor:
     """TIES step (1) Trim: keep the top-k fraction of entries by |value|, zero the rest.
 
     Survey §TIES-Merging: τ̂_t = keep_topk_reset_rest_to_zero(τ_t, k). Keeps exactly
-    round(k · n) entries (at least one when k > 0); among equal magnitudes the earlier entry in
+    ⌊k · n⌋ entries (at least one when k > 0); among equal magnitudes the earlier entry in
     row-major order is kept first (a stable descending sort). Returned in compute dtype (at least float32).
     """
     values = _compute(task_vector)

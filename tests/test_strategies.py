@@ -119,6 +119,9 @@ def test_keep_top_magnitude_counts_exactly():
     assert int((kept != 0).sum()) == 4
     assert set(kept[kept != 0].abs().tolist()) == {17.0, 18.0, 19.0, 20.0}
     assert int((keep_top_magnitude(values, 0.01) != 0).sum()) == 1  # at least one kept
+    # ⌊k · n⌋ as the TIES authors' int(n · K) and mergekit's int(density · n): 0.23 · 20 = 4.6 keeps 4, 0.3 · 10 keeps 3
+    assert int((keep_top_magnitude(values, 0.23) != 0).sum()) == 4
+    assert int((keep_top_magnitude(values[:10], 0.3) != 0).sum()) == 3
     with pytest.raises(ValueError, match="top_k"):
         keep_top_magnitude(values, 20)
 
