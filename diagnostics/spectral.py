@@ -49,9 +49,16 @@ def svd_dtype(dtype: str | torch.dtype) -> torch.dtype:
 def thin_svd(matrix: torch.Tensor, dtype: str | torch.dtype) -> Svd:
     """Exact thin SVD ``torch.linalg.svd(matrix.to(dtype), full_matrices=False)`` on the matrix's device.
 
-    U and Vh stay in ``dtype``; S is returned in float64 (exact for both dtypes).
+    U and Vh stay in ``dtype``; S is returned in float64 (exact for both dtypes). A wide matrix (m < n) is
+    decomposed as its transpose, Xᵀ = U' S V'ᵀ ⇒ X = V' S U'ᵀ: the same factorisation, and LAPACK's
+    divide and conquer is about 2.6× faster on the tall form (4096 × 11008 in float32 on 2 cores: 28 s wide,
+    11 s tall).
     """
-    U, S, Vh = torch.linalg.svd(matrix.to(svd_dtype(dtype)), full_matrices=False)
+    matrix = matrix.to(svd_dtype(dtype))
+    if matrix.ndim == 2 and matrix.shape[0] < matrix.shape[1]:
+        U, S, Vh = torch.linalg.svd(matrix.mT, full_matrices=False)
+        return Svd(Vh.mT, S.to(torch.float64), U.mT)
+    U, S, Vh = torch.linalg.svd(matrix, full_matrices=False)
     return Svd(U, S.to(torch.float64), Vh)
 
 
