@@ -55,6 +55,11 @@ measure, max_difference, in_fresh_process = _METER.measure, _METER.max_differenc
 ties_differences_explained = _METER.ties_differences_explained
 
 
+def _ties_explained(*args) -> dict:
+    """`ties_differences_explained`, run in a spawned process (`in_fresh_process` pickles functions of this module)."""
+    return ties_differences_explained(*args)
+
+
 def _explained(counts: dict) -> str:
     """One line from `ties_differences_explained`."""
     entries = counts["entries"]
@@ -173,11 +178,21 @@ def build_lora(directory: Path, layers: int, generator) -> dict[str, Path]:
 # --------------------------------------------------------------------------- commands
 
 
+def _svd_flops(m: int, n: int) -> float:
+    """A thin SVD's FLOPs, Golub & Van Loan's R-SVD count 4·m·n² + 22·n³ (m ≥ n) — an upper estimate: LAPACK's
+    divide and conquer does less in its n × n stage."""
+    m, n = max(m, n), min(m, n)
+    return 4.0 * m * n * n + 22.0 * n**3
+
+
 def flops_per_block(tokens: int, command: str, steps: int = 10) -> float:
-    """Matrix-product FLOPs per block: 2 · parameters · tokens for each block-sized replay of the command."""
+    """FLOPs per block: matrix products, 2 · parameters · tokens for each block-sized replay of the command; for
+    interference the SVDs, 2T + 1 per matrix (T task matrices, T centred ones, the merged one for SAR)."""
     attn, mlp = 4 * HIDDEN * HIDDEN, 3 * HIDDEN * INTERMEDIATE
     variants = steps + 1
     tasks = len(TASKS)
+    if command.startswith("interference"):
+        return (2 * tasks + 1) * (4 * _svd_flops(HIDDEN, HIDDEN) + 3 * _svd_flops(INTERMEDIATE, HIDDEN))
     replays = {
         # capture (1 forward) + N+1 replays of layer, attn, mlp (heads come from the attn replay) + model level
         "linearity": tasks * (attn + mlp + variants * ((attn + mlp) + attn + mlp + (attn + mlp))),
@@ -276,7 +291,7 @@ def run_slice(layers: int, directory: Path, args, tokenizer_dir: Path, data: dic
             print(f"  {name + ' mergekit':<18} wall {r['wall_s']:8.1f} s   peak RSS {r['peak_rss_mib']:8.0f} MiB"
                   + (f"   max |ours − mergekit| {difference:.3g}" if difference is not None else ""), flush=True)
             if ours and name == "merge-ties":
-                explained = in_fresh_process(ties_differences_explained, mine, r["out"], paths["base"],
+                explained = in_fresh_process(_ties_explained, mine, r["out"], paths["base"],
                                              [paths[t] for t in TASKS], 0.2)
                 results[f"{name}:mergekit"]["explained"] = explained
                 print(f"  {'':<18} {_explained(explained)}", flush=True)

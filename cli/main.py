@@ -174,6 +174,9 @@ def interference(
     sar_against: Annotated[str, typer.Option("--sar-against", help="Merged matrix for SAR: ta (Σ Δ_t) or a merge "
                                              "method (iso-c, ties, tsv-m ...).")] = "ta",
     svd_dtype: Annotated[str, typer.Option("--svd-dtype", help="float32 or float64 SVDs.")] = "float32",
+    matrices: Annotated[Optional[str], typer.Option("--matrices", help="Only these matrices: checkpoint names or "
+                                                    "glob patterns, comma-separated (e.g. 'model.layers.1?.*', "
+                                                    "'*.o_proj.weight'). Default: every 2-D weight.")] = None,
     run: RunOptions = None,
 ):
     """Weight-space interference of every 2-D weight matrix (no data): ‖τ‖, effective rank, cosine and
@@ -186,8 +189,9 @@ def interference(
 
     fractions = _numbers(rank_fracs, "--rank-fracs")
     _, base, task_vectors, _ = _open_models(run)
+    selected = None if matrices is None else [m.strip() for m in matrices.split(",") if m.strip()]
     dataset = run_interference(base, task_vectors, rank_fracs=fractions, sar_against=sar_against,
-                               svd_dtype=svd_dtype, device=run.device, progress=run.progress,
+                               svd_dtype=svd_dtype, device=run.device, progress=run.progress, matrices=selected,
                                store=Store(run.out), force=run.force, command=command_line(),
                                **run.scale_out)
     short = {"matrices": "n", "task_vector_norm": "‖τ‖", "effective_rank": "eff.rank", "cosine": "cos",

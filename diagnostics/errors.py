@@ -30,3 +30,7 @@ class StoreError(SubmergeError):
 
 class ArchitectureError(SubmergeError):
     """The model's structure (decoder blocks, attention, MLP) was not recognised."""
+
+
+class SelectionError(SubmergeError, ValueError):
+    """A name or pattern that selects tensors (``--matrices``) matches nothing in the model."""

@@ -239,3 +239,20 @@ def test_ray_options_are_shared_and_checked(runner, llama_kit, tmp_path, monkeyp
     assert np.array_equal(first.nonlinearity_score.values, second.nonlinearity_score.values, equal_nan=True)
     settings = [Store(tmp_path / name)._root("r")["linearity"].attrs["settings"] for name in ("one.zarr", "ray.zarr")]
     assert settings[0] == settings[1]  # the Ray driver (base on the meta device) records the same settings
+
+
+def test_interference_matrices_option(runner, llama_kit, tmp_path):
+    """--matrices: only the matrices the patterns select are measured and stored; a pattern matching nothing is
+    exit 2 naming it."""
+    from diagnostics.store import Store
+
+    out = tmp_path / "i.zarr"
+    common = ["interference", "--model", llama_kit.base_dir, "--finetuned", f"{TASK}={llama_kit.finetuned_dir}",
+              "--device", "cpu", "--no-progress", "--rank-fracs", "0.5,1"]
+    result = _invoke(runner, [*common, "--out", out, "--matrices", "*.layers.1.mlp.*, *.layers.0.self_attn.q_proj.weight"])
+    assert result.exit_code == 0, result.output
+    stored = [str(m) for m in Store(out).dataset("interference")["matrix"].values]
+    assert stored == ["model.layers.1.mlp.down_proj.weight", "model.layers.1.mlp.gate_proj.weight",
+                      "model.layers.1.mlp.up_proj.weight", "model.layers.0.self_attn.q_proj.weight"]  # order given
+    _assert_user_error(_invoke(runner, [*common, "--out", tmp_path / "j.zarr", "--matrices", "*.experts.*"]),
+                       "pattern '*.experts.*' matches no weight matrix")

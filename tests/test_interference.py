@@ -528,6 +528,26 @@ def test_interference_store_resumes(tiny_checkpoints, tmp_path, monkeypatch):
         interference_module.interference(base, finetuned, rank_fracs=(0.25,), progress=False, store=store)
 
 
+def test_matrices_by_glob_pattern(tiny_checkpoints):
+    """Patterns select weight matrices in the table's order (layer 2 before layer 10), names stay as given, each
+    matrix once; a pattern that matches nothing is a user error naming it."""
+    from diagnostics.errors import SelectionError, SubmergeError
+    from diagnostics.interference import interference
+
+    base, finetuned, _, _ = tiny_checkpoints
+    every = [str(m) for m in interference(base, finetuned, rank_fracs=(1.0,), progress=False,
+                                          device="cpu")["matrix"].values]
+    layer0 = [m for m in every if ".layers.0." in m]
+    assert 0 < len(layer0) < len(every)
+    picked = interference(base, finetuned, matrices=["*.layers.0.*", layer0[0], "*.o_proj.weight"],
+                          rank_fracs=(1.0,), progress=False, device="cpu")
+    o_proj = [m for m in every if m.endswith(".o_proj.weight") and m not in layer0]
+    assert [str(m) for m in picked["matrix"].values] == layer0 + o_proj
+    with pytest.raises(SelectionError, match=r"pattern '\*\.q_norm\.\*' matches no weight matrix") as caught:
+        interference(base, finetuned, matrices=["*.q_norm.*"], progress=False)
+    assert isinstance(caught.value, SubmergeError) and isinstance(caught.value, ValueError)
+
+
 def test_interference_driver_empty_selection(tiny_checkpoints, tmp_path):
     from diagnostics.interference import interference
     from diagnostics.store import Store

@@ -29,6 +29,7 @@ Nothing in ``diagnostics`` imports ``merge`` at module import time.
 
 from __future__ import annotations
 
+import fnmatch
 from collections.abc import Iterator, Sequence
 from contextlib import closing
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from diagnostics.errors import SelectionError
 from diagnostics.interference.metrics import DEFAULT_RANK_FRACS, SAR_EPS, rank_from_fraction, task_matrix_interference
 from diagnostics.scale_out import check_workers
 from diagnostics.spectral import svd_dtype as _svd_dtype
@@ -124,14 +126,27 @@ def _plan_matrices(base, task_readers: dict, table, matrices, transposed):
 
 
 def _matrix_names(base, table, names: Sequence[str] | None) -> list[str]:
-    """The matrices measured: ``names``, or every weight matrix of the table, ordered by (layer, name)."""
-    if names is not None:
-        unknown = [name for name in names if name not in base]
-        if unknown:
-            raise ValueError(f"matrices not in the base checkpoint {base.spec}: {unknown[:10]}")
-        return list(names)
+    """The matrices measured: every weight matrix of the table, ordered by (layer, name), or those ``names`` give.
+
+    A name with a glob character (``*?[``) is a pattern (`fnmatch`, case-sensitive) over the weight matrices, in
+    their order; any other name is a checkpoint tensor taken as it is. Each matrix once, in the order given."""
     found = [name for name in base.names() if table.get(name, base.shape(name)).is_weight_matrix]
-    return sorted(found, key=lambda name: (table.get(name).layer, name))  # layer 2 before layer 10
+    every = sorted(found, key=lambda name: (table.get(name).layer, name))  # layer 2 before layer 10
+    if names is None:
+        return every
+    chosen = []
+    for name in names:
+        if any(c in name for c in "*?["):
+            matched = [m for m in every if fnmatch.fnmatchcase(m, name)]
+            if not matched:
+                raise SelectionError(f"matrices pattern '{name}' matches no weight matrix of {base.spec} "
+                                 f"(they are named like {', '.join(every[:2])} …)")
+            chosen += matched
+        elif name not in base:
+            raise SelectionError(f"matrices not in the base checkpoint {base.spec}: {name}")
+        else:
+            chosen.append(name)
+    return list(dict.fromkeys(chosen))
 
 
 def _tied_duplicates(base, table, readers: dict, names: list[str]) -> dict[str, str]:
@@ -324,7 +339,7 @@ def interference(
 
     Matrices: every weight matrix of the tensor table ``table`` (``TensorInfo.is_weight_matrix``: 2-D,
     no size cap; built from the base's config when not given), ordered by layer, or the names in
-    ``matrices``.  An embedding-level matrix stored twice with equal values in the base and every
+    ``matrices`` (checkpoint names, or glob patterns such as ``"model.layers.1?.*"`` over the weight matrices).  An embedding-level matrix stored twice with equal values in the base and every
     fine-tune (tied ``lm_head`` = embedding) is measured once (``attrs["tied_duplicates"]``).  Weights
     stored (in, out) (``TensorInfo.transposed``: GPT-2 ``Conv1D``, or the names in ``transposed``) are
     transposed to (out, in) first.
