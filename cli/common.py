@@ -13,11 +13,14 @@ import click
 import typer
 import yaml
 from rich.console import Console
+from rich.markup import escape
 
 from diagnostics.errors import SubmergeError
 
-console = Console(stderr=True)
-out = Console()
+# soft_wrap: a message is one logical line the terminal wraps, so a long path in it stays whole (rich would break
+# it at the console width, 80 columns when the output is not a terminal); tables still fit the width
+console = Console(stderr=True, soft_wrap=True)
+out = Console(soft_wrap=True)
 
 # ------------------------------------------------------------------ --config run.yaml
 
@@ -72,7 +75,7 @@ def user_errors(function):
                     warnings.simplefilter("ignore", category)
                 return function(*args, **kwargs)
         except SubmergeError as exc:
-            console.print(f"[bold red]error:[/] {exc}", highlight=False)
+            console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)  # a "[...]" is not markup
             raise typer.Exit(2) from None
         except KeyboardInterrupt:
             console.print("[yellow]interrupted[/]: finished modules are saved; run the same command to resume.")

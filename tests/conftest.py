@@ -119,3 +119,15 @@ def kill_first_ray_worker(monkeypatch) -> list:
 
     monkeypatch.setattr(scale_out, "_pool", KillsItsFirstWorker)
     return killed
+
+
+@pytest.fixture(autouse=True)
+def _cli_consoles_follow_columns(monkeypatch):
+    """The CLI's rich consoles take their width from COLUMNS each time they print, as in a fresh process.
+
+    They are created at import, and a console created while COLUMNS is set keeps that width: pytest-xdist workers
+    start with COLUMNS=80, which would then override the wide COLUMNS the CLI tests give each invocation."""
+    from cli import common
+
+    for console in (common.out, common.console):
+        monkeypatch.setattr(console, "_width", None)

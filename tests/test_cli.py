@@ -256,3 +256,25 @@ def test_interference_matrices_option(runner, llama_kit, tmp_path):
                       "model.layers.1.mlp.up_proj.weight", "model.layers.0.self_attn.q_proj.weight"]  # order given
     _assert_user_error(_invoke(runner, [*common, "--out", tmp_path / "j.zarr", "--matrices", "*.experts.*"]),
                        "pattern '*.experts.*' matches no weight matrix")
+
+
+def test_error_messages_are_one_unwrapped_line_and_not_markup(monkeypatch, capsys):
+    """A long path stays whole in the error (rich would break it at the console width: a narrow console here),
+    and brackets in a message are printed, not read as rich markup."""
+    import typer
+    from rich.console import Console
+
+    from cli import common
+    from diagnostics.errors import DataInputError
+
+    monkeypatch.setattr(common, "console", Console(stderr=True, width=40, soft_wrap=common.console.soft_wrap))
+    long_path = "/tmp/" + "a" * 60 + "/bad.jsonl:2"
+
+    @common.user_errors
+    def failing():
+        raise DataInputError(f"{long_path}: not valid JSON [bold] ['x']")
+
+    with pytest.raises(typer.Exit):
+        failing()
+    err = capsys.readouterr().err
+    assert f"{long_path}: not valid JSON [bold] ['x']" in err
