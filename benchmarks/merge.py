@@ -205,14 +205,7 @@ def max_difference(first: Path, second: Path) -> tuple[float, str, int, int, int
     import torch
     from safetensors import safe_open
 
-    def files(directory):
-        mapping = {}
-        for file in sorted(directory.glob("*.safetensors")):
-            with safe_open(str(file), "pt") as handle:
-                mapping.update({name: file for name in handle.keys()})  # noqa: SIM118 (safe_open is not a dict)
-        return mapping
-
-    ours, theirs = files(first), files(second)
+    ours, theirs = _tensor_files(first), _tensor_files(second)
     if set(ours) != set(theirs):
         raise RuntimeError(f"tensor names differ: {sorted(set(ours) ^ set(theirs))[:5]}")
     worst, where, entries, differing = 0.0, "", 0, 0

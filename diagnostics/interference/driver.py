@@ -140,7 +140,7 @@ def _matrix_names(base, table, names: Sequence[str] | None) -> list[str]:
             matched = [m for m in every if fnmatch.fnmatchcase(m, name)]
             if not matched:
                 raise SelectionError(f"matrices pattern '{name}' matches no weight matrix of {base.spec} "
-                                 f"(they are named like {', '.join(every[:2])} …)")
+                                     f"(they are named like {', '.join(every[:2])} …)")
             chosen += matched
         elif name not in base:
             raise SelectionError(f"matrices not in the base checkpoint {base.spec}: {name}")
@@ -339,8 +339,9 @@ def interference(
 
     Matrices: every weight matrix of the tensor table ``table`` (``TensorInfo.is_weight_matrix``: 2-D,
     no size cap; built from the base's config when not given), ordered by layer, or the names in
-    ``matrices`` (checkpoint names, or glob patterns such as ``"model.layers.1?.*"`` over the weight matrices).  An embedding-level matrix stored twice with equal values in the base and every
-    fine-tune (tied ``lm_head`` = embedding) is measured once (``attrs["tied_duplicates"]``).  Weights
+    ``matrices`` (checkpoint names, or glob patterns such as ``"model.layers.1?.*"`` over the weight
+    matrices).  An embedding-level matrix stored twice with equal values in the base and every fine-tune
+    (tied ``lm_head`` = embedding) is measured once (``attrs["tied_duplicates"]``).  Weights
     stored (in, out) (``TensorInfo.transposed``: GPT-2 ``Conv1D``, or the names in ``transposed``) are
     transposed to (out, in) first.
 
