@@ -240,10 +240,11 @@ def ties_differences_explained(ours: Path, theirs: Path, base: Path, finetuned: 
     mergekit takes γ = +1. Half-precision task vectors are quantised, so both are common there.
     Returns the entries (all tensors) in each set, the entries differing > 1e-6 and the largest
     |ours − theirs| outside the two sets (0 means: equal wherever the equations decide)."""
-    import math
-
     import torch
     from safetensors import safe_open
+
+    sys.path.insert(0, str(ROOT))
+    from merge.strategies import _top_count  # the trim count ours uses (⌊k n⌋, as mergekit)
 
     def read(files, name):
         with safe_open(str(files[name]), "pt") as handle:
@@ -257,7 +258,7 @@ def ties_differences_explained(ours: Path, theirs: Path, base: Path, finetuned: 
         theta0 = read(base_files, name)
         taus = [read(files, name) - theta0 for files in tuned_files]
         n = theta0.numel()
-        keep = max(1, min(n, math.floor(top_k * n + 1e-9)))
+        keep = _top_count(top_k, n)
         undecided = torch.zeros(theta0.shape, dtype=torch.bool)
         trimmed_sum = torch.zeros_like(theta0)
         any_kept = torch.zeros(theta0.shape, dtype=torch.bool)

@@ -60,6 +60,12 @@ def scaled_source(base: BaseModel, checkpoint, scale: float, compute: torch.dtyp
     return ParameterSource(base, vectors, compute_dtype=compute), {name: scale}
 
 
+def checkpoint_source(base: BaseModel, spec: str | None, compute: torch.dtype, *, allow_pickle: bool = False):
+    """(ParameterSource, variant) of the checkpoint `spec` (None: the base) as θ0 + τ in `compute`."""
+    checkpoint = None if spec is None else open_checkpoint(spec, base=base.reader, allow_pickle=allow_pickle)
+    return scaled_source(base, checkpoint, 1.0, compute, name=spec or "base")
+
+
 @torch.no_grad()
 def streamed_losses(source: ParameterSource, arch, batches: dict, variant: dict) -> dict[str, tuple[float, int]]:
     """`task_loss` per task of θ0 + Σ c τ (`variant`), computed block by block (`model_outputs`) over the batches
@@ -91,8 +97,7 @@ def model_losses(base: BaseModel, arch, spec: str | None, tasks: list[str], batc
 
     Nothing is written into the base model: one block of the checkpoint at a time is read (`streamed_losses`).
     """
-    checkpoint = None if spec is None else open_checkpoint(spec, base=base.reader, allow_pickle=allow_pickle)
-    source, variant = scaled_source(base, checkpoint, 1.0, compute, name=spec or "base")
+    source, variant = checkpoint_source(base, spec, compute, allow_pickle=allow_pickle)
     describe(", ".join(tasks))
     results = streamed_losses(source, arch, {task: batches[task] for task in tasks}, variant)
     return [results[task][0] for task in tasks], [results[task][1] for task in tasks]

@@ -214,11 +214,9 @@ class _Evaluator:
 
     def load(self, spec: str | None) -> None:
         """The checkpoint `spec` (None: the base) is the model the next `losses` measure."""
-        from diagnostics.models import open_checkpoint
+        from diagnostics.evaluate import checkpoint_source
 
-        checkpoint = None if spec is None else open_checkpoint(spec, base=self.base.reader,
-                                                               allow_pickle=self.allow_pickle)
-        self.load_scaled(checkpoint, 1.0, name=spec or "base")
+        self.source, self.variant = checkpoint_source(self.base, spec, self.compute, allow_pickle=self.allow_pickle)
 
     def load_scaled(self, reader, scale: float, *, name: str = "scaled") -> None:
         """θ0 + scale · (θ_reader − θ0) is the model the next `losses` measure."""

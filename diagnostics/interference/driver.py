@@ -338,12 +338,11 @@ def interference(
     and float64 products (``benchmarks/interference.py`` measures it).
 
     Matrices: every weight matrix of the tensor table ``table`` (``TensorInfo.is_weight_matrix``: 2-D,
-    no size cap; built from the base's config when not given), ordered by layer, or the names in
-    ``matrices`` (checkpoint names, or glob patterns such as ``"model.layers.1?.*"`` over the weight
-    matrices).  An embedding-level matrix stored twice with equal values in the base and every fine-tune
-    (tied ``lm_head`` = embedding) is measured once (``attrs["tied_duplicates"]``).  Weights
-    stored (in, out) (``TensorInfo.transposed``: GPT-2 ``Conv1D``, or the names in ``transposed``) are
-    transposed to (out, in) first.
+    no size cap; built from the base's config when not given), ordered by layer, or those ``matrices`` names
+    or matches (glob patterns: ``"model.layers.1?.*"``).  An embedding-level matrix stored twice with equal
+    values in the base and every fine-tune (tied ``lm_head`` = embedding) is measured once
+    (``attrs["tied_duplicates"]``).  Weights stored (in, out) (``TensorInfo.transposed``: GPT-2 ``Conv1D``, or
+    the names in ``transposed``) are transposed to (out, in) first.
 
     SAR is taken against task arithmetic Σ_t Δ_t (``sar_against="ta"``) or
     against the merged task vector of the merge strategy
