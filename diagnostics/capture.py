@@ -473,11 +473,13 @@ class ParameterSource:
             for task, coefficient in active.items():
                 value = value + coefficient * deltas[task][local].to(compute[local])
             params[local] = value
-        module = get_module(self.base.model, path)
-        for local, buffer in module.named_buffers(remove_duplicate=False):
-            if upcast(buffer, self.compute_dtype) is not buffer:
-                params[local] = upcast(buffer, self.compute_dtype)
-        return params
+        return params | self.upcast_buffers(path)
+
+    def upcast_buffers(self, path: str) -> dict[str, torch.Tensor]:
+        """The floating buffers of the module at `path` stored below the compute dtype, upcast (local names)."""
+        buffers = get_module(self.base.model, path).named_buffers(remove_duplicate=False)
+        return {local: upcast(buffer, self.compute_dtype) for local, buffer in buffers
+                if upcast(buffer, self.compute_dtype) is not buffer}
 
     def changed(self, path: str, task: str) -> bool:
         return any(bool(d.abs().max() > 0) for d in self.deltas(path, task).values() if d.numel())

@@ -589,7 +589,7 @@ class _BlockScorer:
         """Per-sample Grams (per input task) of one unit and its features [task][variant][sample]."""
         from diagnostics.linearity import task_gram
 
-        variants = [None] + [self.source.variant(path, {t: 1.0}) for t in self.tasks]
+        variants = [self.source.variant(path, {})] + [self.source.variant(path, {t: 1.0}) for t in self.tasks]
         grams, feats = [], []
         for task in self.tasks:
             per_variant = [self.features(path, recorded[task][path], params, head) for params in variants]
@@ -599,19 +599,20 @@ class _BlockScorer:
         return grams, feats
 
     def block_parameters(self, layer: int, plan: Plan) -> dict[str, torch.Tensor]:
-        """Block `layer`'s parameters merged by `plan` (local names, the module's dtype)."""
+        """Block `layer`'s parameters merged by `plan` (local names), θ0 + δ in the compute dtype, never rounded
+        back to storage (plus the block's floating buffers, upcast, as `ParameterSource.variant` gives them)."""
         from diagnostics.modules import module_parameter_names
 
         path = self.arch.layer_path(layer)
+        params = self.source.upcast_buffers(path)
         base = self.source.base_parameters(path)
         deltas = {t: self.source.deltas(path, t) for t in self.tasks}
-        params = {}
         for local, full in module_parameter_names(self.model, path).items():
             weight = base[local]
             info = self.table.get(self.experiment.base.checkpoint_name(full), tuple(weight.shape))
             delta = rule_delta(plan.rule_for(info), info, [deltas[t][local] for t in self.tasks], self.tasks)
-            compute = torch.promote_types(weight.dtype, torch.float32)
-            params[local] = (weight.to(compute) + delta.to(compute)).to(weight.dtype)
+            compute = torch.promote_types(weight.dtype, self.source.compute_dtype)
+            params[local] = weight.to(compute) + delta.to(compute)
         return params
 
     def block_plan(self, layer: int, candidate: str, alpha: dict) -> Plan:
@@ -708,7 +709,8 @@ def choose_by_evidence(
         job = bar.add_task("Choosing granularity per layer", total=arch.num_layers)
         for chunk in layer_chunks(arch.num_layers, per_layer, capture_budget):
             paths = [p for j in chunk for p in (arch.layer_path(j), arch.attn_path(j), arch.mlp_path(j))]
-            recorded = {t: record_inputs(scorer.model, arch, paths, experiment.batches[t], device=experiment.device)
+            recorded = {t: record_inputs(scorer.model, arch, paths, experiment.batches[t], device=experiment.device,
+                                         compute=scorer.source.compute_dtype)
                         for t in experiment.tasks}
             for layer in chunk:
                 bar.update(job, description=f"Choosing granularity · layer {layer}")
@@ -739,7 +741,8 @@ def block_objectives(experiment, plan: Plan, *, balance: bool = True, layers: li
         job = bar.add_task("Block objectives", total=len(chosen))
         for layer in chosen:
             path = arch.layer_path(layer)
-            recorded = {t: record_inputs(scorer.model, arch, [path], experiment.batches[t], device=experiment.device)
+            recorded = {t: record_inputs(scorer.model, arch, [path], experiment.batches[t], device=experiment.device,
+                                         compute=scorer.source.compute_dtype)
                         for t in experiment.tasks}
             grams, feats = scorer.unit_grams(path, None, recorded)
             params = scorer.block_parameters(layer, plan)

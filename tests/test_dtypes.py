@@ -2,7 +2,8 @@
 
 For each architecture, the base and two fine-tunes are rounded to bfloat16 and to float16 and saved in that
 dtype. Loaded with ``dtype`` bfloat16 / float16, the Non-linearity Score, α, the Projection Distance and the
-merged tensors (task arithmetic, TIES, written in float32) must equal the float32 run on the *same rounded
+merged tensors (task arithmetic, TIES, written in float32), and the evidence plan's cross-validated objectives,
+α and block objectives (`diag compare`'s `plan`) must equal the float32 run on the *same rounded
 values* (saved as float32) within 1e-3 relative: the capture, the task vectors, every θ0 + Σ c_t τ_t, every
 replay and every merge run in float32, nothing is rounded back to storage.
 (Computed in the storage dtype, as before, bfloat16 scores are off by far more than that.)
@@ -22,6 +23,7 @@ from safetensors.torch import load_file, save_file
 from diagnostics import toy
 from diagnostics.experiment import Experiment
 from diagnostics.linearity import alpha, nonlinearity, projection
+from merge.plan import block_objectives, choose_by_evidence
 from merge.run import run_merge
 
 ARCHITECTURES = toy.ARCHITECTURES
@@ -70,6 +72,11 @@ def _measure(folder: Path, base: Path, tuned: dict, data: dict, dtype: str, save
     scores = nonlinearity(experiment, levels=("model", "layer", "attn", "mlp"), steps=4, progress=False)
     solved = alpha(experiment, granularity="attn-mlp", progress=False)
     distances = projection(experiment, levels=("model", "layer"), alphas=(0.5, 1.0), progress=False)
+    evidence = choose_by_evidence(experiment, finetuned, folds=2, progress=False)  # `diag compare`'s plan
+    plan = evidence.plan()
+    cross_validated = [e.cv_objective[c] for e in evidence.layers for c in sorted(e.cv_objective)]
+    plan_alpha = [plan.alpha[unit][task] for unit in sorted(plan.alpha) for task in sorted(plan.alpha[unit])]
+    objectives = block_objectives(experiment, plan)
     stored = load_file(base_copy / "model.safetensors")  # the base is back in its storage dtype, bit for bit
     for name, parameter in experiment.base.model.named_parameters():
         checkpoint = experiment.base.checkpoint_name(name)
@@ -83,7 +90,9 @@ def _measure(folder: Path, base: Path, tuned: dict, data: dict, dtype: str, save
     return {**merged, "nonlinearity_score": scores.nonlinearity_score.values, "alpha": solved.alpha.values,
             "objective_alpha": solved.objective_alpha.values,
             "projection_distance": distances.projection_distance.values,
-            "cosine_merge": distances.cosine_merge.values, "cosine_base": distances.cosine_base.values}
+            "cosine_merge": distances.cosine_merge.values, "cosine_base": distances.cosine_base.values,
+            "evidence_cv_objective": np.array(cross_validated), "evidence_plan_alpha": np.array(plan_alpha),
+            "block_objective": np.array([objectives[layer] for layer in sorted(objectives)])}
 
 
 @pytest.mark.parametrize("rounding", list(HALF))
@@ -103,7 +112,7 @@ def test_half_precision_checkpoints_score_as_their_float32_values(kits, arch, ro
 @pytest.fixture(scope="module")
 def llama(kits):
     built, data = kits
-    folder, base, tuned = built["llama"]
+    _folder, base, tuned = built["llama"]
     return str(base), {t: str(p) for t, p in tuned.items()}, data
 
 
