@@ -8,6 +8,7 @@ process, with peak RSS (wait4 ru_maxrss), peak anonymous RSS (sampled) and wall 
 
     diag linearity   (levels model, layer, attn, mlp, head)     diag alpha --granularity attn-mlp
     diag interference                                          diag merge --method task-arithmetic | ties | plan
+                                                               diag merge --method regmean (Grams of the fit data)
     diag eval (base, fine-tunes, the TA merge)
 
 Per command it fits peak RSS = a + b·L and wall = c + d·L over the slices (b ≈ 0 means memory does not grow with
@@ -17,7 +18,7 @@ With ``--mergekit-python`` (a venv with mergekit 0.1.5), mergekit runs task_arit
 and the ratios ours/mergekit (wall, peak RSS) and the largest |ours − mergekit| are printed.
 
     python benchmarks/scale.py [--layers 1,2,4] [--samples 2] [--max-tokens 64] [--mergekit-python /work/mkvenv/bin/python]
-        [--commands linearity,alpha,interference,merge-ta,merge-ties,merge-plan,eval] [--keep DIR] [--results FILE]
+        [--commands linearity,alpha,interference,merge-ta,merge-ties,merge-plan,merge-regmean,eval] [--keep DIR] [--results FILE]
 
 ``--results FILE`` accumulates the measurements in a JSON file (slice → command → figures) across invocations, so
 slices or commands can be measured in separate runs (e.g. the cheap merges at a deeper slice than the data-driven
@@ -225,6 +226,9 @@ def commands(paths: dict[str, Path], data: dict[str, Path], work: Path, samples:
         "merge-ties": diag + ["merge", "--model", str(paths["base"]), *dense, "--method", "ties",
                               "--option", "top_k=0.2", "--out", str(work / "ties"), "--no-progress"],
         "merge-plan": diag + ["merge", str(work / "plan.yaml"), "--out", str(work / "planned"), "--no-progress"],
+        "merge-regmean": diag + ["merge", "--model", str(paths["base"]), *dense, "--method", "regmean", *tasks_data,
+                                 "--samples", str(samples), "--max-tokens", str(max_tokens), "--out",
+                                 str(work / "regmean"), "--no-progress"],
         "eval": diag + ["eval", "--model", str(paths["base"]), *dense, "--merged", f"ta={work / 'ta'}",
                         *tasks_data, "--skip", "0", "--samples", str(samples), "--max-tokens", str(max_tokens),
                         "--dtype", "float16", "--out", str(work / "eval.zarr"), "--no-progress"],
@@ -335,7 +339,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=2, help="Records per task (linearity, alpha, eval).")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--commands", default="linearity,alpha,interference,interference-lora,merge-ta,merge-ties,"
-                        "merge-plan,eval")
+                        "merge-plan,merge-regmean,eval")
     parser.add_argument("--mergekit-python", help="Python of a venv with mergekit 0.1.5 (task_arithmetic, ties).")
     parser.add_argument("--keep", type=Path, help="Build here and keep the checkpoints (default: a temp dir).")
     parser.add_argument("--results", type=Path, help="JSON file that accumulates measurements across runs.")

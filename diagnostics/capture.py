@@ -617,6 +617,13 @@ def _embed_with(backbone, params, model, first_layer_path, batch, device) -> tor
 # --------------------------------------------------------------------------- Gram matrices (RegMean)
 
 
+def _linear_maps(model: nn.Module, arch: Architecture, layer: int) -> Iterator[tuple[str, nn.Module]]:
+    """(weight name, module) of every linear map inside block `layer` (``nn.Linear`` and GPT-2's ``Conv1D``)."""
+    for name, module in model.get_submodule(arch.layer_path(layer)).named_modules():
+        if isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D":
+            yield f"{arch.layer_path(layer)}.{name}.weight", module
+
+
 @torch.no_grad()
 def input_gram_matrices(model: nn.Module, arch: Architecture, batches: list[TokenBatch], *, device=None,
                         layers: Iterable[int] | None = None, dtype: torch.dtype = torch.float32,
@@ -627,7 +634,7 @@ def input_gram_matrices(model: nn.Module, arch: Architecture, batches: list[Toke
     the base model θ0, as the capture engine does; RegMean's paper uses each fine-tune's own activations.
     `layers` restricts it to some blocks (the forward stops after the deepest; a `state` continues where
     the previous call stopped). Memory: one in×in matrix per linear map of the chosen blocks (all blocks
-    of a 7B model ≈ 14 GB in float32: use `input_grams_by_layer` to hold one block's at a time).
+    of a 7B model ≈ 28 GB in float32 per task: `GramsByLayer` holds one block's at a time).
     """
     device = device or next(model.parameters()).device
     chosen = sorted(set(range(arch.num_layers) if layers is None else layers))
@@ -635,25 +642,55 @@ def input_gram_matrices(model: nn.Module, arch: Architecture, batches: list[Toke
 
     def register(handles, b, batch, mask):
         for layer in chosen:
-            for name, module in model.get_submodule(arch.layer_path(layer)).named_modules():
-                if isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D":
-                    key = f"{arch.layer_path(layer)}.{name}.weight"
+            for key, module in _linear_maps(model, arch, layer):
+                def hook(module, args, key=key):
+                    x = args[0][mask].to(dtype)
+                    gram = x.T @ x
+                    grams[key] = gram.cpu() if key not in grams else grams[key] + gram.cpu()
 
-                    def hook(module, args, key=key):
-                        x = args[0][mask].to(dtype)
-                        gram = x.T @ x
-                        grams[key] = gram.cpu() if key not in grams else grams[key] + gram.cpu()
-
-                    handles.append(module.register_forward_pre_hook(hook))
+                handles.append(module.register_forward_pre_hook(hook))
 
     _partial_forward(model, arch, batches, device, max(chosen, default=-1), min(chosen, default=-1), register, state,
                      dtype)
     return grams
 
 
-def input_grams_by_layer(model: nn.Module, arch: Architecture, batches: list[TokenBatch], *, device=None,
-                         dtype: torch.dtype = torch.float32) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
-    """(layer, `input_gram_matrices` of that block) block after block, about one forward per batch in all."""
-    state = CaptureState()
-    for layer in range(arch.num_layers):
-        yield layer, input_gram_matrices(model, arch, batches, device=device, layers=[layer], dtype=dtype, state=state)
+class GramsByLayer:
+    """RegMean's input Grams per task, computed one block at a time when a linear map of that block is asked for.
+
+    ``grams(checkpoint_name)`` → [its Gram for each task of `batches`] for a linear map inside a block, None for
+    any other tensor (the merge writer's ``gram_matrices``). Only the Grams of the block asked for last are held:
+    T × that block's in×in matrices (≈ 0.9 GB per task for a Llama-2-7B block, instead of 28 GB for its 32
+    blocks). Each task's forward continues from where it stopped (`CaptureState`), so blocks asked for in order
+    cost about one forward per batch in all; a block asked for again or out of order is recomputed from the
+    embeddings (the merge writer asks in layer order, `merge.writer.writing_order`).
+    """
+
+    def __init__(self, model: nn.Module, arch: Architecture, batches: dict[str, list[TokenBatch]], *,
+                 checkpoint_names: dict[str, str] | None = None, device=None, dtype: torch.dtype = torch.float32):
+        self.model, self.arch, self.batches, self.device, self.dtype = model, arch, batches, device, dtype
+        names = checkpoint_names or {}
+        self.where = {names.get(key, key): (layer, key) for layer in range(arch.num_layers)
+                      for key, _ in _linear_maps(model, arch, layer)}
+        self.states = {task: CaptureState() for task in batches}
+        self.layer: int | None = None
+        self.held: dict[str, dict[str, torch.Tensor]] = {}
+        self.computed: list[int] = []  # the blocks computed, in order (a block computed twice is listed twice)
+
+    @property
+    def names(self) -> set[str]:
+        """The checkpoint names of the linear maps that have Grams."""
+        return set(self.where)
+
+    def __call__(self, name: str) -> list[torch.Tensor] | None:
+        if name not in self.where:
+            return None
+        layer, key = self.where[name]
+        if layer != self.layer:
+            self.held = {}  # the previous block's Grams go before the next block's are computed
+            self.held = {task: input_gram_matrices(self.model, self.arch, batches, device=self.device, layers=[layer],
+                                                   dtype=self.dtype, state=self.states[task])
+                         for task, batches in self.batches.items()}
+            self.layer = layer
+            self.computed.append(layer)
+        return [self.held[task][key] for task in self.batches]

@@ -123,16 +123,14 @@ def _strategy(name: str) -> Merge:
 
 def _regmean(experiment) -> Merge:
     """RegMean on every linear map inside the blocks (Grams of the fit records on the base); TA elsewhere."""
-    from diagnostics.capture import input_gram_matrices
-    from merge.writer import ParameterRule
+    from diagnostics.capture import GramsByLayer
+    from merge.rules import regmean_rule
 
-    tasks = experiment.tasks
-    per_task = [input_gram_matrices(experiment.base.model, experiment.arch, experiment.batches[t]) for t in tasks]
-    grams = {experiment.base.checkpoint_name(key): [g[key] for g in per_task] for key in per_task[0]}
-    regmean, other = ParameterRule(method="regmean", options={}), ParameterRule(method="task-arithmetic", options={})
-    return Merge(lambda info: regmean if info.name in grams else other,
-                 f"off_diagonal_scale 0.9 on {len(grams)} linear maps, task arithmetic elsewhere",
-                 {"method": "regmean", "options": {}}, grams.get)
+    grams = GramsByLayer(experiment.base.model, experiment.arch, experiment.batches,
+                         checkpoint_names=experiment.base.checkpoint_names, device=experiment.device)
+    return Merge(regmean_rule({}, grams.names),
+                 f"off_diagonal_scale 0.9 on {len(grams.names)} linear maps, task arithmetic elsewhere",
+                 {"method": "regmean", "options": {}}, grams)
 
 
 def _plan_merge(plan, label: str) -> Merge:

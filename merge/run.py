@@ -2,12 +2,12 @@
 
 `run_merge` takes either a plan file (`merge.plan.Plan`) or a method name (any of
 ``merge.strategies.STRATEGIES`` or a mergekit alias). Methods that need data (``inputs`` in the
-registry) get them here, on the base model θ0 and the task data, before any tensor is written:
+registry) get them here, on the base model θ0 and the task data:
 
 - ``closed-form``: α per unit solved by `diagnostics.linearity.alpha` (seed 002 Eq. 12–14, 33–34)
   at the option ``granularity``; every tensor of a unit gets θ0 + Σ_t α_t τ_t (the plan's rules);
-- ``regmean``: the Gram matrix of each linear map's inputs per task (`diagnostics.capture`),
-  RegMean on those maps and task arithmetic elsewhere.
+- ``regmean``: the Gram matrix of each linear map's inputs per task (`diagnostics.capture.GramsByLayer`:
+  computed block by block as the writer reaches each block), RegMean on those maps and task arithmetic elsewhere.
 """
 
 from __future__ import annotations
@@ -155,14 +155,11 @@ def _closed_form(experiment, base, finetuned, record, options, data_options, pro
 
 
 def _regmean(experiment, base, finetuned, record, options, data_options, progress) -> MergeSetup:
-    from diagnostics.capture import input_gram_matrices
+    from diagnostics.capture import GramsByLayer
 
-    per_task = {t: input_gram_matrices(experiment.base.model, experiment.arch, experiment.batches[t])
-                for t in finetuned}
-    names = experiment.base.checkpoint_names
-    first = per_task[next(iter(finetuned))]
-    by_checkpoint = {names.get(k, k): [per_task[t][k] for t in finetuned] for k in first}
-    return MergeSetup(regmean_rule(options, set(by_checkpoint)), record, by_checkpoint.get)
+    grams = GramsByLayer(experiment.base.model, experiment.arch, {t: experiment.batches[t] for t in finetuned},
+                         checkpoint_names=experiment.base.checkpoint_names, device=experiment.device)
+    return MergeSetup(regmean_rule(options, grams.names), record, grams)
 
 
 #: The data step of each registered method that has ``inputs`` (tests check every such method has one).

@@ -1,13 +1,14 @@
 """`diag merge` on Ray: groups of tensors merged by worker processes, the checkpoint written by the driver alone.
 
-The base's tensors are cut, in checkpoint order, into groups (`diagnostics.scale_out.group_matrices`: a tensor
-of 2²⁰ elements or more alone, smaller ones together); each of ``workers`` Ray actors reopens the base and the
-fine-tunes from their paths and merges the groups it is given with the same `merge.writer.merge_named` as one
-process (the rule function — a plan's or a method's — and RegMean's Gram matrices are sent to each worker
-once). Merged tensors come back in checkpoint order and the driver streams them into its `ShardWriter`, so
-the output is byte for byte the one-process output (same torch build and threads). A worker that dies is
-restarted and its group redone. Memory per worker: one tensor per input model of its group plus the merged
-ones; the driver holds the tensors that arrived ahead of the next one it writes.
+The base's tensors are cut, in the writer's order (`merge.writer.writing_order`), into groups
+(`diagnostics.scale_out.group_matrices`: a tensor of 2²⁰ elements or more alone, smaller ones together); each
+of ``workers`` Ray actors reopens the base and the fine-tunes from their paths and merges the groups it is given
+with the same `merge.writer.merge_named` as one process (the rule function — a plan's or a method's — and
+RegMean's Gram matrices, all computed here, are sent to each worker once). Merged tensors come back in that
+order and the driver streams them into its `ShardWriter`, so the output is byte for byte the one-process output
+(same torch build and threads). A worker that dies is restarted and its group redone. Memory per worker: one
+tensor per input model of its group plus the merged ones; the driver holds the tensors that arrived ahead of
+the next one it writes.
 """
 
 from __future__ import annotations
@@ -47,11 +48,16 @@ class MergeWorker:
         return common.process_stats()
 
 
-def ray_merged(base_reader, task_vectors: dict, rule_for: Callable, *, address: str, workers: int, dtype, device: str,
-               gram_matrices: Callable | None = None, max_retries: int = 3, gpus_per_worker: float = 0,
-               threads_per_worker: int | None = None, report: dict | None = None) -> Iterator[tuple]:
-    """(name, merged tensor, rule description) of every base tensor, in checkpoint order, from Ray workers."""
-    names = base_reader.names()
+def ray_merged(names: list[str], base_reader, task_vectors: dict, rule_for: Callable, *, address: str, workers: int,
+               dtype, device: str, gram_matrices: Callable | None = None, max_retries: int = 3,
+               gpus_per_worker: float = 0, threads_per_worker: int | None = None,
+               report: dict | None = None) -> Iterator[tuple]:
+    """(name, merged tensor, rule description) of every base tensor of `names`, in that order, from Ray workers.
+
+    RegMean's Grams are computed here, all of them (a `GramsByLayer` holds one block's), and sent to each worker.
+    """
+    if gram_matrices is not None and hasattr(gram_matrices, "names"):
+        gram_matrices = {name: gram_matrices(name) for name in names if name in gram_matrices.names}.get
     sizes = [math.prod(base_reader.shape(name)) for name in names]
     args = (common.checkpoint_spec(base_reader), common.task_vector_specs(task_vectors), rule_for, gram_matrices,
             {"dtype": dtype, "device": device}, threads_per_worker)

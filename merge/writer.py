@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
@@ -289,12 +290,12 @@ def write_merge(
     task_vectors, report = open_finetunes(base_reader, finetuned, allow_pickle=allow_pickle, vocab=vocab)
     check_not_an_input(out_dir, {"base model": base_reader.path,
                                  **{f"fine-tune '{t}'": tv.finetuned.path for t, tv in task_vectors.items()}})
-    names = base_reader.names()
+    names = writing_order(base_reader.names())
     layout = [(name, base_reader.shape(name), _written_dtype(base_reader.dtype(name), dtype)) for name in names]
     staging = _staging_directory(out_dir)
     try:
         shards = ShardWriter(staging, limit, layout)
-        tensors = _merged_tensors(base_reader, task_vectors, rule_for, dtype=dtype, device=device,
+        tensors = _merged_tensors(names, base_reader, task_vectors, rule_for, dtype=dtype, device=device,
                                   gram_matrices=gram_matrices, scale_out=scale_out)
         used = _stream_tensors(tensors, len(names), shards, progress)
         shards.finish()
@@ -339,18 +340,28 @@ def merge_named(name: str, base_reader, task_vectors, table: TensorTable, rule_f
     return merged, used
 
 
-def _merged_tensors(base_reader, task_vectors, rule_for, *, dtype, device, gram_matrices,
+def writing_order(names: list[str]) -> list[str]:
+    """The checkpoint's tensor names in the order a merge writes them: numbers compared as numbers
+    (``layers.2`` before ``layers.10``), so block after block — RegMean's Grams (`GramsByLayer`) are then
+    computed once per block, and the first shards hold the first blocks."""
+    def key(name: str) -> list:
+        return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in re.split(r"(\d+)", name)]
+
+    return sorted(names, key=key)
+
+
+def _merged_tensors(names: list[str], base_reader, task_vectors, rule_for, *, dtype, device, gram_matrices,
                     scale_out: dict | None) -> Iterator[tuple[str, torch.Tensor, str | None]]:
-    """(name, merged tensor, rule description) of every base tensor in checkpoint order: merged here, or by
-    Ray workers (``scale_out``: ``ray``, ``workers`` and the `merge.scale_out.ray_merged` options)."""
+    """(name, merged tensor, rule description) of every tensor of `names`, in order: merged here, or by Ray
+    workers (``scale_out``: ``ray``, ``workers`` and the `merge.scale_out.ray_merged` options)."""
     if scale_out is not None:
         from merge.scale_out import ray_merged
 
-        yield from ray_merged(base_reader, task_vectors, rule_for, dtype=dtype, device=device,
+        yield from ray_merged(names, base_reader, task_vectors, rule_for, dtype=dtype, device=device,
                               gram_matrices=gram_matrices, **scale_out)
         return
     table = TensorTable.from_reader(base_reader)
-    for name in base_reader.names():
+    for name in names:
         streamed = merge_row_blocks(name, base_reader, task_vectors, table, rule_for, dtype=dtype, device=device)
         yield name, *(streamed or merge_named(name, base_reader, task_vectors, table, rule_for, dtype=dtype,
                                               device=device, gram_matrices=gram_matrices))

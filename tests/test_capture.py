@@ -14,11 +14,11 @@ import torch
 
 from diagnostics.capture import (
     CaptureState,
+    GramsByLayer,
     ParameterSource,
     block_kwargs,
     head_output,
     input_gram_matrices,
-    input_grams_by_layer,
     model_outputs,
     record_inputs,
     replay,
@@ -28,6 +28,7 @@ from diagnostics.capture import (
 )
 from diagnostics.data import read_task_file, tokenize
 from diagnostics.modules import find_architecture, find_submodules, get_module
+from merge.writer import writing_order
 
 TASK = "math"  # the toy fine-tunes' task (tests/conftest.py)
 ARCHITECTURES = ["llama", "qwen2", "gemma3", "gpt2", "bert"]  # mistral: llama's structure, left out for time
@@ -151,15 +152,27 @@ def test_chunked_capture_continues_where_the_previous_chunk_stopped(engine):
 
 
 def test_grams_streamed_by_layer_equal_the_grams_of_one_pass(engine):
-    model, arch = engine.base.model, engine.arch
+    """RegMean's Grams one block at a time (what `diag merge --method regmean` holds) equal one pass over all
+    blocks; asked for in the merge writer's order, each block is computed once and alone is held."""
+    model, arch, base = engine.base.model, engine.arch, engine.base
     whole = input_gram_matrices(model, arch, engine.batches)
-    streamed = {}
-    for layer, grams in input_grams_by_layer(model, arch, engine.batches):
-        assert all(key.startswith(arch.layer_path(layer) + ".") for key in grams)
-        streamed.update(grams)
-    assert streamed.keys() == whole.keys() and len(whole) >= 4 * arch.num_layers
-    for key, gram in whole.items():
-        assert torch.equal(streamed[key], gram), key
+    grams = GramsByLayer(model, arch, {"a": engine.batches, "b": engine.batches[:1]},
+                         checkpoint_names=base.checkpoint_names)
+    assert grams.names == {base.checkpoint_name(key) for key in whole} and len(whole) >= 4 * arch.num_layers
+    first_only = input_gram_matrices(model, arch, engine.batches[:1])
+    for name in writing_order(base.reader.names()):
+        got = grams(name)
+        if name not in grams.names:
+            assert got is None, name
+            continue
+        key = next(k for k in whole if base.checkpoint_name(k) == name)
+        assert torch.equal(got[0], whole[key]) and torch.equal(got[1], first_only[key]), name
+        held = {k for task in grams.held.values() for k in task}
+        assert all(k.startswith(arch.layer_path(grams.layer) + ".") for k in held), name  # one block at a time
+    assert grams.computed == list(range(arch.num_layers))  # block after block, each once
+    name = next(n for n in writing_order(list(grams.names)))  # asked for again: recomputed, the same
+    assert torch.equal(grams(name)[0], whole[next(k for k in whole if base.checkpoint_name(k) == name)])
+    assert grams.computed == [*range(arch.num_layers), 0]
 
 
 def test_variant_is_base_plus_scaled_task_vector(engine):

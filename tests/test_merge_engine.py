@@ -36,7 +36,7 @@ from merge import strategies
 from merge.plan import AUTO_ORDER, Plan, PlanError, choose_granularity, make_plan, plan_from_alpha
 from merge.rules import regmean_rule
 from merge.run import DataSettings, run_merge
-from merge.writer import MergeError, ParameterRule, merge_tensor, method_rule, write_merge
+from merge.writer import MergeError, ParameterRule, merge_tensor, method_rule, write_merge, writing_order
 
 TASKS = ("math", "code", "story")
 STEPS = {"math": 12, "code": 4, "story": 8}  # different training lengths → task vectors of different size
@@ -513,6 +513,45 @@ def test_regmean_through_the_writer_equals_regmean_on_one_linear_map(kit, tmp_pa
     assert (merged[name] - base[name] - sum(_task_vectors(kit, name))).abs().max().item() <= 1e-6
 
 
+def test_regmean_merge_streams_grams_block_by_block(kit, tmp_path, monkeypatch):
+    """`diag merge --method regmean` (run_merge's data step) holds one block's Grams at a time and computes each
+    block once, in order; its checkpoint is bitwise the one from all Grams computed in one pass."""
+    import diagnostics.capture
+
+    fit = kit.experiment()
+    whole = {t: input_gram_matrices(fit.base.model, fit.arch, fit.batches[t]) for t in TASKS}
+    linear = set(whole[TASKS[0]])
+    expected = write_merge(kit.base, kit.finetuned, tmp_path / "one-pass", regmean_rule({"off_diagonal_scale": 0.9},
+                                                                                         linear),
+                           gram_matrices=lambda name: [whole[t][name] for t in TASKS] if name in linear else None,
+                           progress=False)
+    layers_computed, original = [], diagnostics.capture.input_gram_matrices
+
+    def counted(*args, layers=None, **kwargs):
+        layers_computed.append(list(layers))
+        return original(*args, layers=layers, **kwargs)
+
+    monkeypatch.setattr(diagnostics.capture, "input_gram_matrices", counted)
+    out = run_merge(tmp_path / "streamed", method="regmean", base=kit.base, finetuned=kit.finetuned,
+                    data=DataSettings(kit.data, samples=FIT, max_tokens=SETTINGS["max_tokens"],
+                                      batch_size=SETTINGS["batch_size"]), progress=False)
+    assert layers_computed == [[layer] for layer in range(LAYERS) for _ in TASKS]  # one block, all tasks, in order
+    one_pass, streamed = _tensors(expected), _tensors(out)
+    assert list(streamed) == writing_order(list(streamed))  # written block after block
+    assert one_pass.keys() == streamed.keys()
+    for name, tensor in one_pass.items():
+        assert torch.equal(tensor, streamed[name]), name
+    assert yaml.safe_load((out / "submerge_merge.yaml").read_text())["method"] == "regmean"
+
+
+def test_writing_order_compares_layer_numbers_as_numbers():
+    names = ["model.norm.weight", "model.layers.10.mlp.up_proj.weight", "lm_head.weight",
+             "model.layers.2.self_attn.q_proj.weight", "model.layers.2.mlp.up_proj.weight", "model.embed_tokens.weight"]
+    assert writing_order(names) == ["lm_head.weight", "model.embed_tokens.weight", "model.layers.2.mlp.up_proj.weight",
+                                    "model.layers.2.self_attn.q_proj.weight", "model.layers.10.mlp.up_proj.weight",
+                                    "model.norm.weight"]
+
+
 def test_regmean_transposes_conv1d_weights_even_when_square(tmp_path):
     """GPT-2 stores Conv1D weights (in, out); the attention output map is square, so shapes cannot tell."""
     with warnings.catch_warnings():
@@ -763,21 +802,32 @@ def test_out_dtype_rounds_once_and_mergekit_spelling_on_the_command_line(kit, tm
 
 def test_merge_on_ray_writes_the_one_process_checkpoint_though_a_worker_is_killed(kit, tmp_path,
                                                                                  kill_first_ray_worker):
-    """A method merge (ties) and a plan merge on 2 local Ray workers: byte for byte the one-process files
-    and the same rules record, though the first worker is killed after its first group."""
+    """A method merge (ties), a plan merge and RegMean (Grams block by block) on 2 local Ray workers: byte for
+    byte the one-process files and the same rules record, though the first worker is killed after its first group."""
+    from diagnostics.capture import GramsByLayer
+
     ray = pytest.importorskip("ray")
     plan = make_plan(kit.store, granularity="attn-mlp")
-    merges = {"ties": (kit.base, kit.finetuned, method_rule("ties", {"top_k": 0.3})),
-              "plan": (plan.base_model, plan.finetuned, plan.rule_for)}
+    fit = kit.experiment()
+
+    def grams():
+        return GramsByLayer(fit.base.model, fit.arch, fit.batches, checkpoint_names=fit.base.checkpoint_names)
+
+    merges = {"ties": (kit.base, kit.finetuned, method_rule("ties", {"top_k": 0.3}), None),
+              "plan": (plan.base_model, plan.finetuned, plan.rule_for, None),
+              "regmean": (kit.base, kit.finetuned, regmean_rule({}, grams().names), grams)}
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        for name, (base, finetuned, rule_for) in merges.items():
-            write_merge(base, finetuned, tmp_path / f"{name}-one", rule_for, progress=False)
+        for name, (base, finetuned, rule_for, gram_matrices) in merges.items():
+            write_merge(base, finetuned, tmp_path / f"{name}-one", rule_for, progress=False,
+                        gram_matrices=gram_matrices and gram_matrices())
             write_merge(base, finetuned, tmp_path / f"{name}-ray", rule_for, progress=False, ray="auto", workers=2,
-                        shard_size="64KB")
+                        shard_size="64KB", gram_matrices=gram_matrices and gram_matrices())
     finally:
         ray.shutdown()
     assert len(kill_first_ray_worker) == 1
+    assert (_tensors(tmp_path / "regmean-one")["model.layers.1.mlp.down_proj.weight"]
+            != _tensors(tmp_path / "ties-one")["model.layers.1.mlp.down_proj.weight"]).any()
     for name in merges:
         one, spread = _tensors(tmp_path / f"{name}-one"), _tensors(tmp_path / f"{name}-ray")
         assert list(one) == list(spread)
