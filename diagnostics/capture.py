@@ -33,7 +33,7 @@ from torch import nn
 from torch.func import functional_call
 
 from diagnostics.data import TokenBatch
-from diagnostics.models import BaseModel, TaskVectorReader
+from diagnostics.models import BaseModel, TaskVectorReader, release_mapped_pages
 from diagnostics.modules import Architecture, get_module, input_module_path, module_parameter_names
 
 Variant = dict[str, float]  # task -> coefficient c_t in θ0 + Σ_t c_t τ_t
@@ -485,12 +485,14 @@ class ParameterSource:
         return any(bool(d.abs().max() > 0) for d in self.deltas(path, task).values() if d.numel())
 
     def clear(self) -> None:
-        """Drop the cached task vectors and unmap the checkpoints' files (their pages read so far stop counting
-        in the RSS; a file is reopened on its next read), so memory does not grow with the units done."""
+        """Drop the cached task vectors, unmap the checkpoints' files (their pages read so far stop counting in the
+        RSS; a file is reopened on its next read) and release the memory-mapped base weights' pages
+        (`release_mapped_pages`), so memory does not grow with the units done."""
         self._cache.clear()
         for reader in self.task_vectors.values():
             reader.finetuned.release()
             reader.base.release()
+        release_mapped_pages(self.base.model)
 
 
 # --------------------------------------------------------------------------- the model level

@@ -467,6 +467,52 @@ class BaseModel:
         return self.checkpoint_names.get(parameter_name, parameter_name)
 
 
+def release_mapped_pages(module: torch.nn.Module) -> int:
+    """Drop from this process's resident memory the pages of `module`'s weights that are read from a memory-mapped
+    checkpoint file (madvise ``MADV_DONTNEED`` on those file mappings); the next access reads them again from the
+    page cache, not from disk. Returns the bytes that were resident in the mappings released.
+
+    A base loaded in its checkpoint's dtype keeps its weights in private mappings of the safetensors files, and
+    every block a forward touches stays resident: without this, a command's RSS grows by one block of stored
+    weights per block it passes (≈ 400 MiB per Llama-2-7B block in float16). Only file mappings none of whose
+    pages was ever written (their smaps ``Anonymous`` is 0) are released, so nothing any tensor holds can change.
+    Linux only; elsewhere nothing is done.
+    """
+    import bisect
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return 0
+    pointers = sorted({t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())
+                       if t.device.type == "cpu" and t.untyped_storage().nbytes()})
+    try:
+        lines = Path("/proc/self/smaps").read_text().splitlines()
+    except OSError:
+        return 0
+    mappings, current = [], None
+    for line in lines:
+        first = line.split(maxsplit=1)[0]
+        if "-" in first and not first.endswith(":"):  # a mapping's header: range perms offset dev inode [path]
+            fields = line.split()
+            low, high = (int(v, 16) for v in fields[0].split("-"))
+            current = {"range": (low, high), "file": len(fields) > 5 and fields[4] != "0" and fields[5].startswith("/")}
+            mappings.append(current)
+        elif current is not None and first in ("Rss:", "Anonymous:"):
+            current[first[:-1]] = int(line.split()[1]) * 1024
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    released = 0
+    for mapping in mappings:
+        (low, high), resident = mapping["range"], mapping.get("Rss", 0)
+        if not mapping["file"] or not resident or mapping.get("Anonymous", 1):
+            continue
+        index = bisect.bisect_left(pointers, low)
+        if index < len(pointers) and pointers[index] < high and libc.madvise(low, high - low, 4) == 0:  # DONTNEED
+            released += resident
+    return released
+
+
 def pick_device(device: str = "auto") -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

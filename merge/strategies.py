@@ -806,10 +806,12 @@ def regmean(
                 f"gram_matrices[{index}] has shape {tuple(gram.shape)}, expected ({in_features}, {in_features}) "
                 f"for a weight of shape {(out_features, in_features)} (out × in)"
             )
-        gram = gram.to(device=total_gram.device, dtype=COMPUTE_DTYPE)
-        scaled_gram = off_diagonal_scale * gram + (1 - off_diagonal_scale) * torch.diag(torch.diagonal(gram))
+        diagonal = torch.diagonal(gram).to(device=total_gram.device, dtype=COMPUTE_DTYPE)
+        scaled_gram = gram.to(device=total_gram.device, dtype=COMPUTE_DTYPE, copy=True).mul_(off_diagonal_scale)
+        scaled_gram.diagonal().add_(diagonal, alpha=1 - off_diagonal_scale)  # in place: one in × in copy per task
         total_gram += scaled_gram
-        right_hand_side += scaled_gram @ task_vector.to(COMPUTE_DTYPE).mT
+        right_hand_side.addmm_(scaled_gram, task_vector.to(COMPUTE_DTYPE).mT)
+        del scaled_gram
     try:
         merged_transposed = torch.linalg.solve(total_gram, right_hand_side)
     except torch.linalg.LinAlgError:

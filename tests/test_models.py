@@ -33,6 +33,7 @@ from diagnostics.models import (
     open_finetunes,
     pick_dtype,
     preflight,
+    release_mapped_pages,
 )
 from diagnostics.modules import find_architecture
 
@@ -108,6 +109,43 @@ def test_base_model_loads_in_eval_mode_with_right_padding(llama_kit):
     assert not any(p.requires_grad for p in base.model.parameters())
     assert base.tokenizer.padding_side == "right" and base.tokenizer.pad_token is not None
     assert base.checkpoint_name("model.layers.0.self_attn.q_proj.weight") == "model.layers.0.self_attn.q_proj.weight"
+
+
+def _resident_bytes_of(file: Path) -> int:
+    """Resident bytes of this process's mappings of `file` (/proc/self/smaps)."""
+    total, counting = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if "-" in fields[0] and not fields[0].endswith(":"):
+            counting = len(fields) > 5 and fields[5] == str(file)
+        elif counting and fields[0] == "Rss:":
+            total += int(fields[1]) * 1024
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux /proc/self/smaps")
+def test_released_base_pages_leave_the_rss_and_read_back_the_same(llama_kit, tmp_path):
+    """`release_mapped_pages` drops the resident pages of a base memory-mapped from its checkpoint; the weights
+    read back bit for bit and the model computes the same; a mapping with a written page is left alone."""
+    directory = tmp_path / "base"
+    shutil.copytree(llama_kit.base_dir, directory)
+    file = (directory / "model.safetensors").resolve()
+    base = load_base_model(str(directory), dtype="float32", device="cpu")
+    ids = torch.tensor([[1, 5, 7, 9]])
+    before = base.model(input_ids=ids).logits
+    assert _resident_bytes_of(file) > 0  # the forward read every weight: resident in the file mapping
+    released = release_mapped_pages(base.model)
+    assert released > 0 and _resident_bytes_of(file) == 0
+    stored = _state_dict(directory)
+    for name, parameter in base.model.named_parameters():
+        assert torch.equal(parameter, stored[base.checkpoint_name(name)]), name
+    assert torch.equal(base.model(input_ids=ids).logits, before)
+    # a written page (copy on write) makes its mapping private memory: it is not released, the write stays
+    weight = base.model.get_submodule("model.layers.0.mlp.down_proj").weight
+    weight.data[0, 0] += 1.0
+    written = float(weight[0, 0])
+    assert release_mapped_pages(base.model) == 0 and _resident_bytes_of(file) > 0
+    assert float(weight[0, 0]) == written
 
 
 def test_tied_and_unprefixed_names_are_mapped_to_checkpoint_tensors(toy_kit):
