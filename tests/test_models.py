@@ -148,6 +148,28 @@ def test_released_base_pages_leave_the_rss_and_read_back_the_same(llama_kit, tmp
     assert float(weight[0, 0]) == written
 
 
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux /proc/self/smaps")
+def test_capture_of_a_large_model_gives_each_blocks_pages_back(llama_kit, tmp_path, monkeypatch):
+    """Above RELEASE_BYTES, a capture forward releases the mapped weights after every block: nothing of the
+    checkpoint stays resident when it stops after a block, and the recorded inputs are the same."""
+    import diagnostics.capture as capture
+
+    directory = tmp_path / "base"
+    shutil.copytree(llama_kit.base_dir, directory)
+    file = (directory / "model.safetensors").resolve()
+    experiment = llama_kit.experiment()
+    base = load_base_model(str(directory), dtype="float32", device="cpu")
+    arch = find_architecture(base.model)
+    path = arch.mlp_path(0)
+    kept = capture.record_inputs(base.model, arch, [path], experiment.batches[TASK])
+    assert _resident_bytes_of(file) > 0
+    monkeypatch.setattr(capture, "RELEASE_BYTES", 0)
+    released = capture.record_inputs(base.model, arch, [path], experiment.batches[TASK])
+    assert _resident_bytes_of(file) == 0
+    for first, second in zip(kept[path], released[path], strict=True):
+        assert torch.equal(first.args[0], second.args[0])
+
+
 def test_tied_and_unprefixed_names_are_mapped_to_checkpoint_tensors(toy_kit):
     gpt2 = load_base_model(str(toy_kit("gpt2").base_dir), dtype="float32", device="cpu")
     assert gpt2.checkpoint_name("lm_head.weight") == "transformer.wte.weight"
