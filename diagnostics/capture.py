@@ -201,6 +201,13 @@ def _in_compute_dtype(handles: list, model: nn.Module, arch: Architecture, compu
 RELEASE_BYTES = 2**30
 
 
+def _releasing(model: nn.Module) -> Callable:
+    """A forward hook that gives `model`'s mapped weights' pages back (and leaves the output as it is)."""
+    def hook(*_) -> None:
+        release_mapped_pages(model)
+    return hook
+
+
 def _partial_forward(model, arch, batches, device, deepest: int, first: int, register, state,
                      compute: torch.dtype | None = None) -> None:
     """Run the backbone on each batch with `register(handles, b, batch, mask)`'s hooks, stopping after `deepest`.
@@ -218,8 +225,8 @@ def _partial_forward(model, arch, batches, device, deepest: int, first: int, reg
         with hooks() as handles, _skipped_blocks(model, arch, state, b, first) as skipped:
             _in_compute_dtype(handles, model, arch, compute, skipped)
             if release:  # each block's stored weights leave the RSS once it has run (`release_mapped_pages`)
-                handles += [model.get_submodule(arch.layer_path(i)).register_forward_hook(
-                    lambda *_: release_mapped_pages(model)) for i in range(arch.num_layers)]
+                handles += [model.get_submodule(arch.layer_path(i)).register_forward_hook(_releasing(model))
+                            for i in range(arch.num_layers)]
             register(handles, b, batch, mask)
             if stops:
                 def stop(module, args, output):
