@@ -225,8 +225,8 @@ def _partial_forward(model, arch, batches, device, deepest: int, first: int, reg
         with hooks() as handles, _skipped_blocks(model, arch, state, b, first) as skipped:
             _in_compute_dtype(handles, model, arch, compute, skipped)
             if release:  # each block's stored weights leave the RSS once it has run (`release_mapped_pages`)
-                handles += [model.get_submodule(arch.layer_path(i)).register_forward_hook(_releasing(model))
-                            for i in range(arch.num_layers)]
+                ran = [model.get_submodule(arch.layer_path(i)) for i in range(len(skipped), arch.num_layers)]
+                handles += [block.register_forward_hook(_releasing(model)) for block in ran]
             register(handles, b, batch, mask)
             if stops:
                 def stop(module, args, output):

@@ -172,6 +172,14 @@ def test_capture_of_a_large_model_gives_each_blocks_pages_back(llama_kit, tmp_pa
     assert len(kept[path]) == len(released[path]) == len(experiment.batches[TASK])
     for first, second in zip(kept[path], released[path], strict=True):
         assert torch.equal(first.args[0], second.args[0])
+    # a capture that continues from block 0's saved output releases after the blocks that run, not the skipped one
+    calls = []
+    monkeypatch.setattr(capture, "release_mapped_pages", lambda model: calls.append(model))
+    state = capture.CaptureState()
+    capture.record_inputs(base.model, arch, [arch.mlp_path(0)], experiment.batches[TASK], state=state)
+    calls.clear()
+    capture.record_inputs(base.model, arch, [path], experiment.batches[TASK], state=state)
+    assert len(calls) == (arch.num_layers - 1) * len(experiment.batches[TASK])
     assert torch.equal(base.model(input_ids=experiment.batches[TASK][0].input_ids).logits,
                        load_base_model(str(directory), dtype="float32", device="cpu").model(
                            input_ids=experiment.batches[TASK][0].input_ids).logits)
