@@ -284,7 +284,8 @@ def plan(
 
 @app.command()
 @user_errors
-@run_options(*MODELS, "data", "samples", "max_tokens", "device", "force", "progress", *SCALE_OUT, device="cpu")
+@run_options(*MODELS, "data", "samples", "max_tokens", "device", "offload", "force", "progress", *SCALE_OUT,
+             device="cpu")
 def merge(
     plan_path: Annotated[Optional[Path], typer.Argument(help="Plan from diag plan (or use --method).")] = None,
     out_dir: Annotated[Path, typer.Option("--out", "-o", help="Directory for the merged checkpoint.")] = Path("merged"),
@@ -301,7 +302,7 @@ def merge(
                                            "tensor's), float32, bfloat16, float16. Merges compute in float32 "
                                            "(float64 for SVDs and solves).")] = "base",
     *,
-    model, finetuned, data, samples, max_tokens, device, allow_pickle, vocab, force, progress,  # from run_options
+    model, finetuned, data, samples, max_tokens, device, offload, allow_pickle, vocab, force, progress,  # run_options
     ray, workers, gpus_per_worker,
 ):
     """Write a merged Hugging Face checkpoint, streaming tensor by tensor (sharded safetensors + config +
@@ -321,7 +322,7 @@ def merge(
         if "granularity" in resolve_method(method)[0].data_options:  # closed-form's unit of α
             options = {"granularity": granularity, **options}
     out_dir = run_merge(out_dir, plan=plan_path, method=method, options=options, base=base,
-                        finetuned=named_finetuned, data=settings, shard_size=shard_size, device=device,
+                        finetuned=named_finetuned, data=settings, shard_size=shard_size, device=device, offload=offload,
                         allow_pickle=allow_pickle, vocab=vocab, force=force, progress=progress, out_dtype=out_dtype,
                         **scale_out_arguments(ray, workers, gpus_per_worker))
     out.print(f"Merged checkpoint → [bold]{out_dir}[/] (load with AutoModelForCausalLM.from_pretrained)")
@@ -329,7 +330,8 @@ def merge(
 
 @app.command("eval")
 @user_errors
-@run_options("model", "finetuned", "data", "out", "max_tokens", "batch_size", "device", "dtype", "compute_dtype",
+@run_options("model", "finetuned", "data", "out", "max_tokens", "batch_size", "device", "offload", "dtype",
+             "compute_dtype",
              "allow_pickle", "trust_remote_code", "force", "progress", *SCALE_OUT)
 def evaluate_command(
     merged: Annotated[Optional[list[str]], typer.Option(
@@ -349,6 +351,7 @@ def evaluate_command(
     models = {**named_finetuned, **parse_named(merged, "merged")}
     dataset = evaluate(base, models, named_data, skip=skip, samples=samples, max_tokens=run.max_tokens,
                        batch_size=run.batch_size, dtype=run.dtype, compute_dtype=run.compute_dtype, device=run.device,
+                       offload=run.offload,
                        allow_pickle=run.allow_pickle,
                        trust_remote_code=run.trust_remote_code, store=Store(run.out), force=run.force,
                        progress=run.progress, command=command_line(), **run.scale_out)
@@ -385,7 +388,7 @@ def demo_fetch():
 
 @app.command()
 @user_errors
-@run_options(*MODELS, "data", "out", "max_tokens", "batch_size", "device", "dtype", "force", "progress")
+@run_options(*MODELS, "data", "out", "max_tokens", "batch_size", "device", "offload", "dtype", "force", "progress")
 def compare(
     methods: Annotated[Optional[str], typer.Option(
         "--methods", help="Comma-separated subset (default: every registered strategy, task-arithmetic-tuned, "
@@ -431,6 +434,7 @@ def compare(
                           fit=fit, skip=skip, samples=samples, max_tokens=run.max_tokens, batch_size=run.batch_size,
                           lambdas=grid, plan=plan_path, choose=choose, evidence_options=evidence, plan_out=plan_out,
                           keep=keep, store=Store(run.out), force=run.force, dtype=run.dtype, device=run.device,
+                          offload=run.offload,
                           allow_pickle=run.allow_pickle, vocab=run.vocab, progress=run.progress,
                           command=command_line())
     _print_frame(leaderboard(dataset), "Held-out loss and normalised gain (0 = base, 1 = the task's own fine-tune), "

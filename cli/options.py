@@ -89,6 +89,10 @@ MaxTokensOption = Annotated[Optional[int], typer.Option(
 BatchOption = Annotated[int, typer.Option("--batch-size", min=1, help="Sequences per forward/replay batch.")]
 DeviceOption = Annotated[str, typer.Option("--device", callback=check_device,
                                            help="auto (CUDA when present), cpu, cuda, cuda:1 ...")]
+OffloadOption = Annotated[bool, typer.Option(
+    "--offload", help="Keep the base's weights in host memory (memory-mapped) and copy each block to --device only "
+                      "while it runs: for a base larger than the GPU (needs ≈ one block in the compute dtype there). "
+                      "No effect on the CPU.")]
 DtypeOption = Annotated[str, typer.Option("--dtype", help="auto (the checkpoint's dtype), float32, bfloat16, float16.")]
 ComputeDtypeOption = Annotated[str, typer.Option("--compute-dtype", help="float32 or float64: the dtype replays "
                                                  "and forwards compute in (--dtype is the storage dtype).")]
@@ -124,6 +128,7 @@ class RunOptions:
     batch_size: int = 8
     capture_budget: float = 2.0
     device: str = "auto"
+    offload: bool = False
     dtype: str = "auto"
     compute_dtype: str = "float32"
     allow_pickle: bool = False
@@ -171,7 +176,8 @@ class RunOptions:
         With --ray the base stays on the meta device here: each worker reads its own blocks."""
         return load_experiment(self.model, self.finetuned, self.data, samples=self.samples, skip=skip,
                                max_tokens=self.max_tokens, batch_size=self.batch_size, dtype=self.dtype,
-                               compute_dtype=self.compute_dtype, device=self.device, allow_pickle=self.allow_pickle,
+                               compute_dtype=self.compute_dtype, device=self.device, offload=self.offload,
+                               allow_pickle=self.allow_pickle,
                                trust_remote_code=self.trust_remote_code, vocab=self.vocab,
                                weights=self.ray is None)  # on Ray, the workers read the blocks
 
@@ -186,7 +192,7 @@ def scale_out_arguments(ray: Optional[str], workers: int, gpus_per_worker: float
 OPTIONS: dict[str, object] = {
     "model": ModelOption, "finetuned": FinetunedOption, "data": DataOption, "out": OutOption,
     "samples": SamplesOption, "max_tokens": MaxTokensOption, "batch_size": BatchOption,
-    "capture_budget": CaptureBudgetOption, "device": DeviceOption, "dtype": DtypeOption,
+    "capture_budget": CaptureBudgetOption, "device": DeviceOption, "offload": OffloadOption, "dtype": DtypeOption,
     "compute_dtype": ComputeDtypeOption, "allow_pickle": PickleOption,
     "trust_remote_code": RemoteCodeOption, "vocab": VocabOption, "force": ForceOption, "progress": ProgressOption,
     "ray": RayOption, "workers": WorkersOption, "gpus_per_worker": GpusPerWorkerOption,
@@ -198,8 +204,8 @@ MODELS = ("model", "finetuned", "allow_pickle", "vocab")
 """The options of every command that opens a base and its fine-tunes."""
 SCALE_OUT = ("ray", "workers", "gpus_per_worker")
 """The options of the commands that run on Ray."""
-DATA_RUN = (*MODELS, "data", "out", "samples", "max_tokens", "batch_size", "capture_budget", "device", "dtype",
-            "compute_dtype", "trust_remote_code", "force", "progress", *SCALE_OUT)
+DATA_RUN = (*MODELS, "data", "out", "samples", "max_tokens", "batch_size", "capture_budget", "device", "offload",
+            "dtype", "compute_dtype", "trust_remote_code", "force", "progress", *SCALE_OUT)
 """The options of the data-driven diagnostics (linearity, projection, alpha)."""
 
 

@@ -19,6 +19,11 @@ network block by block for all variants together, building each block's
 Precision: the base is kept in its storage dtype (`--dtype`); capture forwards,
 task vectors, variants and replays run in the compute dtype (the storage dtype
 promoted to `--compute-dtype`, float32 by default) and are never rounded back.
+
+Offload: a base loaded with ``offload=True`` keeps its weights in host memory
+and computes on `execution_device`: each stage of a capture forward is copied
+there while it runs (the same hooks that upcast it), and every variant is built
+there from the host's base tensors and task vectors read onto the device.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from torch import nn
 from torch.func import functional_call
 
 from diagnostics.data import TokenBatch
-from diagnostics.models import BaseModel, TaskVectorReader, release_mapped_pages
+from diagnostics.models import BaseModel, TaskVectorReader, canonical_device, execution_device, release_mapped_pages
 from diagnostics.modules import Architecture, get_module, input_module_path, module_parameter_names
 
 Variant = dict[str, float]  # task -> coefficient c_t in θ0 + Σ_t c_t τ_t
@@ -54,19 +59,34 @@ class Recorded:
         return Recorded(upcast(self.args, dtype), upcast(self.kwargs, dtype), self.token_mask, self.sample_index)
 
 
-def upcast(value, dtype: torch.dtype):
-    """`value` (a tensor, or tuples, lists and dicts of them) with floating tensors below `dtype` in `dtype`.
+def upcast(value, dtype: torch.dtype | None, device: torch.device | None = None):
+    """`value` (a tensor, or tuples, lists and dicts of them) with floating tensors below `dtype` in `dtype`, and
+    with every tensor on `device` (None: where it is).
 
-    Tensors already in `dtype` (or wider), integer and boolean tensors and other objects come back as they are.
+    Tensors already in `dtype` (or wider, or `dtype` None) and on `device`, integer and boolean tensors on
+    `device` and other objects come back as they are (the same objects).
     """
     if isinstance(value, torch.Tensor):
-        wider = value.is_floating_point() and value.dtype != dtype and torch.promote_types(value.dtype, dtype) == dtype
-        return value.to(dtype) if wider else value
+        wider, moved = _widened(value, dtype), device is not None and value.device != device
+        if not (wider or moved):
+            return value
+        return value.to(device=device if moved else value.device, dtype=dtype if wider else value.dtype)
     if isinstance(value, (tuple, list)):
-        return type(value)(upcast(item, dtype) for item in value)
+        return type(value)(upcast(item, dtype, device) for item in value)
     if isinstance(value, dict):
-        return {key: upcast(item, dtype) for key, item in value.items()}
+        return {key: upcast(item, dtype, device) for key, item in value.items()}
     return value
+
+
+def _widened(tensor: torch.Tensor, dtype: torch.dtype | None) -> bool:
+    """Whether `tensor` is floating and narrower than `dtype` (what `upcast` changes)."""
+    return (dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype
+            and torch.promote_types(tensor.dtype, dtype) == dtype)
+
+
+def _placed(tensor: torch.Tensor, dtype: torch.dtype | None, device: torch.device | None) -> bool:
+    """Whether `upcast(tensor, dtype, device)` is `tensor` itself (checked without copying it)."""
+    return not _widened(tensor, dtype) and (device is None or tensor.device == device)
 
 
 @contextmanager
@@ -161,21 +181,24 @@ def _compute_stages(model: nn.Module, arch: Architecture) -> list[nn.Module]:
 
 
 def _in_compute_dtype(handles: list, model: nn.Module, arch: Architecture, compute: torch.dtype | None,
-                      skipped: list[nn.Module]) -> None:
-    """Hooks that run each stage of the forward in `compute` (its tensors upcast on entry, restored on exit).
+                      skipped: list[nn.Module], device: torch.device | None = None) -> None:
+    """Hooks that run each stage of the forward in `compute` on `device` (its tensors upcast and moved there on
+    entry, restored on exit; None: as they are).
 
     On exit each weight gets its own stored tensor back (the very same storage, not a rounded copy, so
     weights memory-mapped from the checkpoint stay mapped pages instead of becoming private memory);
     the stage's floating inputs are upcast and its outputs stay in `compute`, so a base stored in bfloat16 is
-    captured as the float32 forward of the same weights. Nothing is hooked when nothing would change, nor
-    on the `skipped` blocks.
+    captured as the float32 forward of the same weights. With an offloaded base (weights in host memory,
+    `device` an accelerator) a stage's weights are on the device only while it runs: the device holds one
+    block, not the model. Nothing is hooked when nothing would change, nor on the `skipped` blocks.
     """
-    if compute is None:
+    if compute is None and device is None:
         return
+    device = None if device is None else canonical_device(device)
     for stage in _compute_stages(model, arch):
         if any(stage is block for block in skipped):
             continue
-        tensors = [t for t in (*stage.parameters(), *stage.buffers()) if upcast(t, compute) is not t]
+        tensors = [t for t in (*stage.parameters(), *stage.buffers()) if not _placed(t, compute, device)]
         if not tensors:
             continue
         stored: list[torch.Tensor] = []
@@ -183,8 +206,8 @@ def _in_compute_dtype(handles: list, model: nn.Module, arch: Architecture, compu
         def enter(module, args, kwargs, tensors=tensors, stored=stored):
             stored[:] = [tensor.data for tensor in tensors]
             for tensor in tensors:
-                tensor.data = tensor.data.to(compute)
-            return upcast(args, compute), upcast(kwargs, compute)
+                tensor.data = upcast(tensor.data, compute, device)
+            return upcast(args, compute, device), upcast(kwargs, compute, device)
 
         def leave(module, args, output, tensors=tensors, stored=stored):
             for tensor, original in zip(tensors, stored):
@@ -223,7 +246,7 @@ def _partial_forward(model, arch, batches, device, deepest: int, first: int, reg
     for b, batch in enumerate(batches):
         mask = batch.attention_mask.to(device).bool()
         with hooks() as handles, _skipped_blocks(model, arch, state, b, first) as skipped:
-            _in_compute_dtype(handles, model, arch, compute, skipped)
+            _in_compute_dtype(handles, model, arch, compute, skipped, device)
             if release:  # each block's stored weights leave the RSS once it has run (`release_mapped_pages`)
                 ran = [model.get_submodule(arch.layer_path(i)) for i in range(len(skipped), arch.num_layers)]
                 handles += [block.register_forward_hook(_releasing(model)) for block in ran]
@@ -326,7 +349,7 @@ def block_kwargs(
 
     try:
         with hooks() as handles:
-            _in_compute_dtype(handles, model, arch, compute, blocks)
+            _in_compute_dtype(handles, model, arch, compute, blocks, device)
             for block in blocks:
                 block.forward = _pass_through
             for b, batch in enumerate(batches):
@@ -438,7 +461,8 @@ class ParameterSource:
     """Base parameters of modules and their task vectors, read lazily, combined into variants.
 
     Variants are built and returned in the compute dtype: each parameter's storage dtype promoted to
-    `compute_dtype` (float32 by default; a float64 model stays float64), never rounded back to storage.
+    `compute_dtype` (float32 by default; a float64 model stays float64), never rounded back to storage, on the
+    base's `execution_device` (for an offloaded base: copied there from host memory, unit by unit).
     """
 
     def __init__(self, base: BaseModel, task_vectors: dict[str, TaskVectorReader],
@@ -446,6 +470,7 @@ class ParameterSource:
         self.base = base
         self.task_vectors = task_vectors
         self.compute_dtype = compute_dtype
+        self.device = execution_device(base.model)
         self._cache: dict[tuple[str, str], torch.Tensor] = {}
 
     def base_parameters(self, path: str) -> dict[str, torch.Tensor]:
@@ -461,7 +486,7 @@ class ParameterSource:
     def deltas(self, path: str, task: str, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
         """τ_task of the parameters of the module at `path` (local names; all or `names`), float32, on its device."""
         reader = self.task_vectors[task]
-        device = next(self.base.model.parameters()).device
+        device = self.device
         full_names = module_parameter_names(self.base.model, path)
         out = {}
         for local in full_names if names is None else names:
@@ -474,29 +499,32 @@ class ParameterSource:
     def variant(self, path: str, coefficients: Variant, names: Iterable[str] | None = None):
         """θ0 + Σ_t c_t τ_t for the module at `path` (all its parameters, or the local `names`) in the compute dtype.
 
-        None means: run the module as it is (no coefficient, and storage is already the compute dtype).
-        Floating buffers stored in a narrower dtype come upcast too.
+        None means: run the module as it is (no coefficient, storage is already the compute dtype and the
+        weights are on the execution device). Floating buffers stored in a narrower dtype come upcast too (and
+        buffers elsewhere than the execution device, moved there).
         """
         active = {t: c for t, c in coefficients.items() if c != 0}
         own = self.base_parameters(path)
         names = list(own) if names is None else list(names)
         compute = {local: torch.promote_types(own[local].dtype, self.compute_dtype) for local in names}
-        if not active and all(own[local].dtype == compute[local] for local in names):
+        if not active and all(own[local].dtype == compute[local] and own[local].device == self.device
+                              for local in names):
             return None
         deltas = {t: self.deltas(path, t, names) for t in active}
         params = {}
         for local in names:
-            value = own[local].to(compute[local])
+            value = own[local].to(device=self.device, dtype=compute[local])
             for task, coefficient in active.items():
                 value = value + coefficient * deltas[task][local].to(compute[local])
             params[local] = value
         return params | self.upcast_buffers(path)
 
     def upcast_buffers(self, path: str) -> dict[str, torch.Tensor]:
-        """The floating buffers of the module at `path` stored below the compute dtype, upcast (local names)."""
+        """The floating buffers of the module at `path` stored below the compute dtype, upcast, and the buffers
+        off the execution device, moved there (local names)."""
         buffers = get_module(self.base.model, path).named_buffers(remove_duplicate=False)
-        return {local: upcast(buffer, self.compute_dtype) for local, buffer in buffers
-                if upcast(buffer, self.compute_dtype) is not buffer}
+        return {local: upcast(buffer, self.compute_dtype, self.device) for local, buffer in buffers
+                if not _placed(buffer, self.compute_dtype, self.device)}
 
     def changed(self, path: str, task: str) -> bool:
         return any(bool(d.abs().max() > 0) for d in self.deltas(path, task).values() if d.numel())
@@ -537,7 +565,7 @@ def model_outputs(
     head run only when `layers` ends at the last block, else the streams leaving `layers` come back.
     """
     model = source.base.model
-    device = next(model.parameters()).device
+    device = source.device
     layers = range(arch.num_layers) if layers is None else layers
     layer_paths = [arch.layer_path(i) for i in layers]
     # 1. what every block receives besides the stream (masks, positions: they do not depend on weights)
@@ -583,7 +611,7 @@ def _embedded(source: ParameterSource, arch: Architecture, batches, variant: Var
     """Block 0's input hidden state per batch under `variant`'s embedding stage (backbone parameters
     outside the blocks and the final norm), in the compute dtype; the recorded base input when unchanged."""
     model = source.base.model
-    device = next(model.parameters()).device
+    device = source.device
     backbone = get_module(model, arch.backbone_path)
     prefix = f"{arch.backbone_path}." if arch.backbone_path else ""
     embed_locals = [n for n, _ in backbone.named_parameters(remove_duplicate=False)
@@ -655,7 +683,7 @@ def input_gram_matrices(model: nn.Module, arch: Architecture, batches: list[Toke
     the previous call stopped). Memory: one in×in matrix per linear map of the chosen blocks (all blocks
     of a 7B model ≈ 28 GB in float32 per task: `GramsByLayer` holds one block's at a time).
     """
-    device = device or next(model.parameters()).device
+    device = device or execution_device(model)
     chosen = sorted(set(range(arch.num_layers) if layers is None else layers))
     grams: dict[str, torch.Tensor] = {}
 

@@ -71,7 +71,7 @@ def streamed_losses(source: ParameterSource, arch, batches: dict, variant: dict)
     """`task_loss` per task of θ0 + Σ c τ (`variant`), computed block by block (`model_outputs`) over the batches
     of every task together (each block's weights are read once per model), the head batch by batch; TF32 off."""
     model = source.base.model
-    device = next(model.parameters()).device
+    device = source.device
     tasks = [task for task in batches for _ in batches[task]]
     flat = [batch for task in batches for batch in batches[task]]
     totals = {task: [0.0, 0] for task in batches}
@@ -167,6 +167,7 @@ def evaluate(
     dtype: str = "auto",
     compute_dtype: str = "float32",
     device: str = "auto",
+    offload: bool = False,
     allow_pickle: bool = False,
     trust_remote_code: bool = False,
     store: Store | None = None,
@@ -180,7 +181,8 @@ def evaluate(
 ) -> xr.Dataset:
     """Loss and perplexity of 'base' and every model in `models` (label → spec) on each task's held-out records.
 
-    Weights are kept in `dtype` (storage); the forwards run in `compute_dtype` stage by stage, TF32 off.
+    Weights are kept in `dtype` (storage); the forwards run in `compute_dtype` stage by stage, TF32 off
+    (`offload`: the base's weights stay in host memory and go to `device` one block at a time).
     ``ray`` (``"auto"`` or an address): each model is a task of ``workers`` Ray processes, each holding one
     model instance (``ray_options``: max_retries, gpus_per_worker, threads_per_worker, report); this process
     loads the base on the meta device only and alone writes the store, model by model, in order.
@@ -188,7 +190,8 @@ def evaluate(
     compute = pick_compute_dtype(compute_dtype)
     check_device(device)
     check_workers(ray, workers)
-    load = {"dtype": dtype, "device": device, "allow_pickle": allow_pickle, "trust_remote_code": trust_remote_code}
+    load = {"dtype": dtype, "device": device, "allow_pickle": allow_pickle, "trust_remote_code": trust_remote_code,
+            "offload": offload}
     base = load_base_model(base_spec, **load, weights=ray is None)  # on Ray, each worker loads the model
     if not hasattr(base.model, "get_output_embeddings") or base.model.get_output_embeddings() is None:
         raise ModelInputError(f"{base_spec}: eval needs a causal language model with an output head")

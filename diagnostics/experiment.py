@@ -14,7 +14,15 @@ import torch
 from diagnostics.capture import ParameterSource
 from diagnostics.data import TaskData, TokenBatch, read_task_file, tokenize
 from diagnostics.errors import DataInputError, ModelInputError
-from diagnostics.models import BaseModel, TaskVectorReader, load_base_model, open_finetunes, pick_device
+from diagnostics.models import (
+    BaseModel,
+    TaskVectorReader,
+    execution_device,
+    is_offloaded,
+    load_base_model,
+    open_finetunes,
+    pick_device,
+)
 from diagnostics.modules import Architecture, find_architecture
 from diagnostics.store import run_attrs
 
@@ -63,7 +71,9 @@ class Experiment:
 
     @property
     def device(self) -> torch.device:
-        return next(self.base.model.parameters()).device
+        """Where capture and replays compute (the accelerator of an offloaded base, whose weights stay in host
+        memory)."""
+        return execution_device(self.base.model)
 
     @property
     def max_samples(self) -> int:
@@ -94,9 +104,11 @@ class Experiment:
         vocab: str = "base",
         need_data_for_every_task: bool = True,
         weights: bool = True,
+        offload: bool = False,
     ) -> Experiment:
         """The base, its fine-tunes' task vectors and the tokenised data; ``weights=False`` leaves the base on the
-        meta device (a Ray driver: its workers read their blocks themselves)."""
+        meta device (a Ray driver: its workers read their blocks themselves); ``offload=True`` keeps the base's
+        weights in host memory and streams them to `device` stage by stage (`load_base_model`)."""
         if not data:
             raise DataInputError("no task data given (use --data NAME=PATH, one per fine-tune)")
         if need_data_for_every_task:
@@ -112,7 +124,7 @@ class Experiment:
         check_device(device)
         task_data = {task: read_task_file(task, path, samples=samples, skip=skip) for task, path in data.items()}
         base = load_base_model(model, dtype=dtype, device=device, revision=revision, allow_pickle=allow_pickle,
-                               trust_remote_code=trust_remote_code, weights=weights)
+                               trust_remote_code=trust_remote_code, weights=weights, offload=offload)
         task_vectors, report = open_finetunes(base.reader, finetuned, allow_pickle=allow_pickle, vocab=vocab)
         arch = find_architecture(base.model)
         batches = {task: tokenize(d, base.tokenizer, max_tokens=max_tokens, batch_size=batch_size)
@@ -124,7 +136,8 @@ class Experiment:
             "base_model": base.reader.fingerprint() | {"spec": model, "architecture": type(base.model).__name__},
             "finetuned": {t: tv.finetuned.fingerprint() for t, tv in task_vectors.items()},
             "data": {t: d.provenance() for t, d in task_data.items()},
-            "device": str(next(base.model.parameters()).device if weights else pick_device(device)),
+            "device": str(execution_device(base.model) if weights else pick_device(device)),
+            "offload": is_offloaded(base.model) if weights else offload and pick_device(device).type != "cpu",
             "preflight": report,
             "trust_remote_code": trust_remote_code,
             "allow_pickle": allow_pickle,

@@ -513,6 +513,31 @@ def release_mapped_pages(module: torch.nn.Module) -> int:
     return released
 
 
+#: Set on a base model loaded with ``offload=True``: the device its forwards and replays compute on, while its
+#: weights stay in host memory (memory-mapped) and each stage is copied there only while it runs.
+OFFLOAD_ATTRIBUTE = "submerge_offload_device"
+
+
+def execution_device(model: torch.nn.Module) -> torch.device:
+    """The device `model`'s capture forwards, replays and merges' forwards compute on: its offload device (a base
+    loaded with ``offload=True``), else the device its parameters are on."""
+    offload = getattr(model, OFFLOAD_ATTRIBUTE, None)
+    return offload if offload is not None else next(model.parameters()).device
+
+
+def canonical_device(device: str | torch.device) -> torch.device:
+    """`device` with its index (``cuda`` → ``cuda:0``, the current device), so it compares equal to a tensor's."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def is_offloaded(model: torch.nn.Module) -> bool:
+    """Whether `model`'s weights stay in host memory while it computes on another device (``offload=True``)."""
+    return getattr(model, OFFLOAD_ATTRIBUTE, None) is not None
+
+
 def pick_device(device: str = "auto") -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -542,10 +567,15 @@ def load_base_model(
     allow_pickle: bool = False,
     trust_remote_code: bool = False,
     weights: bool = True,
+    offload: bool = False,
 ) -> BaseModel:
     """Instantiate the base model (causal LM, or the bare encoder for BERT-like models) and its tokenizer.
 
     ``weights=False``: the model on the meta device, nothing read (a Ray driver whose workers hold the blocks).
+    ``offload=True`` with an accelerator `device`: the weights stay in host memory (memory-mapped, in their
+    storage dtype) and every stage — the embedding stage, each block, the final norm and head, each replayed
+    unit — is copied to the device only while it runs (`execution_device`), so the device holds about one block
+    in the compute dtype, not the model. On the CPU there is nothing to offload: the flag changes nothing.
     """
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
@@ -581,7 +611,11 @@ def load_base_model(
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
     tokenizer.padding_side = "right"
     _check_vocabulary(tokenizer, model, path)
-    (model.to(target) if weights else model).eval()
+    if offload and weights and target.type != "cpu":
+        setattr(model, OFFLOAD_ATTRIBUTE, canonical_device(target))  # the weights stay where they were loaded: host memory
+    elif weights:
+        model.to(target)
+    model.eval()
     model.requires_grad_(False)
     reader = open_checkpoint(str(path), allow_pickle=allow_pickle)
     base = BaseModel(model=model, tokenizer=tokenizer, reader=reader, spec=spec)

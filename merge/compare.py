@@ -302,6 +302,7 @@ def compare(
     force: bool = False,
     dtype: str = "auto",
     device: str = "auto",
+    offload: bool = False,
     allow_pickle: bool = False,
     vocab: str = "base",
     progress: bool = True,
@@ -321,8 +322,8 @@ def compare(
     if skip < fit:
         raise CompareError(f"--skip {skip} < --fit {fit}: held-out records would include fit records")
     experiment = Experiment.load(base_spec, finetuned, data, samples=fit, max_tokens=max_tokens,
-                                 batch_size=batch_size, dtype=dtype, device=device, allow_pickle=allow_pickle,
-                                 vocab=vocab)
+                                 batch_size=batch_size, dtype=dtype, device=device, offload=offload,
+                                 allow_pickle=allow_pickle, vocab=vocab)
     tasks = experiment.tasks
     held_data = {t: read_task_file(t, data[t], samples=samples, skip=skip) for t in tasks}
     held_out = {t: tokenize(d, experiment.base.tokenizer, max_tokens=max_tokens, batch_size=batch_size)

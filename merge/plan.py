@@ -612,7 +612,7 @@ class _BlockScorer:
             info = self.table.get(self.experiment.base.checkpoint_name(full), tuple(weight.shape))
             delta = rule_delta(plan.rule_for(info), info, [deltas[t][local] for t in self.tasks], self.tasks)
             compute = torch.promote_types(weight.dtype, self.source.compute_dtype)
-            params[local] = weight.to(compute) + delta.to(compute)
+            params[local] = weight.to(device=self.source.device, dtype=compute) + delta.to(compute)
         return params
 
     def block_plan(self, layer: int, candidate: str, alpha: dict) -> Plan:

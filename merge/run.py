@@ -60,6 +60,7 @@ def run_merge(
     data: DataSettings | None = None,
     shard_size: str | int = "2GB",
     device: str = "cpu",
+    offload: bool = False,
     allow_pickle: bool = False,
     vocab: str = "base",
     force: bool = False,
@@ -91,7 +92,7 @@ def run_merge(
     _refuse_inputs(out_dir, base, finetuned, allow_pickle)
     if plan is None:
         setup = method_setup(method, options or {}, base, finetuned, data or DataSettings(), device=device,
-                             allow_pickle=allow_pickle, vocab=vocab, progress=progress)
+                             offload=offload, allow_pickle=allow_pickle, vocab=vocab, progress=progress)
     setup.record["out_dtype"] = str(dtype).removeprefix("torch.") if dtype else "base"
     return write_merge(base, finetuned, out_dir, setup.rule_for, record=setup.record, force=force,
                        allow_pickle=allow_pickle, vocab=vocab, shard_size=shard_size, dtype=dtype, device=device,
@@ -126,9 +127,10 @@ def _refuse_inputs(out_dir: Path, base: str, finetuned: dict[str, str], allow_pi
 
 
 def method_setup(method: str, options: dict, base: str, finetuned: dict[str, str], data: DataSettings, *,
-                 device: str = "cpu", allow_pickle: bool = False, vocab: str = "base",
+                 device: str = "cpu", offload: bool = False, allow_pickle: bool = False, vocab: str = "base",
                  progress: bool = True) -> MergeSetup:
-    """Rules (and data inputs) of a registered method; a method with ``inputs`` gets them from `data`."""
+    """Rules (and data inputs) of a registered method; a method with ``inputs`` gets them from `data` (the base
+    loaded on `device`, or with `offload` streamed to it block by block)."""
     name, options = checked_method(method, options)
     record = {"method": method, "options": options}
     registered = STRATEGIES[name]
@@ -137,7 +139,7 @@ def method_setup(method: str, options: dict, base: str, finetuned: dict[str, str
     from diagnostics.experiment import Experiment
 
     experiment = Experiment.load(base, finetuned, data.data, samples=data.samples, max_tokens=data.max_tokens,
-                                 batch_size=data.batch_size, dtype="auto", device=device,
+                                 batch_size=data.batch_size, dtype="auto", device=device, offload=offload,
                                  allow_pickle=allow_pickle, trust_remote_code=False, vocab=vocab)
     _, data_options = registered.split_options(options)
     return _DATA_STEPS[name](experiment, base, finetuned, record, options, data_options, progress)

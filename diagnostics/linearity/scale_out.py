@@ -59,15 +59,17 @@ def _to(value, device):
     return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, value)
 
 
-def load_blocks(spec: dict, layers: range, *, head: bool, device) -> object:
+def load_blocks(spec: dict, layers: range, *, head: bool, device, offload: bool = False) -> object:
     """A `BaseModel` whose parameters outside blocks `layers` stay on the meta device (never read).
 
     The stages outside the blocks are read too (embedding, final norm), the output head only with `head`;
-    ``spec``: the base's `checkpoint_spec` (``reader``), storage ``dtype`` and ``trust_remote_code``.
+    ``spec``: the base's `checkpoint_spec` (``reader``), storage ``dtype`` and ``trust_remote_code``. With
+    `offload` (and an accelerator `device`) they are read into host memory and stream to `device` stage by stage
+    (`diagnostics.models.execution_device`), as a base loaded with ``offload=True`` does.
     """
     from pathlib import Path
 
-    from diagnostics.models import BaseModel, checkpoint_name_map
+    from diagnostics.models import OFFLOAD_ATTRIBUTE, BaseModel, canonical_device, checkpoint_name_map
     from diagnostics.modules import find_architecture
     from diagnostics.tensors import meta_model
 
@@ -75,6 +77,9 @@ def load_blocks(spec: dict, layers: range, *, head: bool, device) -> object:
     model = meta_model(Path(spec["reader"]["path"]), trust_remote_code=spec["trust_remote_code"], buffers=False,
                        dtype=dtype)
     model.eval().requires_grad_(False)
+    if offload and torch.device(device).type != "cpu":
+        setattr(model, OFFLOAD_ATTRIBUTE, canonical_device(device))
+        device = "cpu"  # where the weights are read to; they compute on the offload device
     reader = common.reopen_checkpoint(spec["reader"])
     names, arch = checkpoint_name_map(model, reader), find_architecture(model)
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -117,7 +122,7 @@ class BlockWorker:
         self.layers = range(layers[0], layers[-1] + 1)
         last = self.layers[-1] == job["num_layers"] - 1
         self.base = load_blocks(job["base"], self.layers, head=last and job["model_output"] == "logits",
-                                device=self.device)
+                                device=self.device, offload=job.get("offload", False))
         self.arch = find_architecture(self.base.model)
         self.source = ParameterSource(self.base, common.reopen_task_vectors(self.base.reader, job["task_vectors"]),
                                       compute_dtype=job["compute_dtype"])
@@ -204,7 +209,7 @@ class Pipeline:
                "device": "cuda" if gpus_per_worker else "cpu", "threads": threads_per_worker,
                "compute_dtype": sweep.source.compute_dtype, "layer_bytes": sweep.layer_bytes(),
                "capture_budget": sweep.capture_budget, "model_output": sweep.model_output,
-               "num_layers": experiment.arch.num_layers}
+               "num_layers": experiment.arch.num_layers, "offload": bool(experiment.inputs.get("offload"))}
         remote = ray_api.remote(BlockWorker).options(num_cpus=1, num_gpus=gpus_per_worker, max_restarts=max_retries,
                                                      max_task_retries=max_retries)
         self.by_layer = sweep.by_layer()

@@ -120,7 +120,7 @@ def replay_variants(source, arch, path: str, recorded, variants: Sequence[Varian
 
 def replay_model(source, arch, batches, variants: Sequence[Variant], *, output: str = "hidden") -> Replayed:
     """The whole network run block by block for each variant (`model_outputs`) on `batches`."""
-    device = next(source.base.model.parameters()).device
+    device = source.device
     return model_replayed(model_outputs(source, arch, batches, list(variants), output=output), batches, device)
 
 
