@@ -18,8 +18,8 @@ from diagnostics.models import (
     BaseModel,
     TaskVectorReader,
     execution_device,
-    is_offloaded,
     load_base_model,
+    offloads,
     open_finetunes,
     pick_device,
 )
@@ -137,7 +137,7 @@ class Experiment:
             "finetuned": {t: tv.finetuned.fingerprint() for t, tv in task_vectors.items()},
             "data": {t: d.provenance() for t, d in task_data.items()},
             "device": str(execution_device(base.model) if weights else pick_device(device)),
-            "offload": is_offloaded(base.model) if weights else offload and pick_device(device).type != "cpu",
+            "offload": offloads(offload, pick_device(device)),  # as load_base_model decided
             "preflight": report,
             "trust_remote_code": trust_remote_code,
             "allow_pickle": allow_pickle,

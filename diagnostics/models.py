@@ -533,6 +533,17 @@ def canonical_device(device: str | torch.device) -> torch.device:
     return device
 
 
+def offloads(offload: bool, device: str | torch.device) -> bool:
+    """Whether ``offload=True`` takes effect on `device` (a resolved device, not "auto"): only an accelerator has
+    weights to keep off it."""
+    return offload and torch.device(device).type != "cpu"
+
+
+def offload_to(model: torch.nn.Module, device: str | torch.device) -> None:
+    """Make `model` compute on `device` (`execution_device`) while its weights stay where they are: host memory."""
+    setattr(model, OFFLOAD_ATTRIBUTE, canonical_device(device))
+
+
 def is_offloaded(model: torch.nn.Module) -> bool:
     """Whether `model`'s weights stay in host memory while it computes on another device (``offload=True``)."""
     return getattr(model, OFFLOAD_ATTRIBUTE, None) is not None
@@ -611,8 +622,8 @@ def load_base_model(
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
     tokenizer.padding_side = "right"
     _check_vocabulary(tokenizer, model, path)
-    if offload and weights and target.type != "cpu":
-        setattr(model, OFFLOAD_ATTRIBUTE, canonical_device(target))  # the weights stay where they were loaded: host memory
+    if weights and offloads(offload, target):
+        offload_to(model, target)
     elif weights:
         model.to(target)
     model.eval()

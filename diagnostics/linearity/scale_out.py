@@ -69,7 +69,7 @@ def load_blocks(spec: dict, layers: range, *, head: bool, device, offload: bool 
     """
     from pathlib import Path
 
-    from diagnostics.models import OFFLOAD_ATTRIBUTE, BaseModel, canonical_device, checkpoint_name_map
+    from diagnostics.models import BaseModel, checkpoint_name_map, offload_to, offloads
     from diagnostics.modules import find_architecture
     from diagnostics.tensors import meta_model
 
@@ -77,8 +77,8 @@ def load_blocks(spec: dict, layers: range, *, head: bool, device, offload: bool 
     model = meta_model(Path(spec["reader"]["path"]), trust_remote_code=spec["trust_remote_code"], buffers=False,
                        dtype=dtype)
     model.eval().requires_grad_(False)
-    if offload and torch.device(device).type != "cpu":
-        setattr(model, OFFLOAD_ATTRIBUTE, canonical_device(device))
+    if offloads(offload, device):
+        offload_to(model, device)
         device = "cpu"  # where the weights are read to; they compute on the offload device
     reader = common.reopen_checkpoint(spec["reader"])
     names, arch = checkpoint_name_map(model, reader), find_architecture(model)
