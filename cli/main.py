@@ -259,13 +259,16 @@ def plan(
     """Choose the merge granularity from the store and write a plan: α per submodule + the rest."""
     import yaml
 
-    from merge.plan import make_plan
+    from diagnostics.outputs import check_output_file, file_starts_with, replace_file
+    from merge.plan import MERGEKIT_HEADER, is_plan_file, make_plan
 
-    if out_path.exists() and not force:
-        raise typer.BadParameter(f"{out_path} exists; pass --force to overwrite it")
+    check_output_file(out_path, force, option="--out", ours=is_plan_file, what="a submerge plan")
+    if export_mergekit:
+        check_output_file(export_mergekit, force, option="--export-mergekit", ours=file_starts_with(MERGEKIT_HEADER),
+                          what="a mergekit config exported by submerge")
     the_plan = make_plan(store_path, granularity=granularity, nl_max=nl_max, pd_max=pd_max,
                          rest={"method": rest}, command=command_line())
-    the_plan.save(out_path)
+    the_plan.save(out_path, force=force)
     for reason in the_plan.decision.get("reasons", []):
         out.print(f"  {reason}")
     out.print(f"Plan: granularity [bold]{the_plan.granularity}[/], {len(the_plan.alpha)} submodules → {out_path}")
@@ -276,7 +279,7 @@ def plan(
 
         layers = AutoConfig.from_pretrained(local_path(the_plan.base_model)).num_hidden_layers
         mergekit, notes = the_plan.to_mergekit(layers)
-        export_mergekit.write_text(yaml.safe_dump(mergekit, sort_keys=False))
+        replace_file(export_mergekit, MERGEKIT_HEADER + yaml.safe_dump(mergekit, sort_keys=False))
         out.print(f"mergekit config → {export_mergekit}")
         for note in notes:
             out.print(f"  [yellow]not expressible in mergekit:[/] {note}")

@@ -318,3 +318,26 @@ def demo_adapters() -> dict[str, Path]:
             if not (folder / name).is_file():
                 raise DemoKitUnavailable(f"demo adapter for task {task!r} is missing {folder / name}")
     return adapters
+
+
+# ---------------------------------------------------------------- full fine-tunes (built here, never committed)
+
+FULL_FINETUNES_DIR_NAME = "full-finetunes-v1"
+
+
+def full_finetunes_dir() -> Path:
+    """Where ``scripts/train_demo_adapters.py --full`` caches the full fine-tunes of the demo base (one folder per
+    task, a normal Hugging Face checkpoint in float32: every tensor changed, the embedding, norms and head included)."""
+    return cache_dir() / FULL_FINETUNES_DIR_NAME
+
+
+def demo_full_finetunes() -> dict[str, Path]:
+    """Task name -> cached full fine-tune folder; `DemoKitUnavailable` (naming the command that builds them) when
+    one is missing. They take about an hour of 2 CPU cores to train, so they are built on demand, not fetched."""
+    root = full_finetunes_dir()
+    folders = {task: root / task for task in DEMO_TASKS}
+    missing = [task for task, folder in folders.items() if not (folder / "model.safetensors").is_file()]
+    if missing:
+        raise DemoKitUnavailable(f"full fine-tunes {missing} are not in {root}: build them with "
+                                 "`python scripts/train_demo_adapters.py --full` (about an hour on 2 cores)")
+    return folders

@@ -43,7 +43,9 @@ import pandas as pd
 import xarray as xr
 
 from diagnostics.errors import SubmergeError
+from diagnostics.outputs import MERGE_MARKER, OutputError, check_output_directory, check_output_file, is_merge_output
 from diagnostics.store import Store, UnitWriter
+from merge.plan import is_plan_file
 
 DEFAULT_LAMBDAS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 TUNED = "task-arithmetic-tuned"
@@ -69,15 +71,24 @@ def normalised_gain(base_loss, model_loss, finetuned_loss) -> np.ndarray:
     return gain
 
 
+#: Registered strategies whose data inputs compare computes itself (on the fit records). The registered
+#: ``closed-form`` is not among them: compare runs it at both of its granularities, as CLOSED_FORM.
+DATA_STEPS = ("regmean",)
+
+
 def default_methods() -> list[str]:
     """Every registered strategy, the tuned task arithmetic, closed form at layer and attn-mlp, the plan."""
     from merge.strategies import STRATEGIES
 
-    return [*STRATEGIES, TUNED, *CLOSED_FORM, PLAN]
+    strategies = [name for name, method in STRATEGIES.items() if not method.needs_data or name in DATA_STEPS]
+    return [*strategies, TUNED, *CLOSED_FORM, PLAN]
 
 
 def check_methods(methods: list[str]) -> list[str]:
     known = default_methods()
+    if "closed-form" in methods:
+        raise CompareError("compare runs the closed form at two granularities: ask for 'closed-form-layer' and/or "
+                           "'closed-form-attn-mlp' instead of 'closed-form'")
     unknown = [m for m in methods if m not in known]
     if unknown:
         raise CompareError(f"unknown method(s) {unknown} for compare; known: {', '.join(known)}")
@@ -336,17 +347,19 @@ def compare(
                         root=experiment.root_attrs(command),
                         attrs=experiment.group_attrs(command, held_out={t: d.provenance() for t, d in held_data.items()}))
     pending = [m for m in methods if m not in writer.done]
+    _check_outputs(pending, keep, plan_out, store, force)
     merges, used_plan = prepare(experiment, finetuned, [m for m in pending if m != TUNED], plan=plan, choose=choose,
                                 store=store, evidence_options=evidence_options, progress=progress, command=command)
     if plan_out is not None and used_plan is not None:
-        used_plan.save(plan_out)
+        used_plan.save(plan_out, force=True)  # checked by _check_outputs
     elif plan_out is not None and PLAN in methods:
         warnings.warn(f"'{PLAN}' was compared by an earlier run of this store, so no plan was built and {plan_out} "
                       f"is not written: run with --force to recompute, or write a plan with `diag plan`")
     evaluator = _Evaluator(experiment, held_out, allow_pickle=allow_pickle)
     references = _references(evaluator, writer, finetuned, tasks)
     notes = _run_methods(pending, merges, evaluator, writer, references, base_spec, finetuned,
-                         lambdas=lambdas, keep=keep, allow_pickle=allow_pickle, vocab=vocab, progress=progress)
+                         lambdas=lambdas, keep=keep, allow_pickle=allow_pickle, vocab=vocab, progress=progress,
+                         store=store)
     result = writer.finish({
         "loss": "mean next-token cross-entropy over real tokens on held-out records, nats",
         "gain": "(loss_base - loss_model) / (loss_base - loss_finetune_of_the_task): 0 = base, 1 = own fine-tune",
@@ -361,8 +374,41 @@ def compare(
     return result
 
 
+def _kept_by(store: Store | None, label: str) -> Callable[[Path], bool]:
+    """Whether a ``--keep`` directory is the merge a killed run of this store wrote for `label` (a resume may
+    replace it without --force: it is this run's own output)."""
+    def test(directory: Path) -> bool:
+        import yaml
+
+        try:
+            record = yaml.safe_load((directory / MERGE_MARKER).read_text()) or {}
+        except (OSError, yaml.YAMLError):
+            return False
+        written_by = record.get("compare") if isinstance(record, dict) else None
+        return (store is not None and isinstance(written_by, dict) and written_by.get("method") == label
+                and written_by.get("store") == str(Path(store.path).resolve()))
+
+    return test
+
+
+def _check_outputs(pending: list[str], keep, plan_out, store: Store | None, force: bool) -> None:
+    """Before any work: ``keep/<method>`` of every pending method and `plan_out` may be written (`diagnostics.outputs`:
+    nothing the user owns is deleted; an earlier output only with `force`, or a killed run's own on resume)."""
+    if keep is not None:
+        keep = Path(keep)
+        if keep.exists() and not keep.is_dir():
+            raise OutputError(f"--keep {keep} is a file, not a directory: it is left as it is")
+        for label in pending:
+            directory = keep / label
+            resumed = directory.is_dir() and _kept_by(store, label)(directory)
+            check_output_directory(directory, force or resumed, option="--keep",
+                                   ours=lambda d, label=label: is_merge_output(d) if force else _kept_by(store, label)(d))
+    if plan_out is not None:
+        check_output_file(plan_out, force, option="--plan-out", ours=is_plan_file, what="a submerge plan")
+
+
 def _run_methods(pending, merges, evaluator, writer, references, base_spec, finetuned, *, lambdas, keep,
-                 allow_pickle, vocab, progress) -> dict:
+                 allow_pickle, vocab, progress, store=None) -> dict:
     """Write, load, evaluate and (unless kept) delete each pending method's merge; returns notes for attrs."""
     from diagnostics.progress import progress_bar
     from merge.writer import ParameterRule, write_merge
@@ -373,7 +419,10 @@ def _run_methods(pending, merges, evaluator, writer, references, base_spec, fine
 
     def write(label: str, merge: Merge, kept: bool = True) -> Path:
         directory = (keep if (keep is not None and kept) else scratch) / label
-        return write_merge(base_spec, finetuned, directory, merge.rule_for, record=merge.record, force=True,
+        record = {**merge.record, "compare": {"method": label, "store": str(Path(store.path).resolve())
+                                              if store is not None else None}}
+        # force: scratch is this run's; keep/<label> was checked by _check_outputs before any work
+        return write_merge(base_spec, finetuned, directory, merge.rule_for, record=record, force=True,
                            allow_pickle=allow_pickle, vocab=vocab, gram_matrices=merge.gram_matrices,
                            progress=False)
 

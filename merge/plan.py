@@ -29,6 +29,7 @@ import torch
 import yaml
 
 from diagnostics.errors import SubmergeError
+from diagnostics.outputs import check_output_file, file_starts_with, replace_file
 from diagnostics.modules import GRANULARITIES
 from diagnostics.store import Store, provenance
 from diagnostics.tensors import TensorInfo
@@ -39,6 +40,12 @@ DEFAULT_PD_MAX = 0.2
 AUTO_ORDER = ("attn-mlp", "layer", "model")
 PER_LAYER = "per-layer"  # Plan.granularity of a plan whose blocks each have their own (evidence choice)
 LEVELS_OF = GRANULARITIES
+
+
+#: Whether a file is a plan submerge wrote (its first line); only such a file is replaced by a plan (with --force).
+is_plan_file = file_starts_with("submerge_plan: 1\n")
+#: The first line of an exported mergekit config: marks it as an earlier export (replaced only with --force).
+MERGEKIT_HEADER = "# mergekit config exported by submerge (diag plan --export-mergekit)\n"
 
 
 class PlanError(SubmergeError):
@@ -60,11 +67,12 @@ class Plan:
     # matrices merged by a method instead of α (interference steering): checkpoint name → {method, options, reason}
     matrix_rules: dict = field(default_factory=dict)
 
-    def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(yaml.safe_dump({"submerge_plan": 1, **asdict(self)}, sort_keys=False, allow_unicode=True))
-        return path
+    def save(self, path: str | Path, *, force: bool = False, option: str = "--out") -> Path:
+        """Write the plan (YAML, first line ``submerge_plan: 1``) atomically. An existing file is replaced only
+        with `force` and only when it is a submerge plan (`diagnostics.outputs`)."""
+        check_output_file(path, force, option=option, ours=is_plan_file, what="a submerge plan")
+        return replace_file(path, yaml.safe_dump({"submerge_plan": 1, **asdict(self)}, sort_keys=False,
+                                                 allow_unicode=True))
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:

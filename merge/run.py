@@ -80,7 +80,6 @@ def run_merge(
     if (plan is None) == (method is None):
         raise ValueError("give either a plan or a method")
     check_workers(ray, workers)
-    check_output(out_dir, force)
     parse_size(shard_size)
     dtype = parse_out_dtype(out_dtype)
     if plan is not None:
@@ -90,6 +89,7 @@ def run_merge(
         base, finetuned = the_plan.base_model, the_plan.finetuned
         setup = MergeSetup(the_plan.rule_for, {"plan": str(plan), "granularity": the_plan.granularity})
     _refuse_inputs(out_dir, base, finetuned, allow_pickle)
+    check_output(out_dir, force)
     if plan is None:
         setup = method_setup(method, options or {}, base, finetuned, data or DataSettings(), device=device,
                              offload=offload, allow_pickle=allow_pickle, vocab=vocab, progress=progress)

@@ -18,6 +18,7 @@ import math
 import os
 import re
 import shutil
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 
@@ -25,6 +26,7 @@ import torch
 import yaml
 
 from diagnostics.models import all_finite, local_path, open_checkpoint, open_finetunes
+from diagnostics.outputs import MERGE_MARKER, check_output_directory
 from diagnostics.progress import progress_bar
 from diagnostics.scale_out import check_workers
 from diagnostics.store import provenance
@@ -70,12 +72,35 @@ def parse_size(value: str | int, option: str = "--shard-size") -> int:
 _SIZE_FACTORS = {"GB": 1024**3, "MB": 1024**2, "KB": 1024, "B": 1}
 
 
-def check_output(out_dir: Path, force: bool) -> None:
-    """Refuse an existing non-empty `out_dir` (or a file) without `force`. Nothing is deleted here."""
-    out_dir = Path(out_dir)
-    if (out_dir.is_file() or (out_dir.is_dir() and any(out_dir.iterdir()))) and not force:
-        raise MergeError(f"output directory {out_dir} exists and is not empty; pass --force to overwrite it "
-                         "(the old output is replaced only once the new one is complete)")
+def check_output(out_dir: Path, force: bool, option: str = "--out") -> None:
+    """Refuse `out_dir` unless it is absent, empty or — with `force` — an earlier merge (`check_output_directory`);
+    name a staging directory that a killed merge into it left behind. Nothing is deleted here."""
+    check_output_directory(out_dir, force, option=option)
+    for leftover in _leftover_staging(Path(out_dir)):
+        warnings.warn(f"{leftover} is what a merge into {out_dir} that was killed left behind; it is removed "
+                      "when this merge starts", stacklevel=2)
+
+
+def _leftover_staging(out_dir: Path) -> list[Path]:
+    """Staging directories ``<out>.partial-<pid>`` whose process is gone (a killed merge's)."""
+    leftovers = []
+    for path in out_dir.parent.glob(f"{out_dir.name}.partial-*") if out_dir.parent.is_dir() else []:
+        pid = path.name.rsplit("-", 1)[-1]
+        if path.is_dir() and pid.isdigit() and not _alive(int(pid)):
+            leftovers.append(path)
+    return leftovers
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def check_not_an_input(out_dir: Path, inputs: dict[str, Path]) -> None:
@@ -97,6 +122,8 @@ def check_not_an_input(out_dir: Path, inputs: dict[str, Path]) -> None:
 
 def _staging_directory(out_dir: Path) -> Path:
     """A sibling of `out_dir` that the merge is written into, renamed into place once complete."""
+    for leftover in _leftover_staging(out_dir):  # a killed merge's: only shards and files this writer writes
+        shutil.rmtree(leftover, ignore_errors=True)
     staging = out_dir.with_name(f"{out_dir.name}.partial-{os.getpid()}")
     if staging.exists():
         shutil.rmtree(staging)
@@ -274,7 +301,8 @@ def write_merge(
 
     Tensors are written in `dtype` (default: each base tensor's). The checkpoint is written into a
     sibling directory ``<out>.partial-<pid>`` and renamed to `out_dir` once complete; with `force` an
-    existing output is removed only then, so a failed merge leaves it as it was. An `out_dir` that is,
+    earlier merge there is removed only then, so a failed merge leaves it as it was; anything else in
+    `out_dir` is refused (`check_output`). An `out_dir` that is,
     contains or is inside an input model's directory is refused before anything is written.
     Returns the output directory, loadable with `AutoModelForCausalLM.from_pretrained`.
 
@@ -284,12 +312,12 @@ def write_merge(
     out_dir = Path(out_dir)
     check_workers(ray, workers)
     scale_out = None if ray is None else {"address": ray, "workers": workers, **(ray_options or {})}
-    check_output(out_dir, force)
     limit = parse_size(shard_size)
     base_reader = open_checkpoint(base, allow_pickle=allow_pickle)
     task_vectors, report = open_finetunes(base_reader, finetuned, allow_pickle=allow_pickle, vocab=vocab)
     check_not_an_input(out_dir, {"base model": base_reader.path,
                                  **{f"fine-tune '{t}'": tv.finetuned.path for t, tv in task_vectors.items()}})
+    check_output(out_dir, force)
     names = writing_order(base_reader.names())
     layout = [(name, base_reader.shape(name), _written_dtype(base_reader.dtype(name), dtype)) for name in names]
     staging = _staging_directory(out_dir)
@@ -428,7 +456,7 @@ def _write_record(out_dir: Path, record: dict | None, used: dict[str, str], base
             preflight=report,
         ),
     }
-    (out_dir / "submerge_merge.yaml").write_text(yaml.safe_dump(content, sort_keys=False, allow_unicode=True))
+    (out_dir / MERGE_MARKER).write_text(yaml.safe_dump(content, sort_keys=False, allow_unicode=True))
 
 
 def _rule_summary(used: dict[str, str]) -> dict[str, list[str]]:

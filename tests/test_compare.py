@@ -595,6 +595,62 @@ def test_compare_keep_leaves_loadable_checkpoints(compared, trained_kit, tmp_pat
     assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
 
 
+def test_compare_keep_and_plan_out_never_delete_what_the_user_owns(trained_kit, tmp_path):
+    """Issue 26: `--keep DIR` deleted what the user had in DIR/<method>/ without --force. Now a user's folder is
+    refused before any work, with or without --force; an earlier kept merge is replaced only with --force; a
+    killed run's own kept merge is replaced by its resume; `--plan-out` follows the same rule for files."""
+    from diagnostics.outputs import OutputError
+    from diagnostics.store import Store
+    from merge.compare import compare
+
+    _, base, finetuned, data = trained_kit
+    keep = tmp_path / "keep"
+    (keep / "ties").mkdir(parents=True)
+    (keep / "ties" / "notes.txt").write_text("my notes")
+    for force in (False, True):
+        with pytest.raises(OutputError, match=r"--keep .*ties holds files that are not a submerge merge"
+                                              if force else r"keep.*ties exists and is not empty"):
+            compare(base, finetuned, data, methods=["ties"], keep=keep, force=force, **RUN)
+    assert (keep / "ties" / "notes.txt").read_text() == "my notes"
+    mine = tmp_path / "plan.yaml"
+    mine.write_text("my own yaml\n")
+    for force in (False, True):
+        with pytest.raises(OutputError, match="--plan-out"):
+            compare(base, finetuned, data, methods=["ties"], plan_out=mine, force=force, **RUN)
+    assert mine.read_text() == "my own yaml\n"
+    # an earlier kept merge (another run's): refused without --force, replaced with it
+    other = tmp_path / "other"
+    compare(base, finetuned, data, methods=["ties"], keep=other, **RUN)
+    with pytest.raises(OutputError, match="exists and is not empty"):
+        compare(base, finetuned, data, methods=["ties"], keep=other, **RUN)
+    compare(base, finetuned, data, methods=["ties"], keep=other, force=True, **RUN)
+    # a run killed after writing a kept merge, before the store took it: the resume replaces it, no --force
+    class Killed(Exception):
+        pass
+
+    store = Store(tmp_path / "store.zarr")
+    resumed_keep = tmp_path / "resumed"
+    import merge.compare as compare_module
+
+    original = compare_module._piece
+
+    def killed_piece(label, *args, **kwargs):
+        if label == "ties":
+            raise Killed
+        return original(label, *args, **kwargs)
+
+    compare_module._piece = killed_piece
+    try:
+        with pytest.raises(Killed):
+            compare(base, finetuned, data, methods=["ties"], keep=resumed_keep, store=store, **RUN)
+    finally:
+        compare_module._piece = original
+    assert (resumed_keep / "ties" / "submerge_merge.yaml").is_file()
+    result = compare(base, finetuned, data, methods=["ties"], keep=resumed_keep, store=Store(tmp_path / "store.zarr"),
+                     **RUN)
+    assert "ties" in [str(m) for m in result.method.values]
+
+
 def test_compare_refuses_unknown_methods_and_overlapping_records(trained_kit, tmp_path):
     from merge.compare import CompareError, compare
 

@@ -167,16 +167,27 @@ def test_small_shards_write_a_correct_index_and_load(kit, tmp_path):
         assert torch.equal(model_whole(ids).logits, model_pieces(ids).logits)
 
 
-def test_existing_output_is_refused_without_force_and_replaced_with_it(kit, tmp_path):
+def test_existing_output_is_refused_without_force_and_only_an_earlier_merge_is_replaced_with_it(kit, tmp_path):
+    from diagnostics.outputs import OutputError
+
     out = tmp_path / "merged"
     out.mkdir()
     (out / "keep.txt").write_text("not a model")
     rule = method_rule("task-arithmetic")
-    with pytest.raises(MergeError, match="not empty.*--force"):
+    with pytest.raises(OutputError, match="not empty.*--force"):
         write_merge(kit.base, kit.finetuned, out, rule, progress=False)
-    assert (out / "keep.txt").exists() and not (out / "model.safetensors").exists()
-    write_merge(kit.base, kit.finetuned, out, rule, force=True, progress=False)
-    assert not (out / "keep.txt").exists() and (out / "model.safetensors").exists()
+    with pytest.raises(OutputError, match="not a submerge merge.*not even with --force"):  # the user's files
+        write_merge(kit.base, kit.finetuned, out, rule, force=True, progress=False)
+    assert (out / "keep.txt").read_text() == "not a model" and not (out / "model.safetensors").exists()
+    earlier = write_merge(kit.base, kit.finetuned, tmp_path / "earlier", rule, progress=False)
+    write_merge(kit.base, kit.finetuned, earlier, method_rule("ties"), force=True, progress=False)  # replaced
+    assert "ties" in (earlier / "submerge_merge.yaml").read_text()
+    a_file = tmp_path / "a-file"
+    a_file.write_text("mine")
+    for force in (False, True):  # a file is never taken for an output directory, nor deleted
+        with pytest.raises(OutputError, match="is a file, not a directory"):
+            write_merge(kit.base, kit.finetuned, a_file, rule, force=force, progress=False)
+    assert a_file.read_text() == "mine"
 
 
 def test_unknown_method_or_option_is_a_merge_error():
