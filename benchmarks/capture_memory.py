@@ -20,10 +20,10 @@ import tempfile
 
 CHILD = r"""
 import json, resource, sys, time, torch
-from diagnostics.capture import CaptureState, _hidden_of, layer_chunks, record_inputs
-from diagnostics.data import TaskData, tokenize
-from diagnostics.models import load_base_model
-from diagnostics.modules import find_architecture, find_submodules
+from submerge.diagnostics.capture import CaptureState, _hidden_of, layer_chunks, record_inputs
+from submerge.diagnostics.data import TaskData, tokenize
+from submerge.diagnostics.models import load_base_model
+from submerge.diagnostics.modules import find_architecture, find_submodules
 args = json.loads(sys.argv[1])
 torch.set_num_threads(2)
 base = load_base_model(args["model"], dtype="float32", device="cpu")
@@ -66,13 +66,13 @@ def main() -> None:
     parser.add_argument("--toy", action="store_true", help="use a 12-layer random Llama instead of the demo base")
     options = parser.parse_args()
     if options.toy:
-        from diagnostics import toy
+        from submerge.diagnostics import toy
 
         folder = tempfile.mkdtemp()
         model = str(toy.build_model(f"{folder}/base", "llama", layers=12, hidden=512, heads=8, kv_heads=4))
         data = str(toy.write_task_data(f"{folder}/task.jsonl", "prose", options.samples))
     else:
-        from diagnostics import demo
+        from submerge.diagnostics import demo
 
         model = str(demo.ensure_demo_base())
         data = str(demo.ensure_demo_data()["math"])

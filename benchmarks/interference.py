@@ -10,7 +10,7 @@ subprocess so peak memory is its own:
                      (the same tensors the driver reads), nothing else;
 - ``svd``:           the same reads plus the driver's 2T + 1 bare SVDs per matrix
                      (T task matrices, T centred, the merged one) — its floor;
-- ``interference``:  ``diagnostics.interference.interference`` over all of them.
+- ``interference``:  ``submerge.diagnostics.interference.interference`` over all of them.
 
 Printed: wall time, peak RSS (VmHWM) and peak anonymous RSS (RssAnon sampled
 every 2 ms; file-backed pages of the memory-mapped safetensors are excluded —
@@ -78,7 +78,7 @@ def build(directory: Path, layers: int, hidden: int, seed: int = 0) -> dict:
     from safetensors.torch import load_file
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from diagnostics.toy import perturbed_finetunes
+    from submerge.diagnostics.toy import perturbed_finetunes
 
     torch.manual_seed(seed)
     config = LlamaConfig(
@@ -104,8 +104,8 @@ def run_phase(phase: str, directory: Path, svd_dtype: str, threads: int) -> dict
     import torch
     import xarray  # noqa: F401
 
-    from diagnostics.interference import interference
-    from diagnostics.models import open_checkpoint
+    from submerge.diagnostics.interference import interference
+    from submerge.diagnostics.models import open_checkpoint
 
     torch.set_num_threads(threads)
     base = open_checkpoint(str(directory / "base"))

@@ -1,7 +1,7 @@
 """Benchmark: layer-level Non-linearity Scores by capture/replay vs. the naive full-forward way.
 
 Builds (offline, in a temp dir) a toy Llama — by default 12 layers, hidden 256, 8 heads (4 k/v) —
-and one synthetic fine-tune of it (a few Adam steps on the "math" task text, `diagnostics.toy`),
+and one synthetic fine-tune of it (a few Adam steps on the "math" task text, `submerge.diagnostics.toy`),
 plus 8 task records of ~128 byte-tokens. Then, on the same loaded base model:
 
 - replay: ``nonlinearity(experiment, levels=("layer",), steps=N)`` — the inputs of every block are
@@ -37,7 +37,7 @@ TOLERANCE = 1e-5
 
 def build(directory: Path, layers: int, hidden: int, samples: int) -> tuple[Path, Path, Path]:
     """Base model, one synthetic fine-tune and a task file whose records are ~128 tokens or longer."""
-    from diagnostics import toy
+    from submerge.diagnostics import toy
 
     base = toy.build_model(directory / "base", "llama", layers=layers, hidden=hidden, heads=8, kv_heads=4)
     finetuned = toy.finetune(base, directory / TASK, TASK, steps=5)
@@ -55,8 +55,8 @@ def naive_scores(experiment, steps: int):
     import torch
     from safetensors.torch import load_file
 
-    from diagnostics.capture import first_output
-    from diagnostics.linearity import nonlinearity_score
+    from submerge.diagnostics.capture import first_output
+    from submerge.diagnostics.linearity import nonlinearity_score
 
     model, arch = experiment.base.model, experiment.arch
     dtype = next(model.parameters()).dtype
@@ -103,8 +103,8 @@ def main() -> int:
     import numpy as np
     import torch
 
-    from diagnostics.experiment import Experiment
-    from diagnostics.linearity import nonlinearity
+    from submerge.diagnostics.experiment import Experiment
+    from submerge.diagnostics.linearity import nonlinearity
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -1,4 +1,4 @@
-"""Benchmark: the streaming merge writer (`merge.writer.write_merge`) against mergekit.
+"""Benchmark: the streaming merge writer (`submerge.merge.writer.write_merge`) against mergekit.
 
 Builds (offline) a random Llama checkpoint — 12 layers, hidden 512, intermediate 1408,
 vocabulary 32000, float32, ≈ 290 MB — and three synthetic fine-tunes (base + a random
@@ -71,7 +71,7 @@ def build(directory: Path, layers: int, hidden: int, intermediate: int, vocab: i
     from transformers import LlamaConfig, LlamaForCausalLM
 
     sys.path.insert(0, str(ROOT))
-    from diagnostics.toy import byte_tokenizer, perturbed_finetunes
+    from submerge.diagnostics.toy import byte_tokenizer, perturbed_finetunes
 
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
@@ -170,7 +170,7 @@ def measure(command: list[str], env: dict | None = None) -> dict:
 
 def parse_size(text: str) -> int:
     sys.path.insert(0, str(ROOT))
-    from merge.writer import parse_size as writer_parse_size
+    from submerge.merge.writer import parse_size as writer_parse_size
 
     return writer_parse_size(text)
 
@@ -181,7 +181,7 @@ def worker(arguments: dict) -> None:
     import torch  # noqa: F401
     import transformers  # noqa: F401
 
-    from merge.writer import method_rule, write_merge
+    from submerge.merge.writer import method_rule, write_merge
 
     baseline = _status_kib(os.getpid(), "VmRSS") / 1024
     finetuned = {t: str(Path(arguments["directory"]) / t) for t in TASKS}
@@ -244,7 +244,7 @@ def ties_differences_explained(ours: Path, theirs: Path, base: Path, finetuned: 
     from safetensors import safe_open
 
     sys.path.insert(0, str(ROOT))
-    from merge.strategies import _top_count  # the trim count ours uses (⌊k n⌋, as mergekit)
+    from submerge.merge.strategies import _top_count  # the trim count ours uses (⌊k n⌋, as mergekit)
 
     def read(files, name):
         with safe_open(str(files[name]), "pt") as handle:

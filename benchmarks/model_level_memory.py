@@ -23,11 +23,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 CHILD = r"""
 import json, resource, sys, time, torch
-from diagnostics import capture
-from diagnostics.capture import ParameterSource, model_outputs, record_inputs
-from diagnostics.data import TokenBatch
-from diagnostics.models import load_base_model
-from diagnostics.modules import find_architecture
+from submerge.diagnostics import capture
+from submerge.diagnostics.capture import ParameterSource, model_outputs, record_inputs
+from submerge.diagnostics.data import TokenBatch
+from submerge.diagnostics.models import load_base_model
+from submerge.diagnostics.modules import find_architecture
 args = json.loads(sys.argv[1])
 torch.set_num_threads(2)
 base = load_base_model(args["model"], dtype="float32", device="cpu")
@@ -67,7 +67,7 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     import torch
 
-    from diagnostics import toy
+    from submerge.diagnostics import toy
 
     with tempfile.TemporaryDirectory() as scratch:
         model = toy.build_model(Path(scratch) / "model", "llama", layers=options.layers, hidden=options.hidden,

@@ -205,7 +205,7 @@ def flops_per_block(tokens: int, command: str, steps: int = 10) -> float:
 
 
 def commands(paths: dict[str, Path], data: dict[str, Path], work: Path, samples: int, max_tokens: int) -> dict:
-    diag = [sys.executable, "-m", "cli.main"]
+    diag = [sys.executable, "-m", "submerge.cli.main"]
     dense = [arg for t in TASKS for arg in ("-f", f"{t}={paths[t]}")]
     lora = [arg for t in TASKS for arg in ("-f", f"{t}={paths['lora_' + t]}")]
     tasks_data = [arg for t in TASKS for arg in ("-d", f"{t}={data[t]}")]
@@ -279,7 +279,7 @@ def run_slice(layers: int, directory: Path, args, tokenizer_dir: Path, data: dic
     results = {}
     for name in args.commands:
         if name == "merge-plan":
-            plan = [sys.executable, "-m", "cli.main", "plan", str(work / "scale.zarr"), "--granularity", "attn-mlp",
+            plan = [sys.executable, "-m", "submerge.cli.main", "plan", str(work / "scale.zarr"), "--granularity", "attn-mlp",
                     "--out", str(work / "plan.yaml"), "--force"]
             measure(plan, env=env)
         results[name] = measure(runs[name], env=env)
@@ -345,7 +345,7 @@ def main() -> None:
     parser.add_argument("--results", type=Path, help="JSON file that accumulates measurements across runs.")
     args = parser.parse_args()
     args.commands = args.commands.split(",")
-    from diagnostics.demo import ensure_demo_base, ensure_demo_data
+    from submerge.diagnostics.demo import ensure_demo_base, ensure_demo_data
 
     tokenizer_dir = Path(ensure_demo_base())
     data = {task: Path(path) for task, path in ensure_demo_data().items()}

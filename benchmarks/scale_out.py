@@ -2,7 +2,7 @@
 
 Interference (``--diagnostic interference``): builds (offline) the random Llama checkpoint of
 ``benchmarks/interference.py`` (default 6 layers, hidden 256, three perturbed fine-tunes).
-Linearity (``--diagnostic linearity``): a random Llama of ``diagnostics.toy`` (default 8 layers, hidden
+Linearity (``--diagnostic linearity``): a random Llama of ``submerge.diagnostics.toy`` (default 8 layers, hidden
 1024, intermediate 2816: about 51 MB of float32 weights per block) with two perturbed fine-tunes and their
 task data (8 samples each); ``nonlinearity`` over the layer, attn and mlp levels with N = 4.  Each in a
 fresh subprocess:
@@ -67,9 +67,9 @@ def _start_ray(mode: str) -> tuple[dict, float, float | None]:
 
 
 def _interference_pass(directory: Path, options: dict):
-    from diagnostics.interference import interference
-    from diagnostics.models import open_checkpoint
-    from diagnostics.tensors import TensorTable
+    from submerge.diagnostics.interference import interference
+    from submerge.diagnostics.models import open_checkpoint
+    from submerge.diagnostics.tensors import TensorTable
 
     base = open_checkpoint(str(directory / "base"))
     finetuned = {task: open_checkpoint(str(directory / task)) for task in _interference_benchmark().TASKS}
@@ -80,8 +80,8 @@ def _interference_pass(directory: Path, options: dict):
 
 
 def _linearity_pass(directory: Path, options: dict):
-    from diagnostics.experiment import Experiment
-    from diagnostics.linearity import nonlinearity
+    from submerge.diagnostics.experiment import Experiment
+    from submerge.diagnostics.linearity import nonlinearity
 
     directory = directory / "linearity"
     experiment = Experiment.load(str(directory / "base"), {task: str(directory / task) for task in LINEARITY_TASKS},
@@ -131,7 +131,7 @@ def _build_linearity(directory: Path, layers: int, hidden: int) -> str:
     """The linearity model, its two perturbed fine-tunes and task data under `directory`; a size line."""
     import warnings
 
-    from diagnostics import toy
+    from submerge.diagnostics import toy
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -37,9 +37,9 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from diagnostics.data import TokenBatch
-from diagnostics.models import BaseModel, TaskVectorReader, canonical_device, execution_device, release_mapped_pages
-from diagnostics.modules import Architecture, get_module, input_module_path, module_parameter_names
+from submerge.diagnostics.data import TokenBatch
+from submerge.diagnostics.models import BaseModel, TaskVectorReader, canonical_device, execution_device, release_mapped_pages
+from submerge.diagnostics.modules import Architecture, get_module, input_module_path, module_parameter_names
 
 Variant = dict[str, float]  # task -> coefficient c_t in θ0 + Σ_t c_t τ_t
 _DROPPED_KWARGS = ("past_key_values", "past_key_value", "layer_past", "use_cache", "output_attentions")
@@ -560,7 +560,7 @@ def model_outputs(
     Returns outputs[variant][batch] of shape (batch, seq, hidden | vocab), in the compute dtype
     (`source.dtype_for`). Only one block's parameters per variant exist at a time, never a second model.
 
-    A pipeline stage (`diagnostics.linearity.scale_out`) runs only the blocks `layers`: `hidden` holds the
+    A pipeline stage (`submerge.diagnostics.linearity.scale_out`) runs only the blocks `layers`: `hidden` holds the
     variants' streams entering the first of them (None: the embedding stage runs here); the final norm and
     head run only when `layers` ends at the last block, else the streams leaving `layers` come back.
     """
@@ -710,7 +710,7 @@ class GramsByLayer:
     T × that block's in×in matrices (≈ 0.9 GB per task for a Llama-2-7B block, instead of 28 GB for its 32
     blocks). Each task's forward continues from where it stopped (`CaptureState`), so blocks asked for in order
     cost about one forward per batch in all; a block asked for again or out of order is recomputed from the
-    embeddings (the merge writer asks in layer order, `merge.writer.writing_order`).
+    embeddings (the merge writer asks in layer order, `submerge.merge.writer.writing_order`).
     """
 
     def __init__(self, model: nn.Module, arch: Architecture, batches: dict[str, list[TokenBatch]], *,

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from diagnostics.errors import DataInputError
+from submerge.diagnostics.errors import DataInputError
 
 PROMPT_FIELDS = ("prompt", "question", "input", "instruction")
 COMPLETION_FIELDS = ("completion", "answer", "output", "response", "canonical_solution")

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from diagnostics.errors import SubmergeError
+from submerge.diagnostics.errors import SubmergeError
 
 __all__ = [
     "DEMO_TASKS",

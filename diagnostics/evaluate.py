@@ -19,15 +19,15 @@ import torch
 import xarray as xr
 from torch.func import functional_call
 
-from diagnostics.capture import ParameterSource, model_outputs, no_tf32, output_head_path, upcast
-from diagnostics.data import read_task_file, tokenize
-from diagnostics.errors import ModelInputError
-from diagnostics.experiment import check_device, pick_compute_dtype
-from diagnostics.models import BaseModel, TaskVectorReader, load_base_model, open_checkpoint
-from diagnostics.modules import find_architecture
-from diagnostics.progress import progress_bar
-from diagnostics.scale_out import check_workers
-from diagnostics.store import Store, UnitWriter
+from submerge.diagnostics.capture import ParameterSource, model_outputs, no_tf32, output_head_path, upcast
+from submerge.diagnostics.data import read_task_file, tokenize
+from submerge.diagnostics.errors import ModelInputError
+from submerge.diagnostics.experiment import check_device, pick_compute_dtype
+from submerge.diagnostics.models import BaseModel, TaskVectorReader, load_base_model, open_checkpoint
+from submerge.diagnostics.modules import find_architecture
+from submerge.diagnostics.progress import progress_bar
+from submerge.diagnostics.scale_out import check_workers
+from submerge.diagnostics.store import Store, UnitWriter
 
 
 def _summed_token_loss(logits: torch.Tensor, batch, device) -> tuple[float, int]:
@@ -119,7 +119,7 @@ class EvalWorker:
                              allow_pickle=self.allow_pickle) for spec in group]
 
     def stats(self) -> dict:
-        from diagnostics.scale_out import process_stats
+        from submerge.diagnostics.scale_out import process_stats
 
         return process_stats()
 
@@ -132,7 +132,7 @@ def _losses(base, arch, specs: list[str | None], tasks, batches, compute, load: 
             yield model_losses(base, arch, spec, tasks, batches, compute, allow_pickle=load["allow_pickle"],
                                describe=lambda task, spec=spec: describe(f"{spec or 'base'} on {task}"))
         return
-    from diagnostics.scale_out import ordered_results
+    from submerge.diagnostics.scale_out import ordered_results
 
     describe(f"{scale_out['workers']} Ray worker(s)")
     options = dict(scale_out.get("ray_options") or {})

@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from diagnostics.capture import ParameterSource
-from diagnostics.data import TaskData, TokenBatch, read_task_file, tokenize
-from diagnostics.errors import DataInputError, ModelInputError
-from diagnostics.models import (
+from submerge.diagnostics.capture import ParameterSource
+from submerge.diagnostics.data import TaskData, TokenBatch, read_task_file, tokenize
+from submerge.diagnostics.errors import DataInputError, ModelInputError
+from submerge.diagnostics.models import (
     BaseModel,
     TaskVectorReader,
     execution_device,
@@ -23,8 +23,8 @@ from diagnostics.models import (
     open_finetunes,
     pick_device,
 )
-from diagnostics.modules import Architecture, find_architecture
-from diagnostics.store import run_attrs
+from submerge.diagnostics.modules import Architecture, find_architecture
+from submerge.diagnostics.store import run_attrs
 
 COMPUTE_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 

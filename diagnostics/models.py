@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from diagnostics.errors import CheckpointMismatch, ModelInputError, NonFiniteWeights
+from submerge.diagnostics.errors import CheckpointMismatch, ModelInputError, NonFiniteWeights
 
 ALIASES: dict[str, str] = {
     "llama-2-7b": "meta-llama/Llama-2-7b-hf",
@@ -590,7 +590,7 @@ def load_base_model(
     """
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
-    from diagnostics.tensors import meta_model
+    from submerge.diagnostics.tensors import meta_model
 
     path = local_path(spec, revision=revision, allow_pickle=allow_pickle, role="base model")
     target = pick_device(device)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from diagnostics.errors import ArchitectureError
+from submerge.diagnostics.errors import ArchitectureError
 
 LEVELS = ("model", "layer", "attn", "mlp", "head", "linear")
 DEFAULT_LEVELS = ("model", "layer", "attn", "mlp")

@@ -16,7 +16,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from diagnostics.errors import SubmergeError
+from submerge.diagnostics.errors import SubmergeError
 
 #: The file every merge directory holds (the plan or options used, provenance): it marks an earlier merge.
 MERGE_MARKER = "submerge_merge.yaml"

@@ -1,6 +1,6 @@
 """`diag report`: seaborn figures and summary tables from a store.
 
-    >>> from diagnostics.plot import report, summary_tables, print_tables
+    >>> from submerge.diagnostics.plot import report, summary_tables, print_tables
     >>> paths = report("runs/llama2.zarr", "runs/llama2-report")    # PNG files, one per figure
     >>> tables = summary_tables("runs/llama2.zarr")                  # pandas DataFrames
     >>> print_tables(tables)                                         # rich tables on the terminal
@@ -50,8 +50,8 @@ def check_store(store_path: str | Path) -> list[str]:
     A damaged store (a truncated ``zarr.json``, a missing or undecodable chunk) raises `StoreError`
     naming the file, so a report never shows it as "—".
     """
-    from diagnostics.errors import StoreError
-    from diagnostics.store import Store
+    from submerge.diagnostics.errors import StoreError
+    from submerge.diagnostics.store import Store
 
     store = Store(store_path)
     if not store.exists():
@@ -66,7 +66,7 @@ def check_store(store_path: str | Path) -> list[str]:
 
 
 def _open_tree(store_path: str | Path) -> xr.DataTree:
-    from diagnostics.store import Store
+    from submerge.diagnostics.store import Store
 
     return Store(store_path).open()
 

@@ -4,8 +4,8 @@ Ray is an optional extra (``pip install "submerge[ray]"``), imported only when a
 ``ray=``: ``"auto"`` starts a local Ray instance (or uses the one this process already started with
 ``ray.init``), an address joins a cluster (``ray start --head`` on one node, ``ray start --address=...``
 on the others). Workers reopen the checkpoints from their paths (a file system the nodes share, or the
-same hub cache on each node). The drivers: `diagnostics.interference.scale_out` (matrices as tasks) and
-`diagnostics.linearity.scale_out` (a pipeline over blocks).
+same hub cache on each node). The drivers: `submerge.diagnostics.interference.scale_out` (matrices as tasks) and
+`submerge.diagnostics.linearity.scale_out` (a pipeline over blocks).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def connect(address: str, workers: int, gpus_per_worker: float = 0) -> bool:
 
 def checkpoint_spec(reader) -> dict:
     """What a worker needs to reopen a `CheckpointReader`: its resolved path and how it was opened."""
-    from diagnostics.models import LoraReader, StateDictReader
+    from submerge.diagnostics.models import LoraReader, StateDictReader
 
     if not hasattr(reader, "path"):
         raise TypeError(f"ray needs checkpoints it can reopen from a path; {type(reader).__name__} has none")
@@ -64,7 +64,7 @@ def checkpoint_spec(reader) -> dict:
 
 def reopen_checkpoint(spec: dict, base=None):
     """The `CheckpointReader` of a :func:`checkpoint_spec` (a LoRA adapter is read against ``base``)."""
-    from diagnostics.models import open_checkpoint
+    from submerge.diagnostics.models import open_checkpoint
 
     return open_checkpoint(spec["path"], base=base if spec["lora"] else None, allow_pickle=spec["allow_pickle"])
 
@@ -76,7 +76,7 @@ def task_vector_specs(task_readers: dict) -> dict:
 
 def reopen_task_vectors(base, specs: dict) -> dict:
     """The `TaskVectorReader`s of `task_vector_specs` against the base `CheckpointReader` ``base``."""
-    from diagnostics.models import TaskVectorReader
+    from submerge.diagnostics.models import TaskVectorReader
 
     return {task: TaskVectorReader(task, base, reopen_checkpoint(spec, base), vocab)
             for task, (spec, vocab) in specs.items()}

@@ -1,8 +1,8 @@
 """Thin SVDs and the truncate-and-concatenate step shared by the interference metrics and the merges.
 
-One home for three things that TSV-M's STI (``diagnostics.interference``), TSV-M's
-merge (``merge.strategies.tsv_bases``) and SFTM's linear system
-(``merge.strategies.sftm_system``) all do:
+One home for three things that TSV-M's STI (``submerge.diagnostics.interference``), TSV-M's
+merge (``submerge.merge.strategies.tsv_bases``) and SFTM's linear system
+(``submerge.merge.strategies.sftm_system``) all do:
 
 - a full thin SVD ``x = U diag(S) Vh`` in a chosen dtype (:func:`thin_svd`);
 - the numerical rank of a spectrum, numpy's ``matrix_rank`` tolerance

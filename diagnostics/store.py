@@ -54,7 +54,7 @@ import xarray as xr
 import zarr
 from zarr.storage import LocalStore, MemoryStore
 
-from diagnostics.errors import StoreError
+from submerge.diagnostics.errors import StoreError
 
 _LIBRARIES = ("submerge", "torch", "transformers", "safetensors", "peft", "numpy", "scipy", "xarray", "zarr")
 LOCK_NAME = ".submerge.lock"

@@ -1,6 +1,6 @@
 """One table that says what each checkpoint tensor is (after mergekit's ``WeightInfo``).
 
-`TensorTable` is built once from the model's structure (`diagnostics.modules`
+`TensorTable` is built once from the model's structure (`submerge.diagnostics.modules`
 finds blocks, attention and MLP) and maps every checkpoint tensor name to a
 `TensorInfo`: its block, the replay unit that contains it (``level``), how the
 merge treats it (``kind``), how heads slice it, whether it is stored (in, out)
@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from diagnostics.errors import ModelInputError
-from diagnostics.modules import GRANULARITIES, Architecture, find_architecture, is_linear
+from submerge.diagnostics.errors import ModelInputError
+from submerge.diagnostics.modules import GRANULARITIES, Architecture, find_architecture, is_linear
 
 KINDS = ("matrix", "embedding", "bias", "norm")
 LEVELS = ("attn", "mlp", "norm", "embed", "final")
@@ -138,17 +138,17 @@ class TensorTable:
     def from_checkpoint(cls, spec: str, *, allow_pickle: bool = False, trust_remote_code: bool = False,
                         revision: str | None = None) -> "TensorTable":
         """The table of the model a checkpoint holds, built on the meta device from its config (no weights read)."""
-        from diagnostics.models import open_checkpoint
+        from submerge.diagnostics.models import open_checkpoint
 
         reader = open_checkpoint(spec, revision=revision, allow_pickle=allow_pickle)
         return cls.from_reader(reader, trust_remote_code=trust_remote_code)
 
     @classmethod
     def from_reader(cls, reader, *, trust_remote_code: bool = False) -> "TensorTable":
-        """The table of an opened checkpoint (`diagnostics.models.CheckpointReader`), from its config."""
+        """The table of an opened checkpoint (`submerge.diagnostics.models.CheckpointReader`), from its config."""
         from pathlib import Path
 
-        from diagnostics.models import checkpoint_name_map
+        from submerge.diagnostics.models import checkpoint_name_map
 
         model = meta_model(Path(reader.path), trust_remote_code=trust_remote_code)
         return cls.from_model(model, checkpoint_name_map(model, reader))

@@ -3,20 +3,20 @@
 Methods (labels along dimension ``method`` of the store group ``compare``):
 
 - ``base`` and ``finetuned:<task>``: the references, evaluated like the merges;
-- every registered strategy (`merge.strategies.STRATEGIES`) at its paper's default options
+- every registered strategy (`submerge.merge.strategies.STRATEGIES`) at its paper's default options
   (RegMean with the input Gram matrices of the fit records, recorded on the base);
 - ``task-arithmetic-tuned``: θ0 + λ Σ_t τ_t with λ from `lambdas` chosen by the mean loss over
   tasks on the fit records (one Σ τ checkpoint is written; each λ is loaded as θ0 + λ(Σ − θ0));
 - ``closed-form-layer`` and ``closed-form-attn-mlp``: α per block, or per attention and MLP,
   solved on the fit records (seed 002's comparison);
-- ``plan``: by default the evidence plan (`merge.plan.choose_by_evidence`: granularity per block by
+- ``plan``: by default the evidence plan (`submerge.merge.plan.choose_by_evidence`: granularity per block by
   cross-validated Eq. 10 objective, interference-steered matrices when the store has an
   ``interference`` group); ``choose="thresholds"`` takes `diag plan`'s threshold choice from the
   store (needs its ``linearity`` and ``alpha`` groups); a `Plan` or plan file may be given instead.
 
 Records: the first `fit` records of each task fit α, λ, RegMean's Grams and the evidence choice; the
 `samples` records after the first `skip` (≥ `fit`) are held out, and every loss in the group is on
-them (`diagnostics.evaluate.streamed_losses`: mean next-token cross-entropy over real tokens, nats).
+them (`submerge.diagnostics.evaluate.streamed_losses`: mean next-token cross-entropy over real tokens, nats).
 
 Normalised gain of a model on task t: (L_base,t − L_model,t) / (L_base,t − L_finetune_t,t) — 0 is
 the base, 1 the task's own fine-tune; the leaderboard sorts by its mean over tasks.
@@ -42,10 +42,10 @@ import numpy as np
 import pandas as pd
 import xarray as xr
 
-from diagnostics.errors import SubmergeError
-from diagnostics.outputs import MERGE_MARKER, OutputError, check_output_directory, check_output_file, is_merge_output
-from diagnostics.store import Store, UnitWriter
-from merge.plan import is_plan_file
+from submerge.diagnostics.errors import SubmergeError
+from submerge.diagnostics.outputs import MERGE_MARKER, OutputError, check_output_directory, check_output_file, is_merge_output
+from submerge.diagnostics.store import Store, UnitWriter
+from submerge.merge.plan import is_plan_file
 
 DEFAULT_LAMBDAS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 TUNED = "task-arithmetic-tuned"
@@ -78,7 +78,7 @@ DATA_STEPS = ("regmean",)
 
 def default_methods() -> list[str]:
     """Every registered strategy, the tuned task arithmetic, closed form at layer and attn-mlp, the plan."""
-    from merge.strategies import STRATEGIES
+    from submerge.merge.strategies import STRATEGIES
 
     strategies = [name for name, method in STRATEGIES.items() if not method.needs_data or name in DATA_STEPS]
     return [*strategies, TUNED, *CLOSED_FORM, PLAN]
@@ -123,8 +123,8 @@ class Merge:
 
 
 def _strategy(name: str) -> Merge:
-    from merge.strategies import STRATEGIES
-    from merge.writer import ParameterRule
+    from submerge.merge.strategies import STRATEGIES
+    from submerge.merge.writer import ParameterRule
 
     rule = ParameterRule(method=name, options={})
     options = STRATEGIES[name].resolve_options({})
@@ -134,8 +134,8 @@ def _strategy(name: str) -> Merge:
 
 def _regmean(experiment) -> Merge:
     """RegMean on every linear map inside the blocks (Grams of the fit records on the base); TA elsewhere."""
-    from diagnostics.capture import GramsByLayer
-    from merge.rules import regmean_rule
+    from submerge.diagnostics.capture import GramsByLayer
+    from submerge.merge.rules import regmean_rule
 
     grams = GramsByLayer(experiment.base.model, experiment.arch, experiment.batches,
                          checkpoint_names=experiment.base.checkpoint_names, device=experiment.device)
@@ -164,8 +164,8 @@ def prepare(experiment, finetuned: dict[str, str], methods: list[str], *, plan=N
     Runs before any merged weights are loaded: capture needs the base model's own weights.
     Returns (merges, the plan used or None).
     """
-    from merge.plan import Plan, PlanError, choose_by_evidence, make_plan
-    from merge.strategies import STRATEGIES
+    from submerge.merge.plan import Plan, PlanError, choose_by_evidence, make_plan
+    from submerge.merge.strategies import STRATEGIES
 
     merges = {name: _strategy(name) for name in methods if name in STRATEGIES and name != "regmean"}
     if "regmean" in methods:
@@ -215,7 +215,7 @@ class _Evaluator:
         self.load(None)
 
     def losses(self, batches: dict | None = None) -> np.ndarray:
-        from diagnostics.evaluate import streamed_losses
+        from submerge.diagnostics.evaluate import streamed_losses
 
         batches = batches or self.held_out
         results = streamed_losses(self.source, self.arch, {t: batches[t] for t in self.tasks}, self.variant)
@@ -223,21 +223,21 @@ class _Evaluator:
 
     def load(self, spec: str | None) -> None:
         """The checkpoint `spec` (None: the base) is the model the next `losses` measure."""
-        from diagnostics.evaluate import checkpoint_source
+        from submerge.diagnostics.evaluate import checkpoint_source
 
         self.source, self.variant = checkpoint_source(self.base, spec, self.compute, allow_pickle=self.allow_pickle)
 
     def load_scaled(self, reader, scale: float, *, name: str = "scaled") -> None:
         """θ0 + scale · (θ_reader − θ0) is the model the next `losses` measure."""
-        from diagnostics.evaluate import scaled_source
+        from submerge.diagnostics.evaluate import scaled_source
 
         self.source, self.variant = scaled_source(self.base, reader, scale, self.compute, name=name)
 
 
 def _tune_lambda(evaluator: _Evaluator, write: Callable, lambdas) -> tuple[float, dict[float, float]]:
     """λ of θ0 + λ Σ τ with the lowest mean loss over tasks on the fit records; all fit losses."""
-    from diagnostics.models import open_checkpoint
-    from merge.writer import ParameterRule
+    from submerge.diagnostics.models import open_checkpoint
+    from submerge.merge.writer import ParameterRule
 
     summed = ParameterRule(method="task-arithmetic", options={"scaling": 1.0})
     directory = write("task-arithmetic-sum", Merge(lambda info: summed, "", {"method": "task-arithmetic"}), False)
@@ -325,8 +325,8 @@ def compare(
     Returns the ``compare`` dataset (method × task loss and normalised gain, mean gain, seconds);
     with `store`, writes it as group ``compare`` method by method (resumable).
     """
-    from diagnostics.data import read_task_file, tokenize
-    from diagnostics.experiment import Experiment
+    from submerge.diagnostics.data import read_task_file, tokenize
+    from submerge.diagnostics.experiment import Experiment
 
     methods = check_methods(list(methods) if methods else default_methods())
     skip = fit if skip is None else skip
@@ -392,7 +392,7 @@ def _kept_by(store: Store | None, label: str) -> Callable[[Path], bool]:
 
 
 def _check_outputs(pending: list[str], keep, plan_out, store: Store | None, force: bool) -> None:
-    """Before any work: ``keep/<method>`` of every pending method and `plan_out` may be written (`diagnostics.outputs`:
+    """Before any work: ``keep/<method>`` of every pending method and `plan_out` may be written (`submerge.diagnostics.outputs`:
     nothing the user owns is deleted; an earlier output only with `force`, or a killed run's own on resume)."""
     if keep is not None:
         keep = Path(keep)
@@ -410,8 +410,8 @@ def _check_outputs(pending: list[str], keep, plan_out, store: Store | None, forc
 def _run_methods(pending, merges, evaluator, writer, references, base_spec, finetuned, *, lambdas, keep,
                  allow_pickle, vocab, progress, store=None) -> dict:
     """Write, load, evaluate and (unless kept) delete each pending method's merge; returns notes for attrs."""
-    from diagnostics.progress import progress_bar
-    from merge.writer import ParameterRule, write_merge
+    from submerge.diagnostics.progress import progress_bar
+    from submerge.merge.writer import ParameterRule, write_merge
 
     notes = {}
     scratch = Path(tempfile.mkdtemp(prefix="submerge-compare-"))

@@ -1,13 +1,13 @@
 """Merge rules: how each checkpoint tensor is merged, and every way a rule is made.
 
-A rule is a `ParameterRule`: a registered method with options (``merge.strategies.STRATEGIES``),
+A rule is a `ParameterRule`: a registered method with options (``submerge.merge.strategies.STRATEGIES``),
 or fixed per-task weights θ0 + Σ_t w_t τ_t (the closed-form merge, seed 002). A *rule function*
-maps a tensor's `diagnostics.tensors.TensorInfo` (the tensor table's entry) to its rule; the
+maps a tensor's `submerge.diagnostics.tensors.TensorInfo` (the tensor table's entry) to its rule; the
 writer calls it once per tensor. Rule functions come from
 
 - `method_rule`: one registered method (or a mergekit alias) for every tensor;
 - `regmean_rule`: RegMean on the linear maps whose input Grams were recorded, task arithmetic elsewhere;
-- `merge.plan.Plan.rule_for`: α per unit of a plan, built with `weights_rule` / `mean_rule` /
+- `submerge.merge.plan.Plan.rule_for`: α per unit of a plan, built with `weights_rule` / `mean_rule` /
   `head_rule` below.
 """
 
@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from diagnostics.errors import SubmergeError
-from diagnostics.tensors import TensorInfo
-from merge.strategies import resolve_method
+from submerge.diagnostics.errors import SubmergeError
+from submerge.diagnostics.tensors import TensorInfo
+from submerge.merge.strategies import resolve_method
 
 RuleFunction = Callable[[TensorInfo], "ParameterRule"]
 

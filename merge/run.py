@@ -1,12 +1,12 @@
 """The merge driver behind `diag merge`: a plan or a registered method → rules → the streaming writer.
 
-`run_merge` takes either a plan file (`merge.plan.Plan`) or a method name (any of
-``merge.strategies.STRATEGIES`` or a mergekit alias). Methods that need data (``inputs`` in the
+`run_merge` takes either a plan file (`submerge.merge.plan.Plan`) or a method name (any of
+``submerge.merge.strategies.STRATEGIES`` or a mergekit alias). Methods that need data (``inputs`` in the
 registry) get them here, on the base model θ0 and the task data:
 
-- ``closed-form``: α per unit solved by `diagnostics.linearity.alpha` (seed 002 Eq. 12–14, 33–34)
+- ``closed-form``: α per unit solved by `submerge.diagnostics.linearity.alpha` (seed 002 Eq. 12–14, 33–34)
   at the option ``granularity``; every tensor of a unit gets θ0 + Σ_t α_t τ_t (the plan's rules);
-- ``regmean``: the Gram matrix of each linear map's inputs per task (`diagnostics.capture.GramsByLayer`:
+- ``regmean``: the Gram matrix of each linear map's inputs per task (`submerge.diagnostics.capture.GramsByLayer`:
   computed block by block as the writer reaches each block), RegMean on those maps and task arithmetic elsewhere.
 """
 
@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
-from diagnostics.scale_out import check_workers
-from merge.rules import RuleFunction, checked_method, method_rule, regmean_rule
-from merge.strategies import STRATEGIES
-from merge.writer import MergeError, check_not_an_input, check_output, parse_size, write_merge
+from submerge.diagnostics.scale_out import check_workers
+from submerge.merge.rules import RuleFunction, checked_method, method_rule, regmean_rule
+from submerge.merge.strategies import STRATEGIES
+from submerge.merge.writer import MergeError, check_not_an_input, check_output, parse_size, write_merge
 
 
 @dataclass
@@ -74,7 +74,7 @@ def run_merge(
 
     Every setting is checked before any work (output, shard size, out dtype, outputs that would
     overwrite an input); tensors are written in `out_dtype` ("base" or None: each base tensor's dtype).
-    ``ray``, ``workers``, ``ray_options``: the tensors merged by Ray workers (`merge.scale_out`).
+    ``ray``, ``workers``, ``ray_options``: the tensors merged by Ray workers (`submerge.merge.scale_out`).
     """
     out_dir = Path(out_dir)
     if (plan is None) == (method is None):
@@ -83,7 +83,7 @@ def run_merge(
     parse_size(shard_size)
     dtype = parse_out_dtype(out_dtype)
     if plan is not None:
-        from merge.plan import Plan
+        from submerge.merge.plan import Plan
 
         the_plan = Plan.load(plan)
         base, finetuned = the_plan.base_model, the_plan.finetuned
@@ -117,7 +117,7 @@ def parse_out_dtype(value: str | torch.dtype | None) -> torch.dtype | None:
 
 def _refuse_inputs(out_dir: Path, base: str, finetuned: dict[str, str], allow_pickle: bool) -> None:
     """`check_not_an_input` on the inputs' local paths, before any data step (the writer checks again)."""
-    from diagnostics.models import local_path
+    from submerge.diagnostics.models import local_path
 
     inputs = {}
     for what, spec in {"base model": base, **{f"fine-tune '{t}'": s for t, s in (finetuned or {}).items()}}.items():
@@ -136,7 +136,7 @@ def method_setup(method: str, options: dict, base: str, finetuned: dict[str, str
     registered = STRATEGIES[name]
     if not registered.needs_data:
         return MergeSetup(method_rule(name, options), record)
-    from diagnostics.experiment import Experiment
+    from submerge.diagnostics.experiment import Experiment
 
     experiment = Experiment.load(base, finetuned, data.data, samples=data.samples, max_tokens=data.max_tokens,
                                  batch_size=data.batch_size, dtype="auto", device=device, offload=offload,
@@ -146,8 +146,8 @@ def method_setup(method: str, options: dict, base: str, finetuned: dict[str, str
 
 
 def _closed_form(experiment, base, finetuned, record, options, data_options, progress) -> MergeSetup:
-    from diagnostics.linearity import alpha
-    from merge.plan import plan_from_alpha
+    from submerge.diagnostics.linearity import alpha
+    from submerge.merge.plan import plan_from_alpha
 
     solved = alpha(experiment, granularity=data_options["granularity"], balance=data_options["balance"],
                    progress=progress)
@@ -157,7 +157,7 @@ def _closed_form(experiment, base, finetuned, record, options, data_options, pro
 
 
 def _regmean(experiment, base, finetuned, record, options, data_options, progress) -> MergeSetup:
-    from diagnostics.capture import GramsByLayer
+    from submerge.diagnostics.capture import GramsByLayer
 
     grams = GramsByLayer(experiment.base.model, experiment.arch, {t: experiment.batches[t] for t in finetuned},
                          checkpoint_names=experiment.base.checkpoint_names, device=experiment.device)

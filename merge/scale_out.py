@@ -1,9 +1,9 @@
 """`diag merge` on Ray: groups of tensors merged by worker processes, the checkpoint written by the driver alone.
 
-The base's tensors are cut, in the writer's order (`merge.writer.writing_order`), into groups
-(`diagnostics.scale_out.group_matrices`: a tensor of 2²⁰ elements or more alone, smaller ones together); each
+The base's tensors are cut, in the writer's order (`submerge.merge.writer.writing_order`), into groups
+(`submerge.diagnostics.scale_out.group_matrices`: a tensor of 2²⁰ elements or more alone, smaller ones together); each
 of ``workers`` Ray actors reopens the base and the fine-tunes from their paths and merges the groups it is given
-with the same `merge.writer.merge_named` as one process (the rule function — a plan's or a method's — and
+with the same `submerge.merge.writer.merge_named` as one process (the rule function — a plan's or a method's — and
 RegMean's Gram matrices, all computed here, are sent to each worker once). Merged tensors come back in that
 order and the driver streams them into its `ShardWriter`, so the output is byte for byte the one-process output
 (same torch build and threads). A worker that dies is restarted and its group redone. Memory per worker: one
@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from diagnostics import scale_out as common
+from submerge.diagnostics import scale_out as common
 
 __all__ = ["MergeWorker", "ray_merged"]
 
@@ -28,7 +28,7 @@ class MergeWorker:
 
     def __init__(self, base_spec: dict, task_specs: dict, rule_for: Callable, gram_matrices: Callable | None,
                  options: dict, threads: int | None):
-        from diagnostics.tensors import TensorTable
+        from submerge.diagnostics.tensors import TensorTable
 
         if threads:
             torch.set_num_threads(threads)
@@ -38,7 +38,7 @@ class MergeWorker:
         self.rule_for, self.gram_matrices, self.options = rule_for, gram_matrices, options
 
     def merge(self, names: list[str]) -> list[tuple]:
-        from merge.writer import merge_named
+        from submerge.merge.writer import merge_named
 
         return [(name, *merge_named(name, self.base, self.task_vectors, self.table, self.rule_for,
                                     gram_matrices=self.gram_matrices, **self.options)) for name in names]

@@ -43,7 +43,7 @@ from typing import NamedTuple
 
 import torch
 
-from diagnostics.spectral import concat_top, numerical_rank, thin_svd
+from submerge.diagnostics.spectral import concat_top, numerical_rank, thin_svd
 
 __all__ = [
     "ALIASES",
@@ -829,7 +829,7 @@ class MergeMethod:
     Its options and their defaults are read from ``function``'s signature (keyword parameters
     with a default), so the paper defaults live in one place, the function. Parameters without
     a default besides ``task_vectors`` are ``inputs`` that come from data, not from the user
-    (RegMean's ``gram_matrices``, the closed-form merge's ``weights``); ``merge.run`` computes
+    (RegMean's ``gram_matrices``, the closed-form merge's ``weights``); ``submerge.merge.run`` computes
     them before merging, with ``data_options`` (the data step's own options, e.g. the
     closed-form α's granularity) among the method's options.
     """
@@ -929,7 +929,7 @@ _REGISTERED = (
     ("regmean", regmean, True,
      "closed-form least squares on recorded input Gram matrices (Jin et al. 2023, RegMean; needs data)"),
 )
-#: Options of the closed-form merge's data step (`diagnostics.linearity.alpha`): the unit α is fitted and
+#: Options of the closed-form merge's data step (`submerge.diagnostics.linearity.alpha`): the unit α is fitted and
 #: applied at, and whether the objective is balanced (seed 002 Eq. 33–34) or plain (Eq. 10–14).
 CLOSED_FORM_OPTIONS = {"granularity": "attn-mlp", "balance": True}
 
@@ -1001,7 +1001,7 @@ def merge_parameter(
     """Merge the task vectors of the parameter ``name`` with ``method``; returns τ_M.
 
     ``kind`` ("matrix", "embedding", "bias" or "norm") decides the route; it comes from the
-    tensor table (``diagnostics.tensors.TensorInfo.kind``), the one place that classifies
+    tensor table (``submerge.diagnostics.tensors.TensorInfo.kind``), the one place that classifies
     tensors. Without it the decision is by shape only: "matrix" for 2 or more dimensions,
     else "bias" (so a norm or an embedding is only recognised when ``kind`` says so). A
     matrix-only method given an embedding, bias or norm uses ``fallback[kind]`` instead: a
@@ -1034,7 +1034,7 @@ def merge_parameter(
 
 
 #: Methods whose merged row i depends on row i of the task vectors alone (no statistic over the whole tensor,
-#: no random stream): a large tensor can be read, merged and written in row blocks (`merge.writer`).
+#: no random stream): a large tensor can be read, merged and written in row blocks (`submerge.merge.writer`).
 ROW_LOCAL_METHODS = frozenset({"task-arithmetic", "weight-average", "closed-form"})
 
 
@@ -1069,5 +1069,5 @@ def _inputs(name: str, merge_method: MergeMethod, gram_matrices) -> dict[str, ob
         raise ValueError(f"{name}: gram_matrices are only used by regmean, not {merge_method.name!r}")
     if merge_method.inputs:
         raise ValueError(f"{name}: merge method {merge_method.name!r} needs {', '.join(merge_method.inputs)} "
-                         "from data (run it through merge.run / diag merge with --data)")
+                         "from data (run it through submerge.merge.run / diag merge with --data)")
     return {}

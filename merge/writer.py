@@ -25,14 +25,14 @@ from pathlib import Path
 import torch
 import yaml
 
-from diagnostics.models import all_finite, local_path, open_checkpoint, open_finetunes
-from diagnostics.outputs import MERGE_MARKER, check_output_directory
-from diagnostics.progress import progress_bar
-from diagnostics.scale_out import check_workers
-from diagnostics.store import provenance
-from diagnostics.tensors import TensorInfo, TensorTable
-from merge.rules import MergeError, ParameterRule, method_rule, regmean_rule
-from merge.strategies import CHUNK_THRESHOLD, compute_dtype, is_row_local, merge_parameter, weighted_task_arithmetic
+from submerge.diagnostics.models import all_finite, local_path, open_checkpoint, open_finetunes
+from submerge.diagnostics.outputs import MERGE_MARKER, check_output_directory
+from submerge.diagnostics.progress import progress_bar
+from submerge.diagnostics.scale_out import check_workers
+from submerge.diagnostics.store import provenance
+from submerge.diagnostics.tensors import TensorInfo, TensorTable
+from submerge.merge.rules import MergeError, ParameterRule, method_rule, regmean_rule
+from submerge.merge.strategies import CHUNK_THRESHOLD, compute_dtype, is_row_local, merge_parameter, weighted_task_arithmetic
 
 __all__ = ["MergeError", "ParameterRule", "ShardWriter", "check_not_an_input", "check_output", "merge_tensor",
            "method_rule", "parse_size", "regmean_rule", "write_merge"]
@@ -307,7 +307,7 @@ def write_merge(
     Returns the output directory, loadable with `AutoModelForCausalLM.from_pretrained`.
 
     ``ray`` (``"auto"`` or an address) merges groups of tensors in ``workers`` Ray processes
-    (`merge.scale_out`, ``ray_options`` its options); this process alone writes the shards, in order.
+    (`submerge.merge.scale_out`, ``ray_options`` its options); this process alone writes the shards, in order.
     """
     out_dir = Path(out_dir)
     check_workers(ray, workers)
@@ -381,9 +381,9 @@ def writing_order(names: list[str]) -> list[str]:
 def _merged_tensors(names: list[str], base_reader, task_vectors, rule_for, *, dtype, device, gram_matrices,
                     scale_out: dict | None) -> Iterator[tuple[str, torch.Tensor, str | None]]:
     """(name, merged tensor, rule description) of every tensor of `names`, in order: merged here, or by Ray
-    workers (``scale_out``: ``ray``, ``workers`` and the `merge.scale_out.ray_merged` options)."""
+    workers (``scale_out``: ``ray``, ``workers`` and the `submerge.merge.scale_out.ray_merged` options)."""
     if scale_out is not None:
-        from merge.scale_out import ray_merged
+        from submerge.merge.scale_out import ray_merged
 
         yield from ray_merged(names, base_reader, task_vectors, rule_for, dtype=dtype, device=device,
                               gram_matrices=gram_matrices, **scale_out)
@@ -404,7 +404,7 @@ def _row_local(rule: ParameterRule, info: TensorInfo) -> bool:
 def merge_row_blocks(name: str, base_reader, task_vectors, table: TensorTable, rule_for, *, dtype,
                      device) -> tuple[Iterator[torch.Tensor], str] | None:
     """(θ0 + τ_M in blocks of rows, rule description) of a tensor above STREAM_THRESHOLD entries whose rule merges
-    row by row (`merge.strategies.is_row_local`), each block read from the checkpoints alone (about
+    row by row (`submerge.merge.strategies.is_row_local`), each block read from the checkpoints alone (about
     STREAM_ELEMENTS entries per input): the peak is a few blocks, not T + 3 copies of the tensor. None for
     any other tensor (merged whole by `merge_named`). The blocks are bitwise the rows of the whole merge."""
     shape = tuple(base_reader.shape(name))

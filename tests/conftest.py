@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from diagnostics import toy
+from submerge.diagnostics import toy
 
 torch.set_num_threads(1)  # tiny tensors: threads only add overhead (and the suite runs on 2 shared cores)
 
@@ -34,7 +34,7 @@ class ToyKit:
 
     def load(self):
         """A freshly loaded base model and the fine-tune's task-vector reader (float32, CPU)."""
-        from diagnostics.models import load_base_model, open_finetunes
+        from submerge.diagnostics.models import load_base_model, open_finetunes
 
         base = load_base_model(str(self.base_dir), dtype="float32", device="cpu")
         task_vectors, _ = open_finetunes(base.reader, {TASK: str(self.finetuned_dir)})
@@ -51,7 +51,7 @@ class ToyKit:
 
     def experiment(self, data_path: Path | None = None, **options):
         """`Experiment.load` on this kit (its own task data unless `data_path`), small settings."""
-        from diagnostics.experiment import Experiment
+        from submerge.diagnostics.experiment import Experiment
 
         settings = {"samples": SAMPLES, "max_tokens": 48, "batch_size": 2, "dtype": "float32", "device": "cpu"}
         settings.update(options)
@@ -94,7 +94,7 @@ def llama_kit(toy_kit) -> ToyKit:
 def kill_first_ray_worker(monkeypatch) -> list:
     """Ray scale-outs whose first pooled worker is SIGKILLed right after its first group is submitted.
 
-    Patches `diagnostics.scale_out._pool`; the returned list receives the killed process id.
+    Patches `submerge.diagnostics.scale_out._pool`; the returned list receives the killed process id.
     """
     import os
     import signal
@@ -102,7 +102,7 @@ def kill_first_ray_worker(monkeypatch) -> list:
     ray = pytest.importorskip("ray")
     from ray.util import ActorPool
 
-    from diagnostics import scale_out
+    from submerge.diagnostics import scale_out
 
     killed: list[int] = []
 
@@ -127,7 +127,7 @@ def _cli_consoles_follow_columns(monkeypatch):
 
     They are created at import, and a console created while COLUMNS is set keeps that width: pytest-xdist workers
     start with COLUMNS=80, which would then override the wide COLUMNS the CLI tests give each invocation."""
-    from cli import common
+    from submerge.cli import common
 
     for console in (common.out, common.console):
         monkeypatch.setattr(console, "_width", None)

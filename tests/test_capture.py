@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from diagnostics.capture import (
+from submerge.diagnostics.capture import (
     CaptureState,
     GramsByLayer,
     ParameterSource,
@@ -26,9 +26,9 @@ from diagnostics.capture import (
     sample_features,
     split_heads,
 )
-from diagnostics.data import read_task_file, tokenize
-from diagnostics.modules import find_architecture, find_submodules, get_module
-from merge.writer import writing_order
+from submerge.diagnostics.data import read_task_file, tokenize
+from submerge.diagnostics.modules import find_architecture, find_submodules, get_module
+from submerge.merge.writer import writing_order
 
 TASK = "math"  # the toy fine-tunes' task (tests/conftest.py)
 ARCHITECTURES = ["llama", "qwen2", "gemma3", "gpt2", "bert"]  # mistral: llama's structure, left out for time
@@ -309,7 +309,7 @@ def test_block_kwargs_are_what_a_real_forward_gives_each_block(engine):
 
 def test_block_kwargs_falls_back_to_a_real_forward_when_blocks_cannot_pass_through(llama_kit, monkeypatch):
     """A backbone that does not hand a block's returned tensor on as it is (older transformers: tuples)."""
-    from diagnostics import capture
+    from submerge.diagnostics import capture
 
     base, _ = llama_kit.load()
     arch = find_architecture(base.model)
@@ -332,7 +332,7 @@ LONG = "Q: what is 17 plus 25? A: 17 + 25 = 42. Then 42 plus 8 is 50, and 50 plu
 
 @pytest.mark.parametrize("name", ["llama", "bert"])
 def test_padding_does_not_change_module_features(toy_kit, name):
-    from diagnostics.data import TokenBatch
+    from submerge.diagnostics.data import TokenBatch
 
     kit = toy_kit(name)
     base, task_vectors = kit.load()
@@ -365,7 +365,7 @@ def test_padding_does_not_change_module_features(toy_kit, name):
 def test_padding_does_not_change_nonlinearity_score(toy_kit, tmp_path, name):
     import json
 
-    from diagnostics.linearity import nonlinearity
+    from submerge.diagnostics.linearity import nonlinearity
 
     data_path = tmp_path / "mixed.jsonl"
     data_path.write_text(json.dumps({"text": SHORT}) + "\n" + json.dumps({"text": LONG}) + "\n")
@@ -403,7 +403,7 @@ def test_capture_in_float32_gives_each_half_precision_weight_its_own_storage_bac
 def test_eval_streamed_block_by_block_is_the_whole_models_loss(toy_kit, name):
     """`diag eval`'s losses (θ0 + τ block by block, every task's batches through a block at once) against the
     fine-tune loaded whole and run by Hugging Face; the base's weights are read, never written."""
-    from diagnostics.evaluate import model_losses, task_loss
+    from submerge.diagnostics.evaluate import model_losses, task_loss
 
     kit = toy_kit(name)
     base, _ = kit.load()

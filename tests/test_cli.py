@@ -8,8 +8,8 @@ import yaml
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
-from cli.main import app
-from diagnostics.store import Store
+from submerge.cli.main import app
+from submerge.diagnostics.store import Store
 
 TASK = "math"
 WIDE = {"COLUMNS": "400"}  # no line wrapping of messages by rich
@@ -197,7 +197,7 @@ def test_unrecognised_architecture(runner, llama_kit, tmp_path):
     """A real model without attention + MLP blocks (Mamba): the error lists what was found."""
     import transformers
 
-    from diagnostics.toy import byte_tokenizer
+    from submerge.diagnostics.toy import byte_tokenizer
 
     config = transformers.MambaConfig(vocab_size=258, hidden_size=16, state_size=4, num_hidden_layers=2,
                                       pad_token_id=256, eos_token_id=257, bos_token_id=257)
@@ -244,7 +244,7 @@ def test_ray_options_are_shared_and_checked(runner, llama_kit, tmp_path, monkeyp
 def test_interference_matrices_option(runner, llama_kit, tmp_path):
     """--matrices: only the matrices the patterns select are measured and stored; a pattern matching nothing is
     exit 2 naming it."""
-    from diagnostics.store import Store
+    from submerge.diagnostics.store import Store
 
     out = tmp_path / "i.zarr"
     common = ["interference", "--model", llama_kit.base_dir, "--finetuned", f"{TASK}={llama_kit.finetuned_dir}",
@@ -264,8 +264,8 @@ def test_error_messages_are_one_unwrapped_line_and_not_markup(monkeypatch, capsy
     import typer
     from rich.console import Console
 
-    from cli import common
-    from diagnostics.errors import DataInputError
+    from submerge.cli import common
+    from submerge.diagnostics.errors import DataInputError
 
     monkeypatch.setattr(common, "console", Console(stderr=True, width=40, soft_wrap=common.console.soft_wrap))
     long_path = "/tmp/" + "a" * 60 + "/bad.jsonl:2"

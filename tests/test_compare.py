@@ -18,10 +18,10 @@ import pytest
 import torch
 import xarray as xr
 
-from diagnostics.linearity import task_gram
-from diagnostics.tensors import TensorInfo
-from merge.compare import normalised_gain
-from merge.plan import PER_LAYER, Plan, PlanError, fold_alphas, interference_marks, one_se_choice, steer
+from submerge.diagnostics.linearity import task_gram
+from submerge.diagnostics.tensors import TensorInfo
+from submerge.merge.compare import normalised_gain
+from submerge.merge.plan import PER_LAYER, Plan, PlanError, fold_alphas, interference_marks, one_se_choice, steer
 
 # ----------------------------------------------------------------------- normalised gain
 
@@ -268,7 +268,7 @@ HAND_FIT = 8
 def hand_kit(tmp_path_factory):
     from safetensors.torch import load_file, save_file
 
-    from diagnostics import toy
+    from submerge.diagnostics import toy
 
     root = tmp_path_factory.mktemp("evidence")
     with warnings.catch_warnings():
@@ -305,7 +305,7 @@ def hand_kit(tmp_path_factory):
 
 
 def _hand_experiment(hand_kit, skip: int):
-    from diagnostics.experiment import Experiment
+    from submerge.diagnostics.experiment import Experiment
 
     base, finetuned, data = hand_kit
     return Experiment.load(base, finetuned, data, samples=HAND_FIT, skip=skip, max_tokens=48, batch_size=4,
@@ -313,7 +313,7 @@ def _hand_experiment(hand_kit, skip: int):
 
 
 def test_evidence_chooses_attn_mlp_only_where_attention_and_mlp_want_different_alpha(hand_kit, tmp_path):
-    from merge.plan import block_objectives, choose_by_evidence
+    from submerge.merge.plan import block_objectives, choose_by_evidence
 
     fit = _hand_experiment(hand_kit, skip=0)
     evidence = choose_by_evidence(fit, hand_kit[1], progress=False)
@@ -360,7 +360,7 @@ class Killed(Exception):
 @pytest.fixture(scope="module")
 def trained_kit(tmp_path_factory):
     """A tiny Llama 'pre-trained' on mixed text and fine-tuned on two tasks (real gradient updates)."""
-    from diagnostics import toy
+    from submerge.diagnostics import toy
 
     root = tmp_path_factory.mktemp("compare")
     with warnings.catch_warnings():
@@ -376,8 +376,8 @@ def trained_kit(tmp_path_factory):
 @pytest.fixture(scope="module")
 def compared(trained_kit):
     """One full `compare` into a store, temporary files redirected to a folder we can inspect."""
-    from diagnostics.store import Store
-    from merge.compare import compare
+    from submerge.diagnostics.store import Store
+    from submerge.merge.compare import compare
 
     root, base, finetuned, data = trained_kit
     scratch = root / "scratch"
@@ -396,7 +396,7 @@ def compared(trained_kit):
 
 
 def _experiment(trained_kit, skip: int):
-    from diagnostics.experiment import Experiment
+    from submerge.diagnostics.experiment import Experiment
 
     _, base, finetuned, data = trained_kit
     return Experiment.load(base, finetuned, data, samples=FIT, skip=skip, max_tokens=48, batch_size=4,
@@ -406,7 +406,7 @@ def _experiment(trained_kit, skip: int):
 @torch.no_grad()
 def _losses_of(experiment, state: dict[str, torch.Tensor]) -> np.ndarray:
     """Mean loss per task of the model with parameters `state` (parameter name → tensor)."""
-    from diagnostics.evaluate import task_loss
+    from submerge.diagnostics.evaluate import task_loss
 
     model = experiment.base.model
     for name, parameter in model.named_parameters():
@@ -429,7 +429,7 @@ def _task_sum_state(trained_kit, experiment, scale: float) -> dict[str, torch.Te
 
 
 def test_compare_group_dims_and_reference_gains(compared):
-    from diagnostics.store import Store
+    from submerge.diagnostics.store import Store
 
     dataset, store_path, _ = compared
     labels = ["base", "finetuned:math", "finetuned:code", *METHODS]
@@ -468,7 +468,7 @@ def test_compare_losses_are_on_held_out_records(compared, trained_kit):
 
 def test_tuned_lambda_is_the_argmin_of_the_fit_loss(compared, trained_kit):
     dataset, store_path, _ = compared
-    from diagnostics.store import Store
+    from submerge.diagnostics.store import Store
 
     search = Store(store_path).group_attrs("compare")["lambda_search"]
     assert set(search) == {"0.2", "0.6", "1"}
@@ -494,12 +494,12 @@ def test_compare_leaves_nothing_on_disk_without_keep(compared):
 
 def _counting(monkeypatch) -> dict[str, list]:
     """Count merged checkpoints written (by label), evidence choices and reference evaluations."""
-    import merge.plan
-    import merge.writer
-    from merge import compare as module
+    import submerge.merge.plan
+    import submerge.merge.writer
+    from submerge.merge import compare as module
 
     calls: dict[str, list] = {"written": [], "evidence": [], "loaded": []}
-    write_merge, choose, load = merge.writer.write_merge, merge.plan.choose_by_evidence, module._Evaluator.load
+    write_merge, choose, load = submerge.merge.writer.write_merge, submerge.merge.plan.choose_by_evidence, module._Evaluator.load
 
     def counted_write(base, finetuned, directory, *args, **kwargs):
         calls["written"].append(Path(directory).name)
@@ -513,15 +513,15 @@ def _counting(monkeypatch) -> dict[str, list]:
         calls["loaded"].append(spec)
         return load(self, spec)
 
-    monkeypatch.setattr(merge.writer, "write_merge", counted_write)
-    monkeypatch.setattr(merge.plan, "choose_by_evidence", counted_choose)
+    monkeypatch.setattr(submerge.merge.writer, "write_merge", counted_write)
+    monkeypatch.setattr(submerge.merge.plan, "choose_by_evidence", counted_choose)
     monkeypatch.setattr(module._Evaluator, "load", counted_load)
     return calls
 
 
 def test_killed_compare_resumes_after_the_last_finished_method(compared, trained_kit, tmp_path, monkeypatch):
-    from diagnostics.store import Store
-    from merge.compare import compare
+    from submerge.diagnostics.store import Store
+    from submerge.merge.compare import compare
 
     _, base, finetuned, data = trained_kit
     store = Store(tmp_path / "store.zarr")
@@ -568,10 +568,10 @@ def test_compare_keep_leaves_loadable_checkpoints(compared, trained_kit, tmp_pat
     import transformers
     from safetensors.torch import load_file
 
-    from diagnostics.capture import input_gram_matrices
-    from merge.compare import compare
-    from merge.rules import regmean_rule
-    from merge.writer import write_merge
+    from submerge.diagnostics.capture import input_gram_matrices
+    from submerge.merge.compare import compare
+    from submerge.merge.rules import regmean_rule
+    from submerge.merge.writer import write_merge
 
     _, base, finetuned, data = trained_kit
     kept = compare(base, finetuned, data, methods=["ties", "plan", "regmean"], keep=tmp_path / "keep", **RUN)
@@ -599,9 +599,9 @@ def test_compare_keep_and_plan_out_never_delete_what_the_user_owns(trained_kit, 
     """Issue 26: `--keep DIR` deleted what the user had in DIR/<method>/ without --force. Now a user's folder is
     refused before any work, with or without --force; an earlier kept merge is replaced only with --force; a
     killed run's own kept merge is replaced by its resume; `--plan-out` follows the same rule for files."""
-    from diagnostics.outputs import OutputError
-    from diagnostics.store import Store
-    from merge.compare import compare
+    from submerge.diagnostics.outputs import OutputError
+    from submerge.diagnostics.store import Store
+    from submerge.merge.compare import compare
 
     _, base, finetuned, data = trained_kit
     keep = tmp_path / "keep"
@@ -630,7 +630,7 @@ def test_compare_keep_and_plan_out_never_delete_what_the_user_owns(trained_kit, 
 
     store = Store(tmp_path / "store.zarr")
     resumed_keep = tmp_path / "resumed"
-    import merge.compare as compare_module
+    import submerge.merge.compare as compare_module
 
     original = compare_module._piece
 
@@ -652,7 +652,7 @@ def test_compare_keep_and_plan_out_never_delete_what_the_user_owns(trained_kit, 
 
 
 def test_compare_refuses_unknown_methods_and_overlapping_records(trained_kit, tmp_path):
-    from merge.compare import CompareError, compare
+    from submerge.merge.compare import CompareError, compare
 
     _, base, finetuned, data = trained_kit
     with pytest.raises(CompareError, match=r"unknown method\(s\) \['task-arithmetc'\].*known: .*task-arithmetic"):
@@ -674,7 +674,7 @@ def test_compare_refuses_unknown_methods_and_overlapping_records(trained_kit, tm
 def test_cli_compare_prints_the_leaderboard_and_report_draws_it(trained_kit, tmp_path):
     from typer.testing import CliRunner
 
-    from cli.main import app
+    from submerge.cli.main import app
 
     _, base, finetuned, data = trained_kit
     store, plan_out = tmp_path / "store.zarr", tmp_path / "plan.yaml"
@@ -706,8 +706,8 @@ def test_cli_compare_prints_the_leaderboard_and_report_draws_it(trained_kit, tmp
 
 
 def test_leaderboard_sorts_by_mean_gain_nan_last_and_the_figure_handles_it():
-    from diagnostics import plot
-    from merge.compare import leaderboard
+    from submerge.diagnostics import plot
+    from submerge.merge.compare import leaderboard
 
     gain = np.array([[0.0, 0.0], [1.0, math.nan], [0.2, 0.4], [math.nan, math.nan], [0.9, 0.7]])
     methods = ["base", "finetuned:a", "ties", "broken", "plan"]
@@ -727,10 +727,10 @@ def test_leaderboard_sorts_by_mean_gain_nan_last_and_the_figure_handles_it():
 
 
 def test_compare_plan_steers_the_matrices_the_store_interference_marks(trained_kit, tmp_path):
-    from diagnostics.interference import interference
-    from diagnostics.models import open_checkpoint
-    from diagnostics.store import Store
-    from merge.compare import compare
+    from submerge.diagnostics.interference import interference
+    from submerge.diagnostics.models import open_checkpoint
+    from submerge.diagnostics.store import Store
+    from submerge.merge.compare import compare
 
     _, base, finetuned, data = trained_kit
     store = Store(tmp_path / "store.zarr")
@@ -756,7 +756,7 @@ def test_compare_plan_steers_the_matrices_the_store_interference_marks(trained_k
 
 
 def test_evidence_with_heads_ties_attn_mlp_and_keeps_the_coarser(hand_kit):
-    from merge.plan import block_objectives, choose_by_evidence
+    from submerge.merge.plan import block_objectives, choose_by_evidence
 
     fit = _hand_experiment(hand_kit, skip=0)
     evidence = choose_by_evidence(fit, hand_kit[1], candidates=("layer", "attn-mlp", "head-mlp"), folds=2,
@@ -775,11 +775,11 @@ def test_evidence_with_heads_ties_attn_mlp_and_keeps_the_coarser(hand_kit):
 
 
 def test_compare_plan_by_thresholds_reads_the_store(trained_kit, tmp_path):
-    from diagnostics.linearity import alpha as solve_alpha_per_module
-    from diagnostics.linearity import nonlinearity
-    from diagnostics.store import Store
-    from merge.compare import compare
-    from merge.plan import make_plan
+    from submerge.diagnostics.linearity import alpha as solve_alpha_per_module
+    from submerge.diagnostics.linearity import nonlinearity
+    from submerge.diagnostics.store import Store
+    from submerge.merge.compare import compare
+    from submerge.merge.plan import make_plan
 
     _, base, finetuned, data = trained_kit
     store = Store(tmp_path / "store.zarr")

@@ -17,8 +17,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from safetensors.numpy import load_file
 
-from diagnostics import demo
-from diagnostics.demo import (
+from submerge.diagnostics import demo
+from submerge.diagnostics.demo import (
     DEMO_TASKS,
     HELDOUT_COUNTS,
     DemoKitUnavailable,
@@ -174,7 +174,7 @@ def _require(condition: bool, what: str) -> None:
     """Skip when the cached demo kit is absent, fail instead when SUBMERGE_REQUIRE_DEMO=1."""
     if condition:
         return
-    message = f"demo kit cache incomplete ({what}); fetch it with diagnostics.demo.ensure_demo_base/ensure_demo_data"
+    message = f"demo kit cache incomplete ({what}); fetch it with submerge.diagnostics.demo.ensure_demo_base/ensure_demo_data"
     if os.environ.get("SUBMERGE_REQUIRE_DEMO") == "1":
         pytest.fail(message)
     pytest.skip(message)

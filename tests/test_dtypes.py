@@ -20,11 +20,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from diagnostics import toy
-from diagnostics.experiment import Experiment
-from diagnostics.linearity import alpha, nonlinearity, projection
-from merge.plan import block_objectives, choose_by_evidence
-from merge.run import run_merge
+from submerge.diagnostics import toy
+from submerge.diagnostics.experiment import Experiment
+from submerge.diagnostics.linearity import alpha, nonlinearity, projection
+from submerge.merge.plan import block_objectives, choose_by_evidence
+from submerge.merge.run import run_merge
 
 ARCHITECTURES = toy.ARCHITECTURES
 HALF = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -117,7 +117,7 @@ def llama(kits):
 
 
 def test_compute_dtype_is_recorded_and_float64_computes_in_float64(llama, tmp_path):
-    from diagnostics.store import Store
+    from submerge.diagnostics.store import Store
 
     base, tuned, data = llama
     experiment = Experiment.load(base, tuned, data, samples=2, max_tokens=24, batch_size=2, dtype="float32",
@@ -133,7 +133,7 @@ def test_compute_dtype_is_recorded_and_float64_computes_in_float64(llama, tmp_pa
 
 
 def test_unknown_compute_dtype_and_missing_cuda_are_clear_errors(llama):
-    from diagnostics.errors import ModelInputError
+    from submerge.diagnostics.errors import ModelInputError
 
     base, tuned, data = llama
     with pytest.raises(ModelInputError, match="--compute-dtype must be one of float32, float64"):

@@ -4,7 +4,7 @@ Also: a second concurrent writer is refused, and a re-run on changed inputs is r
 
 Each `diag` run is a real child process, forked from one helper process that imported torch, transformers
 and the toolkit once (a fresh interpreter per run would spend most of this file's time importing). The
-write point is picked with $SUBMERGE_FAULT_AT (see `diagnostics.store._fault_point`); the number of write
+write point is picked with $SUBMERGE_FAULT_AT (see `submerge.diagnostics.store._fault_point`); the number of write
 points of each driver is counted from the reference run's $SUBMERGE_WRITE_LOG.
 
 The full matrix (every write point × kill / interrupt / no space × linearity, alpha, interference) runs with
@@ -25,8 +25,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from diagnostics import toy
-from diagnostics.store import Store
+from submerge.diagnostics import toy
+from submerge.diagnostics.store import Store
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,8 +36,8 @@ SERVER = textwrap.dedent("""
     torch.set_num_threads(1)
     import transformers, transformers.modeling_utils
     from transformers.models.llama import modeling_llama
-    import diagnostics.experiment, diagnostics.linearity, diagnostics.interference, diagnostics.store
-    from cli.main import app
+    import submerge.diagnostics.experiment, submerge.diagnostics.linearity, submerge.diagnostics.interference, submerge.diagnostics.store
+    from submerge.cli.main import app
 
     def reap(pid, reader, log):
         with os.fdopen(reader, "rb") as output, open(log, "wb") as handle:

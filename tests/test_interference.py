@@ -1,4 +1,4 @@
-"""Known-answer and property tests for diagnostics.interference (weight-space metrics)."""
+"""Known-answer and property tests for submerge.diagnostics.interference (weight-space metrics)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from diagnostics.interference import (
+from submerge.diagnostics.interference import (
     DEFAULT_RANK_FRACS,
     centered,
     cosine_similarity,
@@ -328,11 +328,11 @@ def test_sar_in_unit_interval(seed, shape, eps):
         assert sar(task_matrix, merged, 0.0, svd_dtype="float64")[0] == pytest.approx(1.0, abs=1e-9)
 
 
-# ------------------------------------------------------- diagnostics.spectral (shared with merge)
+# ------------------------------------------------------- submerge.diagnostics.spectral (shared with merge)
 
 
 def test_numerical_rank_known_spectra():
-    from diagnostics.spectral import numerical_rank
+    from submerge.diagnostics.spectral import numerical_rank
 
     spectrum = torch.tensor([2.0, 1.0, 1e-9, 0.0], dtype=F64)
     # float64 eps·σ_max·max(m, n) = 2.2e-16·2·4 ≈ 1.8e-15: 1e-9 counts; float32 eps ≈ 1.2e-7: it does not
@@ -345,7 +345,7 @@ def test_numerical_rank_known_spectra():
 
 
 def test_concat_top_blocks_and_thin_svd():
-    from diagnostics.spectral import concat_top, svd_dtype, thin_svd
+    from submerge.diagnostics.spectral import concat_top, svd_dtype, thin_svd
 
     first_matrix = outer([1, 0, 0], [0, 1]) * 3 + outer([0, 1, 0], [1, 0])  # σ = (3, 1)
     second_matrix = outer([0, 0, 1], [1, 0]) * 2  # σ = (2, 0)
@@ -400,7 +400,7 @@ def tiny_llama_tensors(seed=0, hidden=8, intermediate=12, vocab=10, layers=2):
 
 @pytest.fixture()
 def tiny_checkpoints(tmp_path):
-    from diagnostics.models import open_checkpoint
+    from submerge.diagnostics.models import open_checkpoint
 
     base_tensors = tiny_llama_tensors()
     write_checkpoint(tmp_path / "base", base_tensors)
@@ -417,7 +417,7 @@ def tiny_checkpoints(tmp_path):
 
 
 def test_interference_driver_dataset(tiny_checkpoints):
-    from diagnostics.interference import interference, summarize_interference
+    from submerge.diagnostics.interference import interference, summarize_interference
 
     base, finetuned, base_tensors, finetuned_tensors = tiny_checkpoints
     ds = interference(base, finetuned, rank_fracs=(0.25, 1.0), progress=False, device="cpu")
@@ -448,8 +448,8 @@ def test_interference_driver_lora_and_strategies(tiny_checkpoints, tmp_path):
 
     from safetensors.torch import save_file
 
-    from diagnostics.interference import interference
-    from diagnostics.models import open_checkpoint
+    from submerge.diagnostics.interference import interference
+    from submerge.diagnostics.models import open_checkpoint
 
     base, finetuned, _, _ = tiny_checkpoints
     adapter = tmp_path / "adapter"
@@ -491,8 +491,8 @@ def test_interference_driver_lora_and_strategies(tiny_checkpoints, tmp_path):
 
 
 def test_interference_store_resumes(tiny_checkpoints, tmp_path, monkeypatch):
-    import diagnostics.interference.driver as interference_module
-    from diagnostics.store import Store
+    import submerge.diagnostics.interference.driver as interference_module
+    from submerge.diagnostics.store import Store
 
     base, finetuned, _, _ = tiny_checkpoints
     fresh = interference_module.interference(base, finetuned, rank_fracs=(0.5, 1.0), progress=False, device="cpu")
@@ -531,8 +531,8 @@ def test_interference_store_resumes(tiny_checkpoints, tmp_path, monkeypatch):
 def test_matrices_by_glob_pattern(tiny_checkpoints):
     """Patterns select weight matrices in the table's order (layer 2 before layer 10), names stay as given, each
     matrix once; a pattern that matches nothing is a user error naming it."""
-    from diagnostics.errors import SelectionError, SubmergeError
-    from diagnostics.interference import interference
+    from submerge.diagnostics.errors import SelectionError, SubmergeError
+    from submerge.diagnostics.interference import interference
 
     base, finetuned, _, _ = tiny_checkpoints
     every = [str(m) for m in interference(base, finetuned, rank_fracs=(1.0,), progress=False,
@@ -549,8 +549,8 @@ def test_matrices_by_glob_pattern(tiny_checkpoints):
 
 
 def test_interference_driver_empty_selection(tiny_checkpoints, tmp_path):
-    from diagnostics.interference import interference
-    from diagnostics.store import Store
+    from submerge.diagnostics.interference import interference
+    from submerge.diagnostics.store import Store
 
     base, finetuned, _, _ = tiny_checkpoints
     store = Store(tmp_path / "empty.zarr")
@@ -561,7 +561,7 @@ def test_interference_driver_empty_selection(tiny_checkpoints, tmp_path):
 
 
 def test_group_matrices_for_ray_tasks():
-    from diagnostics.interference.scale_out import GROUP_ELEMENTS, group_matrices
+    from submerge.diagnostics.interference.scale_out import GROUP_ELEMENTS, group_matrices
 
     # 10 elements, 1 worker: groups of ≥ ⌈10 / 4⌉ = 3 elements, in order
     assert group_matrices(["a", "b", "c", "d"], [3, 1, 5, 1], 1) == [["a"], ["b", "c"], ["d"]]
@@ -577,8 +577,8 @@ def test_interference_on_ray_equals_one_process_and_survives_a_killed_worker(tin
                                                                              kill_first_ray_worker):
     """2 local Ray workers give bitwise the single-process results, in the store too, though one is killed."""
     ray = pytest.importorskip("ray")
-    from diagnostics.interference import interference
-    from diagnostics.store import Store
+    from submerge.diagnostics.interference import interference
+    from submerge.diagnostics.store import Store
 
     base, finetuned, _, _ = tiny_checkpoints
     options = {"rank_fracs": (0.25, 1.0), "progress": False, "device": "cpu", "sar_against": "ties"}

@@ -22,21 +22,21 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from diagnostics import toy
-from diagnostics.capture import ParameterSource, Recorded, record_inputs, replay
-from diagnostics.experiment import Experiment
-from diagnostics.linearity import (
+from submerge.diagnostics import toy
+from submerge.diagnostics.capture import ParameterSource, Recorded, record_inputs, replay
+from submerge.diagnostics.experiment import Experiment
+from submerge.diagnostics.linearity import (
     alpha,
     nonlinearity,
     nonlinearity_score,
     projection,
     summarize_nonlinearity,
 )
-from diagnostics.linearity.nonlinearity import trajectories
-from diagnostics.linearity.sweep import replay_variants
-from diagnostics.models import BaseModel, StateDictReader, TaskVectorReader
-from diagnostics.modules import Submodule, find_submodules, get_module
-from diagnostics.store import Store
+from submerge.diagnostics.linearity.nonlinearity import trajectories
+from submerge.diagnostics.linearity.sweep import replay_variants
+from submerge.diagnostics.models import BaseModel, StateDictReader, TaskVectorReader
+from submerge.diagnostics.modules import Submodule, find_submodules, get_module
+from submerge.diagnostics.store import Store
 
 SAMPLES = 3
 STEPS = 10
@@ -498,7 +498,7 @@ def test_linearity_and_alpha_on_ray_equal_one_process(two_tasks, tmp_path, monke
     import os
     import signal
 
-    from diagnostics.linearity import scale_out
+    from submerge.diagnostics.linearity import scale_out
 
     levels = ("model", "layer", "attn", "head", "mlp")
     options = {"levels": levels, "steps": 3, "progress": False}

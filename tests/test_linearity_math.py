@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from diagnostics.linearity import (
+from submerge.diagnostics.linearity import (
     AlphaSolution,
     alpha_system,
     balance_denominator,

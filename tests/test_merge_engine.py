@@ -2,7 +2,7 @@
 
 One tiny Llama (2 layers, hidden 32, 4 heads, 2 key/value heads) is "pre-trained" by a few
 optimizer steps on mixed text, then fine-tuned on three task texts with different numbers of
-steps (`diagnostics.toy`), so the task vectors are real gradient updates that differ in
+steps (`submerge.diagnostics.toy`), so the task vectors are real gradient updates that differ in
 direction and size. Everything is built once per module in a temporary directory (no network).
 Reference numbers come from the strategies applied directly to the checkpoints' tensors, from
 the capture/replay engine and from plain Hugging Face forwards.
@@ -24,19 +24,19 @@ import yaml
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from diagnostics import toy
-from diagnostics.capture import ParameterSource, input_gram_matrices, record_inputs, replay, sample_features
-from diagnostics.experiment import Experiment
-from diagnostics.linearity import alpha as solve_alpha_per_module
-from diagnostics.linearity import balance_denominator, merge_objective, nonlinearity, task_gram
-from diagnostics.modules import find_submodules, get_module
-from diagnostics.store import Store
-from diagnostics.tensors import TensorTable
-from merge import strategies
-from merge.plan import AUTO_ORDER, Plan, PlanError, choose_granularity, make_plan, plan_from_alpha
-from merge.rules import regmean_rule
-from merge.run import DataSettings, run_merge
-from merge.writer import MergeError, ParameterRule, merge_tensor, method_rule, write_merge, writing_order
+from submerge.diagnostics import toy
+from submerge.diagnostics.capture import ParameterSource, input_gram_matrices, record_inputs, replay, sample_features
+from submerge.diagnostics.experiment import Experiment
+from submerge.diagnostics.linearity import alpha as solve_alpha_per_module
+from submerge.diagnostics.linearity import balance_denominator, merge_objective, nonlinearity, task_gram
+from submerge.diagnostics.modules import find_submodules, get_module
+from submerge.diagnostics.store import Store
+from submerge.diagnostics.tensors import TensorTable
+from submerge.merge import strategies
+from submerge.merge.plan import AUTO_ORDER, Plan, PlanError, choose_granularity, make_plan, plan_from_alpha
+from submerge.merge.rules import regmean_rule
+from submerge.merge.run import DataSettings, run_merge
+from submerge.merge.writer import MergeError, ParameterRule, merge_tensor, method_rule, write_merge, writing_order
 
 TASKS = ("math", "code", "story")
 STEPS = {"math": 12, "code": 4, "story": 8}  # different training lengths → task vectors of different size
@@ -168,7 +168,7 @@ def test_small_shards_write_a_correct_index_and_load(kit, tmp_path):
 
 
 def test_existing_output_is_refused_without_force_and_only_an_earlier_merge_is_replaced_with_it(kit, tmp_path):
-    from diagnostics.outputs import OutputError
+    from submerge.diagnostics.outputs import OutputError
 
     out = tmp_path / "merged"
     out.mkdir()
@@ -527,7 +527,7 @@ def test_regmean_through_the_writer_equals_regmean_on_one_linear_map(kit, tmp_pa
 def test_regmean_merge_streams_grams_block_by_block(kit, tmp_path, monkeypatch):
     """`diag merge --method regmean` (run_merge's data step) holds one block's Grams at a time and computes each
     block once, in order; its checkpoint is bitwise the one from all Grams computed in one pass."""
-    import diagnostics.capture
+    import submerge.diagnostics.capture
 
     fit = kit.experiment()
     whole = {t: input_gram_matrices(fit.base.model, fit.arch, fit.batches[t]) for t in TASKS}
@@ -536,13 +536,13 @@ def test_regmean_merge_streams_grams_block_by_block(kit, tmp_path, monkeypatch):
                                                                                          linear),
                            gram_matrices=lambda name: [whole[t][name] for t in TASKS] if name in linear else None,
                            progress=False)
-    layers_computed, original = [], diagnostics.capture.input_gram_matrices
+    layers_computed, original = [], submerge.diagnostics.capture.input_gram_matrices
 
     def counted(*args, layers=None, **kwargs):
         layers_computed.append(list(layers))
         return original(*args, layers=layers, **kwargs)
 
-    monkeypatch.setattr(diagnostics.capture, "input_gram_matrices", counted)
+    monkeypatch.setattr(submerge.diagnostics.capture, "input_gram_matrices", counted)
     out = run_merge(tmp_path / "streamed", method="regmean", base=kit.base, finetuned=kit.finetuned,
                     data=DataSettings(kit.data, samples=FIT, max_tokens=SETTINGS["max_tokens"],
                                       batch_size=SETTINGS["batch_size"]), progress=False)
@@ -594,7 +594,7 @@ def test_regmean_transposes_conv1d_weights_even_when_square(tmp_path):
 def _invoke(arguments: list[str]):
     from typer.testing import CliRunner
 
-    from cli.main import app
+    from submerge.cli.main import app
 
     result = CliRunner().invoke(app, arguments)
     assert result.exit_code == 0, (result.output, result.exception)
@@ -617,7 +617,7 @@ def test_cli_merge_with_a_method_writes_a_loadable_checkpoint(kit, tmp_path):
     assert record["method"] == "task-arithmetic" and record["options"] == {"scaling": "0.5"}
     from typer.testing import CliRunner
 
-    from cli.main import app
+    from submerge.cli.main import app
 
     again = CliRunner().invoke(app, ["merge", "--method", "task-arithmetic", "-m", kit.base,
                                      *_finetuned_options(kit), "--out", str(out), "--no-progress"])
@@ -659,7 +659,7 @@ def test_cli_plan_merge_and_eval(kit, tmp_path):
     # base loss on math by hand: plain Hugging Face forward per held-out record, token-weighted mean
     import transformers
 
-    from diagnostics.data import read_task_file
+    from submerge.diagnostics.data import read_task_file
 
     model = transformers.AutoModelForCausalLM.from_pretrained(kit.base, dtype=torch.float32).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(kit.base)
@@ -676,7 +676,7 @@ def test_cli_plan_merge_and_eval(kit, tmp_path):
 
 
 def test_cli_closed_form_is_the_plan_of_the_alpha_solved_on_the_same_data(kit, tmp_path):
-    """`--method closed-form` goes through the registry and merge.run like every method: α solved on the fit
+    """`--method closed-form` goes through the registry and submerge.merge.run like every method: α solved on the fit
     records at --granularity, applied per unit; the same as a plan built from diag alpha's dataset."""
     out = tmp_path / "closed"
     data = [o for t in TASKS for o in ("-d", f"{t}={kit.data[t]}")]
@@ -741,7 +741,7 @@ def test_a_failing_merge_with_force_keeps_the_old_output(kit, tmp_path):
 def test_out_that_is_inside_or_around_an_input_is_refused_and_the_inputs_are_untouched(kit, tmp_path):
     from typer.testing import CliRunner
 
-    from cli.main import app
+    from submerge.cli.main import app
 
     base, math = Path(kit.base), Path(kit.finetuned["math"])
     before = {path: _digest(path) for path in (base, math)}
@@ -761,7 +761,7 @@ def test_cli_force_checks_everything_before_touching_the_old_output(kit, tmp_pat
     """`diag merge --force` used to delete --out first: a bad method, size or fine-tune then lost the old merge."""
     from typer.testing import CliRunner
 
-    from cli.main import app
+    from submerge.cli.main import app
 
     out = write_merge(kit.base, kit.finetuned, tmp_path / "merged", method_rule("task-arithmetic"), progress=False)
     before = _digest(out)
@@ -785,7 +785,7 @@ def test_cli_force_checks_everything_before_touching_the_old_output(kit, tmp_pat
 def test_bad_size_or_dtype_is_a_clear_error(kit, tmp_path, option, value, message):
     from typer.testing import CliRunner
 
-    from cli.main import app
+    from submerge.cli.main import app
 
     result = CliRunner().invoke(app, ["merge", "--method", "ties", "-m", kit.base, *_finetuned_options(kit),
                                       "--out", str(tmp_path / "m"), option, value, "--no-progress"])
@@ -815,7 +815,7 @@ def test_merge_on_ray_writes_the_one_process_checkpoint_though_a_worker_is_kille
                                                                                  kill_first_ray_worker):
     """A method merge (ties), a plan merge and RegMean (Grams block by block) on 2 local Ray workers: byte for
     byte the one-process files and the same rules record, though the first worker is killed after its first group."""
-    from diagnostics.capture import GramsByLayer
+    from submerge.diagnostics.capture import GramsByLayer
 
     ray = pytest.importorskip("ray")
     plan = make_plan(kit.store, granularity="attn-mlp")
@@ -855,7 +855,7 @@ def test_eval_on_ray_equals_one_process_and_resumes_a_killed_driver(kit, tmp_pat
     """Models as tasks of 2 local Ray workers: the eval store equals the one-process one bit for bit, also when
     the driver was killed after its first model and the run resumed on Ray."""
     ray = pytest.importorskip("ray")
-    from diagnostics.evaluate import evaluate
+    from submerge.diagnostics.evaluate import evaluate
 
     options = {"skip": FIT, "samples": 4, "max_tokens": 48, "batch_size": 4, "dtype": "float32", "device": "cpu",
                "progress": False}
@@ -892,7 +892,7 @@ def test_eval_on_ray_equals_one_process_and_resumes_a_killed_driver(kit, tmp_pat
 def test_row_local_merges_stream_row_blocks_and_equal_the_whole_tensor_merge(kit, tmp_path, monkeypatch, method,
                                                                                options, streamed, embedding_streamed):
     """Above the threshold a row-local rule reads, merges and writes blocks of rows: bitwise the whole merge."""
-    from merge import writer
+    from submerge.merge import writer
 
     whole = write_merge(kit.base, kit.finetuned, tmp_path / "whole", method_rule(method, options), progress=False)
     calls = []
@@ -919,7 +919,7 @@ def test_row_local_merges_stream_row_blocks_and_equal_the_whole_tensor_merge(kit
 
 
 def test_plan_weights_stream_and_a_nan_in_a_row_block_names_the_tensor_and_rows(kit, tmp_path, monkeypatch):
-    from merge import writer
+    from submerge.merge import writer
 
     plan = make_plan(kit.store, granularity="attn-mlp")
     whole = write_merge(kit.base, kit.finetuned, tmp_path / "whole", plan.rule_for, progress=False)

@@ -13,16 +13,16 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from diagnostics.data import parse_named, read_task_file, tokenize
-from diagnostics.errors import (
+from submerge.diagnostics.data import parse_named, read_task_file, tokenize
+from submerge.diagnostics.errors import (
     ArchitectureError,
     CheckpointMismatch,
     DataInputError,
     ModelInputError,
     NonFiniteWeights,
 )
-from diagnostics.experiment import Experiment
-from diagnostics.models import (
+from submerge.diagnostics.experiment import Experiment
+from submerge.diagnostics.models import (
     LoraReader,
     SafetensorsReader,
     StateDictReader,
@@ -35,7 +35,7 @@ from diagnostics.models import (
     preflight,
     release_mapped_pages,
 )
-from diagnostics.modules import find_architecture
+from submerge.diagnostics.modules import find_architecture
 
 TASK = "math"
 
@@ -152,7 +152,7 @@ def test_released_base_pages_leave_the_rss_and_read_back_the_same(llama_kit, tmp
 def test_capture_of_a_large_model_gives_each_blocks_pages_back(llama_kit, tmp_path, monkeypatch):
     """Above RELEASE_BYTES, a capture forward releases the mapped weights after every block: nothing of the
     checkpoint stays resident when it stops after a block, and the recorded inputs are the same."""
-    from diagnostics import capture
+    from submerge.diagnostics import capture
 
     directory = tmp_path / "base"
     shutil.copytree(llama_kit.base_dir, directory)
@@ -211,7 +211,7 @@ def test_task_vector_is_finetuned_minus_base(llama_kit):
 
 
 def test_finetune_of_another_shape_lists_the_differing_tensors(toy_kit, tmp_path):
-    from diagnostics import toy
+    from submerge.diagnostics import toy
 
     kit = toy_kit("llama")
     other = toy.build_model(tmp_path / "wide", "llama", layers=3, hidden=32, intermediate=48)
@@ -490,7 +490,7 @@ def test_missing_task_file_and_skip_past_the_end(tmp_path):
 
 
 def test_tokenize_pads_right_and_truncates(llama_kit, tmp_path):
-    from diagnostics.toy import byte_tokenizer
+    from submerge.diagnostics.toy import byte_tokenizer
 
     path = _write(tmp_path / "task.txt", "ab\nabcdefgh\nabcd\n")
     batches = tokenize(read_task_file("t", path), byte_tokenizer(), max_tokens=6, batch_size=2)
@@ -522,7 +522,7 @@ def test_content_hash_tells_a_fine_tune_from_its_base(llama_kit):
 
 
 def test_all_finite_is_exact_also_when_the_sum_overflows_or_infinities_cancel():
-    from diagnostics.models import all_finite
+    from submerge.diagnostics.models import all_finite
 
     big = torch.full((4,), 3e38)  # finite entries whose float32 sum overflows to inf
     assert all_finite(big) and all_finite(torch.zeros(0)) and all_finite(torch.arange(5))

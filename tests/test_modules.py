@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diagnostics.modules import (
+from submerge.diagnostics.modules import (
     FeedForward,
     find_architecture,
     find_submodules,
@@ -13,7 +13,7 @@ from diagnostics.modules import (
     input_module_path,
     module_parameter_names,
 )
-from diagnostics.tensors import TensorTable
+from submerge.diagnostics.tensors import TensorTable
 
 ALL_LEVELS = ("layer", "attn", "head", "mlp", "linear", "model")
 
@@ -42,7 +42,7 @@ EXPECTED = {
 
 @pytest.fixture(scope="module")
 def base_models(toy_kit):
-    from diagnostics.models import load_base_model
+    from submerge.diagnostics.models import load_base_model
 
     loaded = {}
 

@@ -14,12 +14,12 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from cli.main import app
-from diagnostics import capture, toy
-from diagnostics.experiment import Experiment
-from diagnostics.linearity import alpha, nonlinearity
-from diagnostics.models import execution_device, is_offloaded, load_base_model
-from diagnostics.modules import find_architecture
+from submerge.cli.main import app
+from submerge.diagnostics import capture, toy
+from submerge.diagnostics.experiment import Experiment
+from submerge.diagnostics.linearity import alpha, nonlinearity
+from submerge.diagnostics.models import execution_device, is_offloaded, load_base_model
+from submerge.diagnostics.modules import find_architecture
 
 TASKS = ("math", "code")
 LEVELS = ("model", "layer", "attn", "mlp", "head")
@@ -75,7 +75,7 @@ def test_offload_on_the_cpu_changes_nothing(deep_kit):
 
 
 def test_offload_option_is_offered_and_recorded(deep_kit, tmp_path):
-    from diagnostics.store import Store
+    from submerge.diagnostics.store import Store
 
     base, tuned, data = deep_kit
     runner = CliRunner()

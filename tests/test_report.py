@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import zarr
 
-from diagnostics import plot
-from diagnostics.store import Store
+from submerge.diagnostics import plot
+from submerge.diagnostics.store import Store
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 ALL_FIGURES = {

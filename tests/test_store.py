@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import xarray as xr
 
-from diagnostics.errors import StoreError
-from diagnostics.linearity import nonlinearity
-from diagnostics.store import Store, UnitWriter
+from submerge.diagnostics.errors import StoreError
+from submerge.diagnostics.linearity import nonlinearity
+from submerge.diagnostics.store import Store, UnitWriter
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -307,7 +307,7 @@ def test_ctrl_c_during_a_write_waits_for_the_write(tmp_path, monkeypatch):
     committed, with the usual KeyboardInterrupt and the lock released; the handler in place is restored."""
     import signal
 
-    from diagnostics import store as store_module
+    from submerge.diagnostics import store as store_module
 
     store = Store(tmp_path / "s.zarr")
     store.begin("g", {"a": 1})
@@ -331,7 +331,7 @@ def test_after_a_failed_write_only_zarrs_unretrieved_write_errors_are_dropped(ca
 
     from zarr.core.sync import _get_loop
 
-    from diagnostics import store as store_module
+    from submerge.diagnostics import store as store_module
 
     loop = _get_loop()
     before = loop.get_exception_handler()
@@ -400,7 +400,7 @@ def test_strings_read_back_as_unicode_and_widen(tmp_path):
 
 
 def test_interrupted_widening_leaves_the_old_array(tmp_path, monkeypatch):
-    from diagnostics import store as store_module
+    from submerge.diagnostics import store as store_module
 
     store = Store(tmp_path / "s.zarr")
     store.begin("g", {})

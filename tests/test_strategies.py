@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from merge.strategies import (
+from submerge.merge.strategies import (
     DEFAULT_FALLBACK,
     STRATEGIES,
     MergeMethod,
@@ -680,7 +680,7 @@ def _element_wise(name, tasks):
 def test_row_chunks_give_the_whole_tensor_result(monkeypatch, name):
     """Above CHUNK_THRESHOLD the element-wise methods run row chunk by row chunk: bitwise the same merge
     (same trim thresholds, same random stream), including equal magnitudes across chunk borders."""
-    import merge.strategies as module
+    import submerge.merge.strategies as module
 
     generator = torch.Generator().manual_seed(30)
     tasks = [torch.randint(-6, 7, (37, 11), generator=generator).float() * 0.25 for _ in range(3)]  # many ties
@@ -694,7 +694,7 @@ def test_row_chunks_give_the_whole_tensor_result(monkeypatch, name):
 
 
 def test_trim_with_equal_magnitudes_keeps_exactly_k_the_earlier_ones_first(monkeypatch):
-    import merge.strategies as module
+    import submerge.merge.strategies as module
 
     values = torch.tensor([[1.0, -2.0, 2.0], [2.0, 3.0, -2.0], [2.0, 0.5, 1.0]])
     # top 4 of 9: 3 and the first three of the five 2s in row-major order (a stable descending sort)
@@ -726,7 +726,7 @@ def test_float32_computation_is_within_1e6_of_float64(name):
 
 
 def test_compute_dtype_is_at_least_float32():
-    from merge.strategies import compute_dtype
+    from submerge.merge.strategies import compute_dtype
 
     assert compute_dtype(torch.bfloat16) == torch.float32 and compute_dtype(torch.float16) == torch.float32
     assert compute_dtype(torch.float32) == torch.float32 and compute_dtype(f64) == f64

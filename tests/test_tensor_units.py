@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 
-from diagnostics.modules import find_architecture, find_submodules, module_parameter_names
-from diagnostics.tensors import TensorTable
-from merge.plan import Plan
+from submerge.diagnostics.modules import find_architecture, find_submodules, module_parameter_names
+from submerge.diagnostics.tensors import TensorTable
+from submerge.merge.plan import Plan
 
 ARCHITECTURES = ["llama", "qwen2", "mistral", "gemma3", "gpt2", "bert"]
 

@@ -1,11 +1,11 @@
 """Every code path that exists only above a size threshold, run on both sides of it on full fine-tunes.
 
-Full fine-tunes (`diagnostics.toy.finetune`: Adam steps on every parameter) change every tensor — the
+Full fine-tunes (`submerge.diagnostics.toy.finetune`: Adam steps on every parameter) change every tensor — the
 embedding, the norms and the output head included — so a merge reaches every rule's fallback for
 embeddings and norms. The thresholds are lowered in the test (no big models are built):
 
-- `merge.writer.STREAM_THRESHOLD`: row-local rules read, merge and write a tensor in row blocks;
-- `merge.strategies.CHUNK_THRESHOLD`: element-wise methods run in row chunks over the whole tensor.
+- `submerge.merge.writer.STREAM_THRESHOLD`: row-local rules read, merge and write a tensor in row blocks;
+- `submerge.merge.strategies.CHUNK_THRESHOLD`: element-wise methods run in row chunks over the whole tensor.
 
 Chunked capture (`capture_budget`) and the release of mapped pages (`capture.RELEASE_BYTES`) are tested on
 both sides in tests/test_linearity_drivers.py and tests/test_models.py.
@@ -24,10 +24,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from diagnostics import toy
-from merge import strategies, writer
-from merge.run import DataSettings, run_merge
-from merge.strategies import STRATEGIES
+from submerge.diagnostics import toy
+from submerge.merge import strategies, writer
+from submerge.merge.run import DataSettings, run_merge
+from submerge.merge.strategies import STRATEGIES
 
 TASKS = ("math", "code")
 SETTINGS = {"samples": 4, "max_tokens": 32, "batch_size": 2}
@@ -107,7 +107,7 @@ def test_a_plan_merges_full_finetunes_the_same_on_both_sides_of_the_thresholds(f
     """`diag alpha` + `diag plan` + `diag merge plan.yaml` (the CLI) on full fine-tunes, below and above."""
     from typer.testing import CliRunner
 
-    from cli.main import app
+    from submerge.cli.main import app
 
     base, finetuned, data = full
     runner = CliRunner()
@@ -137,7 +137,7 @@ def test_a_plan_merges_full_finetunes_the_same_on_both_sides_of_the_thresholds(f
 def test_compare_at_its_default_methods_runs_on_full_finetunes_on_both_sides_of_the_thresholds(full, monkeypatch):
     """Every default method of `diag compare`, the plan included, gives a finite loss; the leaderboard above the
     thresholds is the one below them."""
-    from merge.compare import CompareError, compare, default_methods
+    from submerge.merge.compare import CompareError, compare, default_methods
 
     base, finetuned, data = full
     run = {"fit": 4, "samples": 3, "max_tokens": 32, "batch_size": 2, "dtype": "float32", "device": "cpu",

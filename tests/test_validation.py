@@ -12,9 +12,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from cli.main import app
-from diagnostics.data import read_task_file
-from diagnostics.errors import DataInputError, ModelInputError
+from submerge.cli.main import app
+from submerge.diagnostics.data import read_task_file
+from submerge.diagnostics.errors import DataInputError, ModelInputError
 
 TASK = "math"
 WIDE = {"COLUMNS": "400"}  # no line wrapping of messages by rich
@@ -81,7 +81,7 @@ def test_cuda_without_cuda_is_refused(llama_kit, tmp_path):
 
 
 def test_demo_defaults_are_the_readme_size():
-    from cli.options import RunOptions
+    from submerge.cli.options import RunOptions
 
     assert (RunOptions().samples, RunOptions().max_tokens) == (16, 256)  # no --model: the demo kit
     assert (RunOptions(model="x").samples, RunOptions(model="x").max_tokens) == (30, 512)
@@ -92,8 +92,8 @@ def test_demo_defaults_are_the_readme_size():
 def test_batch_size_below_one_is_refused_by_the_python_api_too(llama_kit):
     """The CLI checks --batch-size while parsing; the library must not turn batch_size=-2 into zero batches
     (all-NaN results in a group marked complete)."""
-    from diagnostics.data import tokenize
-    from diagnostics.models import load_base_model
+    from submerge.diagnostics.data import tokenize
+    from submerge.diagnostics.models import load_base_model
 
     tokenizer = load_base_model(str(llama_kit.base_dir), dtype="float32", device="cpu").tokenizer
     records = read_task_file(TASK, llama_kit.data_path, samples=2)
@@ -144,7 +144,7 @@ def test_csv_data_runs_through_the_cli(llama_kit, tmp_path):
     data.write_text("text\n" + "".join(f"record number {i} with some words\n" for i in range(3)))
     result = _invoke(_linearity(llama_kit, tmp_path / "o.zarr", data=data))
     assert result.exit_code == 0, result.output
-    from diagnostics.store import Store
+    from submerge.diagnostics.store import Store
 
     assert Store(tmp_path / "o.zarr").dataset("linearity").sizes["sample"] == 2
 
@@ -181,7 +181,7 @@ def test_stdin_and_folders_are_not_data_files(llama_kit, tmp_path):
 def test_tokenizer_larger_than_the_embedding_is_refused(tmp_path):
     import transformers
 
-    from diagnostics import toy
+    from submerge.diagnostics import toy
 
     config = toy.tiny_config("llama", layers=1, hidden=16, vocab=200)
     config.pad_token_id, config.eos_token_id, config.bos_token_id = None, 199, 199
@@ -214,7 +214,7 @@ def test_missing_local_path_names_the_model(llama_kit, role, spec, monkeypatch):
 def test_hub_ids_still_go_to_the_hub(llama_kit, monkeypatch):
     import huggingface_hub
 
-    from diagnostics.models import local_path, looks_like_path
+    from submerge.diagnostics.models import local_path, looks_like_path
 
     for hub_id in ("gpt2", "meta-llama/Llama-2-7b-hf", "Qwen/Qwen2.5-7B", "org/model.v1"):
         assert not looks_like_path(hub_id), hub_id
@@ -309,7 +309,7 @@ def test_report_on_a_store_with_a_stale_lock_says_nothing_about_the_lock(small_s
 
 
 def test_string_coordinates_read_back_as_str(small_store):
-    from diagnostics.store import Store
+    from submerge.diagnostics.store import Store
 
     dataset = Store(small_store).dataset("linearity")
     assert list(dataset.level.values.astype(str)) == ["layer", "layer", "layer"]
@@ -322,7 +322,7 @@ def test_string_coordinates_read_back_as_str(small_store):
 def test_plan_paths_work_from_the_plan_folder(llama_kit, tmp_path, monkeypatch):
     import yaml
 
-    from merge.plan import Plan
+    from submerge.merge.plan import Plan
 
     kit_root = llama_kit.base_dir.parent
     monkeypatch.chdir(kit_root)  # the user names models relative to where they run diag
@@ -371,7 +371,7 @@ def test_notebooks_run_on_a_linearity_only_store(small_store, name, monkeypatch)
     nbclient = pytest.importorskip("nbclient")
     import nbformat
 
-    from diagnostics.store import Store
+    from submerge.diagnostics.store import Store
 
     assert Store(small_store).groups() == ["linearity"]  # what `diag linearity --out runs/demo.zarr` writes
     notebooks = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "notebooks")
@@ -386,6 +386,6 @@ def test_notebooks_run_on_a_linearity_only_store(small_store, name, monkeypatch)
     if name.startswith("03"):
         assert "missing group 'alpha' (required for a plan and a merge" in text
         assert f"add it with: diag alpha --granularity attn-mlp --out {small_store}" in text
-        assert "→ granularity: None" in text and "merge.plan cannot plan on this store yet" in text
+        assert "→ granularity: None" in text and "submerge.merge.plan cannot plan on this store yet" in text
     else:
         assert "no group 'projection' in this store" in text

@@ -1,10 +1,10 @@
 """The streaming interference driver: every 2-D weight matrix of a checkpoint, one matrix at a time.
 
 :func:`interference` reads each matrix's T task matrices lazily (through
-``diagnostics.models.TaskVectorReader``), measures them with
-:func:`diagnostics.interference.metrics.task_matrix_interference`, builds an
+``submerge.diagnostics.models.TaskVectorReader``), measures them with
+:func:`submerge.diagnostics.interference.metrics.task_matrix_interference`, builds an
 ``xarray.Dataset`` over (matrix, task, task_other, rank_frac, centered) and
-writes the store group ``interference`` through ``diagnostics.store.UnitWriter``
+writes the store group ``interference`` through ``submerge.diagnostics.store.UnitWriter``
 (resume, provenance); :func:`summarize_interference` gives the per-level /
 per-layer means.
 
@@ -19,11 +19,11 @@ dtype).
 
 What each tensor is (matrix order, level / layer / module coordinates, tied
 embeddings, GPT-2 ``Conv1D`` weights stored (in, out)) comes from the tensor
-table ``diagnostics.tensors.TensorTable``.
+table ``submerge.diagnostics.tensors.TensorTable``.
 
-Dependencies: this driver imports ``merge.strategies`` lazily, and only when
+Dependencies: this driver imports ``submerge.merge.strategies`` lazily, and only when
 SAR is taken against a merge strategy (``sar_against`` other than ``"ta"``);
-``merge.strategies`` in turn imports ``diagnostics.spectral`` at module import.
+``submerge.merge.strategies`` in turn imports ``submerge.diagnostics.spectral`` at module import.
 Nothing in ``diagnostics`` imports ``merge`` at module import time.
 """
 
@@ -37,10 +37,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from diagnostics.errors import SelectionError
-from diagnostics.interference.metrics import DEFAULT_RANK_FRACS, SAR_EPS, rank_from_fraction, task_matrix_interference
-from diagnostics.scale_out import check_workers
-from diagnostics.spectral import svd_dtype as _svd_dtype
+from submerge.diagnostics.errors import SelectionError
+from submerge.diagnostics.interference.metrics import DEFAULT_RANK_FRACS, SAR_EPS, rank_from_fraction, task_matrix_interference
+from submerge.diagnostics.scale_out import check_workers
+from submerge.diagnostics.spectral import svd_dtype as _svd_dtype
 
 __all__ = ["GROUP", "MatrixJob", "interference", "measure_matrix", "summarize_interference"]
 
@@ -66,8 +66,8 @@ def _merged_task_matrix(name: str, task_matrices: list[torch.Tensor], sar_agains
     if sar_against == "ta":
         return None
     # The one place diagnostics uses merge: imported here, lazily, so that importing
-    # diagnostics never imports merge (merge.strategies itself imports diagnostics.spectral).
-    from merge.strategies import merge_parameter
+    # diagnostics never imports merge (submerge.merge.strategies itself imports submerge.diagnostics.spectral).
+    from submerge.merge.strategies import merge_parameter
 
     # merge_parameter: per-name seeds for random methods, the documented fallback for
     # embeddings under matrix-only methods, the strategy's paper defaults.
@@ -105,7 +105,7 @@ def _check_strategy(sar_against: str, sar_options: dict | None) -> None:
         if sar_options:
             raise ValueError(f"sar_options {sar_options} given, but sar_against='ta' takes none")
         return
-    from merge.strategies import STRATEGIES
+    from submerge.merge.strategies import STRATEGIES
 
     if sar_against not in STRATEGIES:
         raise ValueError(f"sar_against must be 'ta' or a merge strategy ({', '.join(STRATEGIES)}), got {sar_against!r}")
@@ -115,7 +115,7 @@ def _check_strategy(sar_against: str, sar_options: dict | None) -> None:
 def _plan_matrices(base, task_readers: dict, table, matrices, transposed):
     """(table, matrix names in order without tied duplicates, {duplicate: kept}, Conv1D names) from the table."""
     if table is None:
-        from diagnostics.tensors import TensorTable
+        from submerge.diagnostics.tensors import TensorTable
 
         table = TensorTable.from_reader(base)
     names = _matrix_names(base, table, matrices)
@@ -241,7 +241,7 @@ def _notes(job: MatrixJob, device, duplicates: dict[str, str]) -> dict:
 def _open_writer(store, job: MatrixJob, base, task_readers: dict, matrices, *, force: bool, command: str | None,
                  scale_out: dict | None = None):
     """The `UnitWriter` of group ``interference`` (store None: results are only gathered)."""
-    from diagnostics.store import UnitWriter
+    from submerge.diagnostics.store import UnitWriter
 
     if store is None:
         return UnitWriter(None, GROUP, {}, dim="matrix")
@@ -260,7 +260,7 @@ def _open_writer(store, job: MatrixJob, base, task_readers: dict, matrices, *, f
 
 def _task_readers(base, finetuned: dict) -> dict:
     """task → TaskVectorReader (CheckpointReaders, LoRA readers included, are wrapped against ``base``)."""
-    from diagnostics.models import CheckpointReader, TaskVectorReader
+    from submerge.diagnostics.models import CheckpointReader, TaskVectorReader
 
     if not finetuned:
         raise ValueError("finetuned is empty: need at least one fine-tuned model")
@@ -276,7 +276,7 @@ def _results(names: list[str], base, task_readers: dict, job: MatrixJob, device:
              ray_options: dict | None, describe) -> Iterator:
     """(name, shape, result) of every matrix in order, measured here or (``scale_out``) by Ray workers."""
     if scale_out is not None:
-        from diagnostics.interference.scale_out import ray_results
+        from submerge.diagnostics.interference.scale_out import ray_results
 
         describe(f"{scale_out['workers']} Ray worker(s)")
         return ray_results(scale_out["ray"], names, base, task_readers, job, device=device,
@@ -286,7 +286,7 @@ def _results(names: list[str], base, task_readers: dict, job: MatrixJob, device:
 
 def _local_results(names: list[str], task_readers: dict, job: MatrixJob, device: str, on_start) -> Iterator:
     """(name, shape, result) of every matrix in order, measured in this process."""
-    from diagnostics.models import pick_device
+    from submerge.diagnostics.models import pick_device
 
     target = pick_device(device)
     for name in names:
@@ -331,8 +331,8 @@ def interference(
 ):
     """Weight-space interference of every 2-D weight matrix, streamed one matrix at a time.
 
-    ``base`` is a :class:`diagnostics.models.CheckpointReader`; ``finetuned`` maps task names to
-    CheckpointReaders (LoRA readers included) or :class:`diagnostics.models.TaskVectorReader` objects,
+    ``base`` is a :class:`submerge.diagnostics.models.CheckpointReader`; ``finetuned`` maps task names to
+    CheckpointReaders (LoRA readers included) or :class:`submerge.diagnostics.models.TaskVectorReader` objects,
     which read each Δ_t (exact LoRA updates, vocabulary cropping, NaN/Inf check).  Memory: the T task
     matrices of one matrix (in ``svd_dtype``, on ``device``) plus about ten copies of it for the SVDs
     and float64 products (``benchmarks/interference.py`` measures it).
@@ -346,22 +346,22 @@ def interference(
 
     SAR is taken against task arithmetic Σ_t Δ_t (``sar_against="ta"``) or
     against the merged task vector of the merge strategy
-    ``merge.strategies.STRATEGIES[sar_against]`` (its paper defaults, updated by
-    ``sar_options``), computed per matrix by ``merge.strategies.merge_parameter``.
+    ``submerge.merge.strategies.STRATEGIES[sar_against]`` (its paper defaults, updated by
+    ``sar_options``), computed per matrix by ``submerge.merge.strategies.merge_parameter``.
 
     Returns the ``xarray.Dataset`` described in this module's docstring.
 
-    With ``store`` (a :class:`diagnostics.store.Store`) the group ``interference`` is written
+    With ``store`` (a :class:`submerge.diagnostics.store.Store`) the group ``interference`` is written
     ``flush_every`` matrices at a time; a run that stopped resumes after the last group written
     (same settings), other settings are an error unless ``force``.
 
     ``ray="auto"`` (a local Ray instance) or ``ray=ADDRESS`` (a cluster) measures the matrices in
     ``workers`` Ray worker processes (``ray_options``: max_retries, gpus_per_worker,
-    threads_per_worker, report; see ``diagnostics.interference.scale_out``); this process alone
+    threads_per_worker, report; see ``submerge.diagnostics.interference.scale_out``); this process alone
     writes the store, so results, resume and provenance are as in one process.
     """
-    from diagnostics.models import pick_device
-    from diagnostics.progress import progress_bar
+    from submerge.diagnostics.models import pick_device
+    from submerge.diagnostics.progress import progress_bar
 
     task_readers = _task_readers(base, finetuned)
     _check_settings(svd_dtype, rank_fracs, sar_against, sar_options, ray, workers)

@@ -15,10 +15,10 @@ This module measures, per matrix:
   plain Δ_t and on centred Δ̄_t = W_t − mean_s W_s.
 
 SVD.  Every decomposition is a full (exact) thin SVD,
-``torch.linalg.svd(x, full_matrices=False)`` (:func:`diagnostics.spectral.thin_svd`,
-shared with the SVD merges of ``merge.strategies``), computed in ``svd_dtype``
+``torch.linalg.svd(x, full_matrices=False)`` (:func:`submerge.diagnostics.spectral.thin_svd`,
+shared with the SVD merges of ``submerge.merge.strategies``), computed in ``svd_dtype``
 (float32 or float64) on the device the tensors live on — CUDA when the caller
-put them there; the streaming driver (``diagnostics.interference.driver``)
+put them there; the streaming driver (``submerge.diagnostics.interference.driver``)
 moves them to CUDA when ``device="auto"`` finds one.  All metric arithmetic after the SVD (Gram matrices, projections,
 sums of squares, entropies) is done in float64, and results are Python floats
 or float64 numpy arrays.
@@ -46,8 +46,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from diagnostics.spectral import Svd, concat_top, numerical_rank, thin_svd
-from diagnostics.spectral import svd_dtype as _svd_dtype
+from submerge.diagnostics.spectral import Svd, concat_top, numerical_rank, thin_svd
+from submerge.diagnostics.spectral import svd_dtype as _svd_dtype
 
 __all__ = [
     "DEFAULT_RANK_FRACS",

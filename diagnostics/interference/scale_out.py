@@ -1,7 +1,7 @@
 """Interference on Ray: matrices measured by N worker processes, results written by the driver alone.
 
 Ray is an optional extra (``pip install "submerge[ray]"``) and is imported only
-here, only when :func:`diagnostics.interference.interference` is called with
+here, only when :func:`submerge.diagnostics.interference.interference` is called with
 ``ray=``.  ``ray="auto"`` starts a local Ray instance on this machine (or uses
 the one this process already started with ``ray.init``); ``ray=ADDRESS``
 joins an existing cluster (``ray start --head`` on one node, ``ray start
@@ -40,8 +40,8 @@ from collections.abc import Iterator
 
 import torch
 
-from diagnostics.interference.driver import MatrixJob, measure_matrix
-from diagnostics.scale_out import (
+from submerge.diagnostics.interference.driver import MatrixJob, measure_matrix
+from submerge.diagnostics.scale_out import (
     GROUP_ELEMENTS,
     checkpoint_spec,
     group_matrices,
@@ -59,7 +59,7 @@ class InterferenceWorker:
     """One worker process: opens the checkpoints once, then measures the groups of matrices it is given."""
 
     def __init__(self, base_spec: dict, task_specs: dict, job: MatrixJob, device: str, threads: int | None):
-        from diagnostics.models import pick_device
+        from submerge.diagnostics.models import pick_device
 
         if threads:
             torch.set_num_threads(threads)

@@ -6,8 +6,8 @@
 - `nonlinearity`, `projection`, `alpha`: one driver per diagnostic.
 """
 
-from diagnostics.linearity.alpha import alpha
-from diagnostics.linearity.equations import (
+from submerge.diagnostics.linearity.alpha import alpha
+from submerge.diagnostics.linearity.equations import (
     AlphaSolution,
     alpha_system,
     balance_denominator,
@@ -24,10 +24,10 @@ from diagnostics.linearity.equations import (
     solve_alpha,
     task_gram,
 )
-from diagnostics.linearity.nonlinearity import nonlinearity, summarize_nonlinearity
-from diagnostics.linearity.projection import projection
-from diagnostics.linearity.sweep import DEFAULT_CAPTURE_BUDGET
-from diagnostics.modules import GRANULARITIES
+from submerge.diagnostics.linearity.nonlinearity import nonlinearity, summarize_nonlinearity
+from submerge.diagnostics.linearity.projection import projection
+from submerge.diagnostics.linearity.sweep import DEFAULT_CAPTURE_BUDGET
+from submerge.diagnostics.modules import GRANULARITIES
 
 __all__ = [
     "DEFAULT_CAPTURE_BUDGET", "GRANULARITIES", "AlphaSolution", "alpha", "alpha_system", "balance_denominator",

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import numpy as np
 import xarray as xr
 
-from diagnostics.linearity.equations import (
+from submerge.diagnostics.linearity.equations import (
     alpha_system,
     balance_denominator,
     linearized_objective,
@@ -16,9 +16,9 @@ from diagnostics.linearity.equations import (
     solve_alpha,
     task_gram,
 )
-from diagnostics.linearity.sweep import DEFAULT_CAPTURE_BUDGET, Outputs, Sweep, Unit, module_coords
-from diagnostics.modules import GRANULARITIES
-from diagnostics.store import Store
+from submerge.diagnostics.linearity.sweep import DEFAULT_CAPTURE_BUDGET, Outputs, Sweep, Unit, module_coords
+from submerge.diagnostics.modules import GRANULARITIES
+from submerge.diagnostics.store import Store
 
 _RESULTS = {  # store variable → key of a module's result
     "condition_number": "cond", "least_squares": "lstsq", "objective_alpha": "obj_alpha",
@@ -77,7 +77,7 @@ def alpha(
     (true module outputs) is stored at the solved α and at uniform weights 1/T,
     and the linearised objective (Eq. 22 / 33) at both.
     ``ray`` (``"auto"`` or an address), ``workers``, ``ray_options``: a pipeline of Ray workers over the
-    blocks (`diagnostics.linearity.scale_out`); this process alone writes the store.
+    blocks (`submerge.diagnostics.linearity.scale_out`); this process alone writes the store.
     """
     if granularity not in GRANULARITIES:
         raise ValueError(f"unknown granularity '{granularity}' (choose from {list(GRANULARITIES)})")

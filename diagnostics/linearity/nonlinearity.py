@@ -8,10 +8,10 @@ import numpy as np
 import torch
 import xarray as xr
 
-from diagnostics.linearity.equations import mean_std, nonlinearity_score
-from diagnostics.linearity.sweep import DEFAULT_CAPTURE_BUDGET, Outputs, Sweep, Unit, module_coords
-from diagnostics.modules import DEFAULT_LEVELS
-from diagnostics.store import Store
+from submerge.diagnostics.linearity.equations import mean_std, nonlinearity_score
+from submerge.diagnostics.linearity.sweep import DEFAULT_CAPTURE_BUDGET, Outputs, Sweep, Unit, module_coords
+from submerge.diagnostics.modules import DEFAULT_LEVELS
+from submerge.diagnostics.store import Store
 
 
 def trajectories(outputs: Outputs):
@@ -45,7 +45,7 @@ def nonlinearity(
     the record index in the task's file; ``level``, ``layer`` (−1 for the model)
     and ``head`` label ``module``.
     ``ray`` (``"auto"`` or an address), ``workers``, ``ray_options``: a pipeline of Ray workers over the
-    blocks (`diagnostics.linearity.scale_out`); this process alone writes the store.
+    blocks (`submerge.diagnostics.linearity.scale_out`); this process alone writes the store.
     """
     if steps < 1:
         raise ValueError("steps must be at least 1")

@@ -8,10 +8,10 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import xarray as xr
 
-from diagnostics.linearity.equations import cosine_base, cosine_merge, projection_distance, projection_terms
-from diagnostics.linearity.sweep import DEFAULT_CAPTURE_BUDGET, Outputs, Sweep, Unit, module_coords
-from diagnostics.modules import DEFAULT_LEVELS
-from diagnostics.store import Store
+from submerge.diagnostics.linearity.equations import cosine_base, cosine_merge, projection_distance, projection_terms
+from submerge.diagnostics.linearity.sweep import DEFAULT_CAPTURE_BUDGET, Outputs, Sweep, Unit, module_coords
+from submerge.diagnostics.modules import DEFAULT_LEVELS
+from submerge.diagnostics.store import Store
 
 COMBOS_PER_REPLAY = 8  # merged variants replayed together (the model level runs them block by block together)
 
@@ -68,7 +68,7 @@ def projection(
     Fig. 3 unless `alphas`), over x in the union of S's task data:
     Δ_merge = f(x; θ0 + Σ α_t τ_t) − f(x; θ0), Δ_lin = Σ α_t Δf_t(x).
     ``ray`` (``"auto"`` or an address), ``workers``, ``ray_options``: a pipeline of Ray workers over the
-    blocks (`diagnostics.linearity.scale_out`); this process alone writes the store.
+    blocks (`submerge.diagnostics.linearity.scale_out`); this process alone writes the store.
     """
     tasks = experiment.tasks
     if len(tasks) < 2:

@@ -1,7 +1,7 @@
 """The linearity sweep on Ray: a pipeline over blocks, results written by the driver alone.
 
 Used by `diag linearity`, `projection` and `alpha` (`Sweep` with ``ray=``); Ray is the optional extra
-``pip install "submerge[ray]"``, joined as `diagnostics.scale_out.connect` says.
+``pip install "submerge[ray]"``, joined as `submerge.diagnostics.scale_out.connect` says.
 
 Work split.  The blocks are cut into ``workers`` contiguous ranges (`split_layers`).  Worker k (a Ray actor,
 `BlockWorker`) builds the base on the meta device and reads from the checkpoint only the tensors of its
@@ -38,10 +38,10 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from diagnostics import scale_out as common
-from diagnostics.capture import CaptureState, ParameterSource, layer_chunks, model_outputs, no_tf32, record_inputs
-from diagnostics.linearity.sweep import Unit, measure_layer, model_replayed, units_of
-from diagnostics.modules import Submodule
+from submerge.diagnostics import scale_out as common
+from submerge.diagnostics.capture import CaptureState, ParameterSource, layer_chunks, model_outputs, no_tf32, record_inputs
+from submerge.diagnostics.linearity.sweep import Unit, measure_layer, model_replayed, units_of
+from submerge.diagnostics.modules import Submodule
 
 __all__ = ["BlockWorker", "Pipeline", "load_blocks", "split_layers"]
 
@@ -65,13 +65,13 @@ def load_blocks(spec: dict, layers: range, *, head: bool, device, offload: bool 
     The stages outside the blocks are read too (embedding, final norm), the output head only with `head`;
     ``spec``: the base's `checkpoint_spec` (``reader``), storage ``dtype`` and ``trust_remote_code``. With
     `offload` (and an accelerator `device`) they are read into host memory and stream to `device` stage by stage
-    (`diagnostics.models.execution_device`), as a base loaded with ``offload=True`` does.
+    (`submerge.diagnostics.models.execution_device`), as a base loaded with ``offload=True`` does.
     """
     from pathlib import Path
 
-    from diagnostics.models import BaseModel, checkpoint_name_map, offload_to, offloads
-    from diagnostics.modules import find_architecture
-    from diagnostics.tensors import meta_model
+    from submerge.diagnostics.models import BaseModel, checkpoint_name_map, offload_to, offloads
+    from submerge.diagnostics.modules import find_architecture
+    from submerge.diagnostics.tensors import meta_model
 
     dtype = getattr(torch, spec["dtype"])
     model = meta_model(Path(spec["reader"]["path"]), trust_remote_code=spec["trust_remote_code"], buffers=False,
@@ -113,8 +113,8 @@ class BlockWorker:
     """
 
     def __init__(self, job: dict, layers: list[int], modules: dict[int, list[Submodule]], incoming: list):
-        from diagnostics.models import pick_device
-        from diagnostics.modules import find_architecture
+        from submerge.diagnostics.models import pick_device
+        from submerge.diagnostics.modules import find_architecture
 
         if job["threads"]:
             torch.set_num_threads(job["threads"])

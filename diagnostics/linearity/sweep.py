@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import xarray as xr
 
-from diagnostics.capture import (
+from submerge.diagnostics.capture import (
     CaptureState,
     Variant,
     head_output,
@@ -32,10 +32,10 @@ from diagnostics.capture import (
     replay_with_heads,
     sample_features,
 )
-from diagnostics.modules import Submodule, find_submodules, get_module
-from diagnostics.progress import progress_bar
-from diagnostics.scale_out import check_workers
-from diagnostics.store import Store, UnitWriter, run_attrs
+from submerge.diagnostics.modules import Submodule, find_submodules, get_module
+from submerge.diagnostics.progress import progress_bar
+from submerge.diagnostics.scale_out import check_workers
+from submerge.diagnostics.store import Store, UnitWriter, run_attrs
 
 DEFAULT_CAPTURE_BUDGET = 2 * 1024**3  # bytes of recorded inputs held at once
 PRECISION_NOTE = {
@@ -200,7 +200,7 @@ class Sweep:
     """One driver's pass over the modules of `levels`, writing store group `group` one layer at a time.
 
     With ``ray`` (``"auto"`` or a cluster address) the layers are measured by a pipeline of ``workers`` Ray
-    processes, each holding a contiguous range of blocks (`diagnostics.linearity.scale_out`, ``ray_options``
+    processes, each holding a contiguous range of blocks (`submerge.diagnostics.linearity.scale_out`, ``ray_options``
     its options); this process alone writes the store, in layer order, as in one process.
     """
 
@@ -250,7 +250,7 @@ class Sweep:
         """This sweep (one process), or the Ray pipeline when asked for and something is left to measure."""
         if self.scale_out is None or all(m.name in self.writer.done for m in self.modules):
             return nullcontext(self)
-        from diagnostics.linearity.scale_out import Pipeline
+        from submerge.diagnostics.linearity.scale_out import Pipeline
 
         return Pipeline(self, **self.scale_out, **self.ray_options)
 
