@@ -22,7 +22,7 @@ CHILD = r"""
 import json, resource, sys, time, torch
 from submerge.diagnostics.capture import CaptureState, _hidden_of, layer_chunks, record_inputs
 from submerge.diagnostics.data import TaskData, tokenize
-from submerge.diagnostics.models import load_base_model
+from submerge.diagnostics.base_model import load_base_model
 from submerge.diagnostics.modules import find_architecture, find_submodules
 args = json.loads(sys.argv[1])
 torch.set_num_threads(2)

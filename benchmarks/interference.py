@@ -104,8 +104,8 @@ def run_phase(phase: str, directory: Path, svd_dtype: str, threads: int) -> dict
     import torch
     import xarray  # noqa: F401
 
+    from submerge.diagnostics.checkpoints import open_checkpoint
     from submerge.diagnostics.interference import interference
-    from submerge.diagnostics.models import open_checkpoint
 
     torch.set_num_threads(threads)
     base = open_checkpoint(str(directory / "base"))

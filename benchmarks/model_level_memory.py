@@ -26,7 +26,7 @@ import json, resource, sys, time, torch
 from submerge.diagnostics import capture
 from submerge.diagnostics.capture import ParameterSource, model_outputs, record_inputs
 from submerge.diagnostics.data import TokenBatch
-from submerge.diagnostics.models import load_base_model
+from submerge.diagnostics.base_model import load_base_model
 from submerge.diagnostics.modules import find_architecture
 args = json.loads(sys.argv[1])
 torch.set_num_threads(2)

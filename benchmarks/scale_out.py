@@ -67,8 +67,8 @@ def _start_ray(mode: str) -> tuple[dict, float, float | None]:
 
 
 def _interference_pass(directory: Path, options: dict):
+    from submerge.diagnostics.checkpoints import open_checkpoint
     from submerge.diagnostics.interference import interference
-    from submerge.diagnostics.models import open_checkpoint
     from submerge.diagnostics.tensors import TensorTable
 
     base = open_checkpoint(str(directory / "base"))

@@ -157,7 +157,8 @@ def alpha(
 
 def _open_models(run: RunOptions):
     """(base spec, base reader, task-vector readers, pre-flight report) of the shared model options."""
-    from submerge.diagnostics.models import open_checkpoint, open_finetunes
+    from submerge.diagnostics.checkpoints import open_checkpoint
+    from submerge.diagnostics.task_vectors import open_finetunes
 
     model, named_finetuned, _ = run.inputs(need_data=False)
     base = open_checkpoint(model, allow_pickle=run.allow_pickle, role="base model")
@@ -275,7 +276,7 @@ def plan(
     if export_mergekit:
         from transformers import AutoConfig
 
-        from submerge.diagnostics.models import local_path
+        from submerge.diagnostics.checkpoints import local_path
 
         layers = AutoConfig.from_pretrained(local_path(the_plan.base_model)).num_hidden_layers
         mergekit, notes = the_plan.to_mergekit(layers)
@@ -426,7 +427,8 @@ def compare(
 
     Writes store group `compare` (loss and normalised gain per method × task) and prints the leaderboard."""
     from submerge.diagnostics.store import Store
-    from submerge.merge.compare import compare as run_compare, leaderboard
+    from submerge.merge.compare import compare as run_compare
+    from submerge.merge.compare import leaderboard
 
     base, named_finetuned, named_data = run.inputs()
     grid = _numbers(lambdas, "--lambdas")

@@ -37,9 +37,11 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from submerge.diagnostics.base_model import BaseModel
 from submerge.diagnostics.data import TokenBatch
-from submerge.diagnostics.models import BaseModel, TaskVectorReader, canonical_device, execution_device, release_mapped_pages
 from submerge.diagnostics.modules import Architecture, get_module, input_module_path, module_parameter_names
+from submerge.diagnostics.placement import canonical_device, execution_device, release_mapped_pages
+from submerge.diagnostics.task_vectors import TaskVectorReader
 
 Variant = dict[str, float]  # task -> coefficient c_t in θ0 + Σ_t c_t τ_t
 _DROPPED_KWARGS = ("past_key_values", "past_key_value", "layer_past", "use_cache", "output_attentions")

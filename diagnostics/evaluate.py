@@ -19,15 +19,17 @@ import torch
 import xarray as xr
 from torch.func import functional_call
 
+from submerge.diagnostics.base_model import BaseModel, load_base_model
 from submerge.diagnostics.capture import ParameterSource, model_outputs, no_tf32, output_head_path, upcast
+from submerge.diagnostics.checkpoints import open_checkpoint
 from submerge.diagnostics.data import read_task_file, tokenize
 from submerge.diagnostics.errors import ModelInputError
 from submerge.diagnostics.experiment import check_device, pick_compute_dtype
-from submerge.diagnostics.models import BaseModel, TaskVectorReader, load_base_model, open_checkpoint
 from submerge.diagnostics.modules import find_architecture
 from submerge.diagnostics.progress import progress_bar
 from submerge.diagnostics.scale_out import check_workers
 from submerge.diagnostics.store import Store, UnitWriter
+from submerge.diagnostics.task_vectors import TaskVectorReader
 
 
 def _summed_token_loss(logits: torch.Tensor, batch, device) -> tuple[float, int]:

@@ -11,20 +11,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from submerge.diagnostics.base_model import BaseModel, load_base_model
 from submerge.diagnostics.capture import ParameterSource
 from submerge.diagnostics.data import TaskData, TokenBatch, read_task_file, tokenize
 from submerge.diagnostics.errors import DataInputError, ModelInputError
-from submerge.diagnostics.models import (
-    BaseModel,
-    TaskVectorReader,
-    execution_device,
-    load_base_model,
-    offloads,
-    open_finetunes,
-    pick_device,
-)
 from submerge.diagnostics.modules import Architecture, find_architecture
-from submerge.diagnostics.store import run_attrs
+from submerge.diagnostics.placement import execution_device, offloads, pick_device
+from submerge.diagnostics.provenance import run_attrs
+from submerge.diagnostics.task_vectors import TaskVectorReader, open_finetunes
 
 COMPUTE_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 

@@ -14,7 +14,6 @@ skipped; nothing here computes a metric, it only reads and averages.
 from __future__ import annotations
 
 import functools
-
 from collections.abc import Callable
 from pathlib import Path
 

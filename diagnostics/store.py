@@ -46,7 +46,6 @@ import threading
 import uuid
 import warnings
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 
 import numpy as np
@@ -55,8 +54,8 @@ import zarr
 from zarr.storage import LocalStore, MemoryStore
 
 from submerge.diagnostics.errors import StoreError
+from submerge.diagnostics.provenance import identity_changes, input_identity, jsonable, run_attrs, settings_diff
 
-_LIBRARIES = ("submerge", "torch", "transformers", "safetensors", "peft", "numpy", "scipy", "xarray", "zarr")
 LOCK_NAME = ".submerge.lock"
 STRING_WIDTH = 64  # the least width of a stored string variable; longer strings widen it
 STORE_FORMAT = 2  # groups written with every chunk present and fixed-width strings
@@ -73,115 +72,6 @@ def _quiet():
         warnings.filterwarnings("ignore", message=".*Failed to open Zarr store with consolidated metadata.*")
         warnings.filterwarnings("ignore", message=f"Object at {re.escape(LOCK_NAME)}.* is not recognized")  # our lock
         yield
-
-
-# ---------------------------------------------------------------------------------------------- provenance
-
-
-def library_versions() -> dict[str, str]:
-    versions = {"python": platform.python_version()}
-    for name in _LIBRARIES:
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = "not installed"
-    return versions
-
-
-def provenance(command: str | None = None, **fields) -> dict:
-    """Where numbers came from: versions, host, time, command, plus the caller's fields."""
-    versions = library_versions()
-    info = {
-        "toolkit": "submerge",
-        "toolkit_version": versions["submerge"],
-        "libraries": versions,
-        "host": platform.node(),
-        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": command if command is not None else " ".join(sys.argv),
-    }
-    info.update(fields)
-    return _jsonable(info)
-
-
-def run_attrs(command: str | None, inputs: dict) -> tuple[dict, dict]:
-    """(root attrs, group attrs) of a run on `inputs`: the one place a driver's provenance is built.
-
-    `inputs` holds the fingerprints (``base_model``, ``finetuned``, ``data``, ``models`` ...) and
-    anything else worth keeping; the root gets the base model, the group all of it under ``provenance``.
-    """
-    root = provenance(command, base_model=inputs.get("base_model"))
-    return root, {"provenance": provenance(command, **inputs)}
-
-
-def _model_identity(fingerprint) -> dict:
-    if not isinstance(fingerprint, dict):
-        return {"hash": str(fingerprint), "path": str(fingerprint)}
-    for key in ("content_sha256", "adapter_sha256"):
-        if fingerprint.get(key):
-            return {"hash": f"sha256:{fingerprint[key]}", "path": fingerprint.get("path") or fingerprint.get("spec")}
-    where = fingerprint.get("path") or fingerprint.get("spec")
-    size = fingerprint.get("file_size")
-    return {"hash": f"{where} ({size} bytes)" if size is not None else str(where), "path": where}
-
-
-def input_identity(inputs: dict) -> dict:
-    """What a group's numbers depend on besides settings: content hashes of models and data files.
-
-    Read from a run's inputs (or a group's ``provenance`` attr): base model, each fine-tune, each data
-    file and held-out data file (SHA-256), each evaluated model. Paths are shown in messages but only the hashes are compared
-    (a moved file is the same input); a checkpoint without a content hash is identified by path and size.
-    """
-    inputs = inputs or {}
-    identity = {}
-    if inputs.get("base_model"):
-        identity["base model"] = _model_identity(inputs["base_model"])
-    for task, fingerprint in (inputs.get("finetuned") or {}).items():
-        identity[f"fine-tune '{task}'"] = _model_identity(fingerprint)
-    for key, label in (("data", "data"), ("held_out", "held-out data")):  # held_out: `diag compare`'s records
-        for task, data in (inputs.get(key) or {}).items():
-            identity[f"{label} '{task}'"] = {"hash": f"sha256:{data.get('sha256')}", "path": data.get("path")}
-    for label, spec in (inputs.get("models") or {}).items():
-        identity[f"model '{label}'"] = _model_identity(spec)
-    return _jsonable(identity)
-
-
-def _identity_changes(old: dict, new: dict) -> list[str]:
-    def show(entry):
-        if entry is None:
-            return "absent"
-        digest = entry["hash"]
-        short = digest[:19] + "…" if digest.startswith("sha256:") else digest
-        return f"{entry['path']} ({short})" if entry.get("path") and entry["path"] not in digest else short
-
-    return [f"{name}: {show(old.get(name))} → {show(new.get(name))}" for name in sorted(set(old) | set(new))
-            if (old.get(name) or {}).get("hash") != (new.get(name) or {}).get("hash")]
-
-
-def _jsonable(value):
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple, set)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, (np.integer,)):
-        return int(value)
-    if isinstance(value, (np.floating,)):
-        return float(value)
-    if isinstance(value, Path):
-        return str(value)
-    if value is None or isinstance(value, (str, int, float, bool)):
-        return value
-    return str(value)
-
-
-def _diff(old: dict, new: dict, prefix: str = "") -> list[str]:
-    changes = []
-    for key in sorted(set(old) | set(new)):
-        a, b = old.get(key), new.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):
-            changes += _diff(a, b, f"{prefix}{key}.")
-        elif a != b:
-            changes.append(f"{prefix}{key}: {a!r} → {b!r}")
-    return changes
 
 
 # ---------------------------------------------------------------------------------------------- writes and faults
@@ -672,7 +562,7 @@ class Store:
         meta_path = self.path / group / "zarr.json" if group else self.path / "zarr.json"
         meta = _read_json(meta_path) if meta_path.exists() else {"zarr_format": 3, "node_type": "group",
                                                                   "consolidated_metadata": None}
-        meta["attributes"] = _jsonable(attrs)
+        meta["attributes"] = jsonable(attrs)
         _atomic_write(meta_path, json.dumps(meta, indent=2).encode())
 
     def begin(self, group: str, settings: dict, *, force: bool = False, root: dict | None = None,
@@ -686,7 +576,7 @@ class Store:
         `expected` (the number of labels a complete run writes) lets `status` say how far it got.
         Takes the store's lock (released by `finish`, on error, or at exit).
         """
-        settings, attrs = _jsonable(settings), _jsonable(attrs or {})
+        settings, attrs = jsonable(settings), jsonable(attrs or {})
         identity = input_identity(attrs.get("provenance") or {})
         with self._writing():
             self.path.mkdir(parents=True, exist_ok=True)
@@ -710,7 +600,7 @@ class Store:
             return set()
 
     def _begin_root(self, root: dict | None, force: bool) -> None:
-        new = _jsonable(root or {})
+        new = jsonable(root or {})
         old = self.attrs if self.exists() else None
         if old is not None and new:
             old_base, new_base = old.get("base_model") or {}, new.get("base_model") or {}
@@ -735,10 +625,10 @@ class Store:
                 f"store {self.path}: group '{group}' has no record of its settings (a run of an older version was "
                 f"stopped while writing it). Pass --force to recompute it, or choose another --out."
             )
-        changes = _diff(old.get("settings") or {}, settings)
+        changes = settings_diff(old.get("settings") or {}, settings)
         old_identity = input_identity(old.get("provenance") or {}) or old.get("identity") or {}
         if identity and old_identity:
-            changes += _identity_changes(old_identity, identity)
+            changes += identity_changes(old_identity, identity)
         if changes:
             raise StoreError(
                 f"store {self.path} already has group '{group}' made with other settings or inputs "
@@ -813,7 +703,7 @@ class Store:
     def annotate(self, group: str, extra: dict) -> None:
         """Add attrs to `group` while it is written (a run resumed after a kill keeps them)."""
         with self._writing():
-            self._put_attrs(group, {**self.group_attrs(group), **_jsonable(extra)})
+            self._put_attrs(group, {**self.group_attrs(group), **jsonable(extra)})
 
     def finish(self, group: str, extra: dict | None = None) -> None:
         """Mark `group` complete and store extra attrs (e.g. choices the metric made); releases the lock."""

@@ -24,11 +24,13 @@ at hand (`TensorTable.from_checkpoint`), so a 70B table costs no memory.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 from torch import nn
 
-from submerge.diagnostics.errors import ModelInputError
+from submerge.diagnostics.base_model import checkpoint_name_map, meta_model
+from submerge.diagnostics.checkpoints import open_checkpoint
 from submerge.diagnostics.modules import GRANULARITIES, Architecture, find_architecture, is_linear
 
 KINDS = ("matrix", "embedding", "bias", "norm")
@@ -138,43 +140,16 @@ class TensorTable:
     def from_checkpoint(cls, spec: str, *, allow_pickle: bool = False, trust_remote_code: bool = False,
                         revision: str | None = None) -> "TensorTable":
         """The table of the model a checkpoint holds, built on the meta device from its config (no weights read)."""
-        from submerge.diagnostics.models import open_checkpoint
-
         reader = open_checkpoint(spec, revision=revision, allow_pickle=allow_pickle)
         return cls.from_reader(reader, trust_remote_code=trust_remote_code)
 
     @classmethod
     def from_reader(cls, reader, *, trust_remote_code: bool = False) -> "TensorTable":
-        """The table of an opened checkpoint (`submerge.diagnostics.models.CheckpointReader`), from its config."""
-        from pathlib import Path
-
-        from submerge.diagnostics.models import checkpoint_name_map
-
+        """The table of an opened checkpoint (`submerge.diagnostics.checkpoints.CheckpointReader`), from its config."""
         model = meta_model(Path(reader.path), trust_remote_code=trust_remote_code)
         return cls.from_model(model, checkpoint_name_map(model, reader))
 
 
-def meta_model(path, *, trust_remote_code: bool = False, buffers: bool = True, dtype=None) -> nn.Module:
-    """The model class of a checkpoint directory (or .gguf file) instantiated on the meta device.
-
-    With ``buffers=False`` only the parameters are on the meta device: buffers (rotary frequencies, position
-    ids, masks) are built on the CPU as the model's constructor computes them, in the default dtype `dtype`.
-    """
-    import torch
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
-
-    directory = path if path.is_dir() else path.parent
-    if path.suffix == ".gguf":
-        config = AutoConfig.from_pretrained(directory, gguf_file=path.name)
-    elif (directory / "config.json").exists():
-        config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
-    else:
-        raise ModelInputError(f"{directory} has no config.json: cannot tell what its tensors are")
-    causal = any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in (config.architectures or []))
-    auto = AutoModelForCausalLM if causal else AutoModel
-    with torch.device("meta") if buffers else init_empty_weights(include_buffers=False):
-        return auto.from_config(config, trust_remote_code=trust_remote_code, **({"dtype": dtype} if dtype else {}))
 
 
 def _output_embedding_weight(model: nn.Module):
@@ -186,8 +161,6 @@ def _output_embedding_weight(model: nn.Module):
 def _with_tie(info: TensorInfo, tied_to: str | None) -> TensorInfo:
     if tied_to is None:
         return info
-    from dataclasses import replace
-
     return replace(info, tied_to=tied_to)
 
 

@@ -43,7 +43,13 @@ import pandas as pd
 import xarray as xr
 
 from submerge.diagnostics.errors import SubmergeError
-from submerge.diagnostics.outputs import MERGE_MARKER, OutputError, check_output_directory, check_output_file, is_merge_output
+from submerge.diagnostics.outputs import (
+    MERGE_MARKER,
+    OutputError,
+    check_output_directory,
+    check_output_file,
+    is_merge_output,
+)
 from submerge.diagnostics.store import Store, UnitWriter
 from submerge.merge.plan import is_plan_file
 
@@ -236,7 +242,7 @@ class _Evaluator:
 
 def _tune_lambda(evaluator: _Evaluator, write: Callable, lambdas) -> tuple[float, dict[float, float]]:
     """λ of θ0 + λ Σ τ with the lowest mean loss over tasks on the fit records; all fit losses."""
-    from submerge.diagnostics.models import open_checkpoint
+    from submerge.diagnostics.checkpoints import open_checkpoint
     from submerge.merge.writer import ParameterRule
 
     summed = ParameterRule(method="task-arithmetic", options={"scaling": 1.0})

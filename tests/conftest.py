@@ -34,7 +34,8 @@ class ToyKit:
 
     def load(self):
         """A freshly loaded base model and the fine-tune's task-vector reader (float32, CPU)."""
-        from submerge.diagnostics.models import load_base_model, open_finetunes
+        from submerge.diagnostics.base_model import load_base_model
+        from submerge.diagnostics.task_vectors import open_finetunes
 
         base = load_base_model(str(self.base_dir), dtype="float32", device="cpu")
         task_vectors, _ = open_finetunes(base.reader, {TASK: str(self.finetuned_dir)})

@@ -727,8 +727,8 @@ def test_leaderboard_sorts_by_mean_gain_nan_last_and_the_figure_handles_it():
 
 
 def test_compare_plan_steers_the_matrices_the_store_interference_marks(trained_kit, tmp_path):
+    from submerge.diagnostics.checkpoints import open_checkpoint
     from submerge.diagnostics.interference import interference
-    from submerge.diagnostics.models import open_checkpoint
     from submerge.diagnostics.store import Store
     from submerge.merge.compare import compare
 

@@ -400,7 +400,7 @@ def tiny_llama_tensors(seed=0, hidden=8, intermediate=12, vocab=10, layers=2):
 
 @pytest.fixture()
 def tiny_checkpoints(tmp_path):
-    from submerge.diagnostics.models import open_checkpoint
+    from submerge.diagnostics.checkpoints import open_checkpoint
 
     base_tensors = tiny_llama_tensors()
     write_checkpoint(tmp_path / "base", base_tensors)
@@ -448,8 +448,8 @@ def test_interference_driver_lora_and_strategies(tiny_checkpoints, tmp_path):
 
     from safetensors.torch import save_file
 
+    from submerge.diagnostics.checkpoints import open_checkpoint
     from submerge.diagnostics.interference import interference
-    from submerge.diagnostics.models import open_checkpoint
 
     base, finetuned, _, _ = tiny_checkpoints
     adapter = tmp_path / "adapter"

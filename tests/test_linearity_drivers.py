@@ -23,7 +23,9 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from submerge.diagnostics import toy
+from submerge.diagnostics.base_model import BaseModel
 from submerge.diagnostics.capture import ParameterSource, Recorded, record_inputs, replay
+from submerge.diagnostics.checkpoints import StateDictReader
 from submerge.diagnostics.experiment import Experiment
 from submerge.diagnostics.linearity import (
     alpha,
@@ -34,9 +36,9 @@ from submerge.diagnostics.linearity import (
 )
 from submerge.diagnostics.linearity.nonlinearity import trajectories
 from submerge.diagnostics.linearity.sweep import replay_variants
-from submerge.diagnostics.models import BaseModel, StateDictReader, TaskVectorReader
 from submerge.diagnostics.modules import Submodule, find_submodules, get_module
 from submerge.diagnostics.store import Store
+from submerge.diagnostics.task_vectors import TaskVectorReader
 
 SAMPLES = 3
 STEPS = 10

@@ -13,6 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from submerge.diagnostics.base_model import checkpoint_name_map, load_base_model, pick_dtype
+from submerge.diagnostics.checkpoints import LoraReader, SafetensorsReader, StateDictReader, open_checkpoint
 from submerge.diagnostics.data import parse_named, read_task_file, tokenize
 from submerge.diagnostics.errors import (
     ArchitectureError,
@@ -22,20 +24,9 @@ from submerge.diagnostics.errors import (
     NonFiniteWeights,
 )
 from submerge.diagnostics.experiment import Experiment
-from submerge.diagnostics.models import (
-    LoraReader,
-    SafetensorsReader,
-    StateDictReader,
-    TaskVectorReader,
-    checkpoint_name_map,
-    load_base_model,
-    open_checkpoint,
-    open_finetunes,
-    pick_dtype,
-    preflight,
-    release_mapped_pages,
-)
 from submerge.diagnostics.modules import find_architecture
+from submerge.diagnostics.placement import release_mapped_pages
+from submerge.diagnostics.task_vectors import TaskVectorReader, open_finetunes, preflight
 
 TASK = "math"
 
@@ -522,7 +513,7 @@ def test_content_hash_tells_a_fine_tune_from_its_base(llama_kit):
 
 
 def test_all_finite_is_exact_also_when_the_sum_overflows_or_infinities_cancel():
-    from submerge.diagnostics.models import all_finite
+    from submerge.diagnostics.task_vectors import all_finite
 
     big = torch.full((4,), 3e38)  # finite entries whose float32 sum overflows to inf
     assert all_finite(big) and all_finite(torch.zeros(0)) and all_finite(torch.arange(5))

@@ -42,7 +42,7 @@ EXPECTED = {
 
 @pytest.fixture(scope="module")
 def base_models(toy_kit):
-    from submerge.diagnostics.models import load_base_model
+    from submerge.diagnostics.base_model import load_base_model
 
     loaded = {}
 

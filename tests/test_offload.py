@@ -16,10 +16,11 @@ from typer.testing import CliRunner
 
 from submerge.cli.main import app
 from submerge.diagnostics import capture, toy
+from submerge.diagnostics.base_model import load_base_model
 from submerge.diagnostics.experiment import Experiment
 from submerge.diagnostics.linearity import alpha, nonlinearity
-from submerge.diagnostics.models import execution_device, is_offloaded, load_base_model
 from submerge.diagnostics.modules import find_architecture
+from submerge.diagnostics.placement import execution_device, is_offloaded
 
 TASKS = ("math", "code")
 LEVELS = ("model", "layer", "attn", "mlp", "head")

@@ -92,8 +92,8 @@ def test_demo_defaults_are_the_readme_size():
 def test_batch_size_below_one_is_refused_by_the_python_api_too(llama_kit):
     """The CLI checks --batch-size while parsing; the library must not turn batch_size=-2 into zero batches
     (all-NaN results in a group marked complete)."""
+    from submerge.diagnostics.base_model import load_base_model
     from submerge.diagnostics.data import tokenize
-    from submerge.diagnostics.models import load_base_model
 
     tokenizer = load_base_model(str(llama_kit.base_dir), dtype="float32", device="cpu").tokenizer
     records = read_task_file(TASK, llama_kit.data_path, samples=2)
@@ -214,7 +214,7 @@ def test_missing_local_path_names_the_model(llama_kit, role, spec, monkeypatch):
 def test_hub_ids_still_go_to_the_hub(llama_kit, monkeypatch):
     import huggingface_hub
 
-    from submerge.diagnostics.models import local_path, looks_like_path
+    from submerge.diagnostics.checkpoints import local_path, looks_like_path
 
     for hub_id in ("gpt2", "meta-llama/Llama-2-7b-hf", "Qwen/Qwen2.5-7B", "org/model.v1"):
         assert not looks_like_path(hub_id), hub_id

@@ -1,7 +1,7 @@
 """The streaming interference driver: every 2-D weight matrix of a checkpoint, one matrix at a time.
 
 :func:`interference` reads each matrix's T task matrices lazily (through
-``submerge.diagnostics.models.TaskVectorReader``), measures them with
+``submerge.diagnostics.task_vectors.TaskVectorReader``), measures them with
 :func:`submerge.diagnostics.interference.metrics.task_matrix_interference`, builds an
 ``xarray.Dataset`` over (matrix, task, task_other, rank_frac, centered) and
 writes the store group ``interference`` through ``submerge.diagnostics.store.UnitWriter``
@@ -38,7 +38,12 @@ import numpy as np
 import torch
 
 from submerge.diagnostics.errors import SelectionError
-from submerge.diagnostics.interference.metrics import DEFAULT_RANK_FRACS, SAR_EPS, rank_from_fraction, task_matrix_interference
+from submerge.diagnostics.interference.metrics import (
+    DEFAULT_RANK_FRACS,
+    SAR_EPS,
+    rank_from_fraction,
+    task_matrix_interference,
+)
 from submerge.diagnostics.scale_out import check_workers
 from submerge.diagnostics.spectral import svd_dtype as _svd_dtype
 
@@ -260,7 +265,8 @@ def _open_writer(store, job: MatrixJob, base, task_readers: dict, matrices, *, f
 
 def _task_readers(base, finetuned: dict) -> dict:
     """task → TaskVectorReader (CheckpointReaders, LoRA readers included, are wrapped against ``base``)."""
-    from submerge.diagnostics.models import CheckpointReader, TaskVectorReader
+    from submerge.diagnostics.checkpoints import CheckpointReader
+    from submerge.diagnostics.task_vectors import TaskVectorReader
 
     if not finetuned:
         raise ValueError("finetuned is empty: need at least one fine-tuned model")
@@ -286,7 +292,7 @@ def _results(names: list[str], base, task_readers: dict, job: MatrixJob, device:
 
 def _local_results(names: list[str], task_readers: dict, job: MatrixJob, device: str, on_start) -> Iterator:
     """(name, shape, result) of every matrix in order, measured in this process."""
-    from submerge.diagnostics.models import pick_device
+    from submerge.diagnostics.placement import pick_device
 
     target = pick_device(device)
     for name in names:
@@ -331,8 +337,8 @@ def interference(
 ):
     """Weight-space interference of every 2-D weight matrix, streamed one matrix at a time.
 
-    ``base`` is a :class:`submerge.diagnostics.models.CheckpointReader`; ``finetuned`` maps task names to
-    CheckpointReaders (LoRA readers included) or :class:`submerge.diagnostics.models.TaskVectorReader` objects,
+    ``base`` is a :class:`submerge.diagnostics.checkpoints.CheckpointReader`; ``finetuned`` maps task names to
+    CheckpointReaders (LoRA readers included) or :class:`submerge.diagnostics.task_vectors.TaskVectorReader` objects,
     which read each Δ_t (exact LoRA updates, vocabulary cropping, NaN/Inf check).  Memory: the T task
     matrices of one matrix (in ``svd_dtype``, on ``device``) plus about ten copies of it for the SVDs
     and float64 products (``benchmarks/interference.py`` measures it).
@@ -360,7 +366,7 @@ def interference(
     threads_per_worker, report; see ``submerge.diagnostics.interference.scale_out``); this process alone
     writes the store, so results, resume and provenance are as in one process.
     """
-    from submerge.diagnostics.models import pick_device
+    from submerge.diagnostics.placement import pick_device
     from submerge.diagnostics.progress import progress_bar
 
     task_readers = _task_readers(base, finetuned)

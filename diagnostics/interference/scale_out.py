@@ -59,7 +59,7 @@ class InterferenceWorker:
     """One worker process: opens the checkpoints once, then measures the groups of matrices it is given."""
 
     def __init__(self, base_spec: dict, task_specs: dict, job: MatrixJob, device: str, threads: int | None):
-        from submerge.diagnostics.models import pick_device
+        from submerge.diagnostics.placement import pick_device
 
         if threads:
             torch.set_num_threads(threads)

@@ -39,7 +39,14 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from submerge.diagnostics import scale_out as common
-from submerge.diagnostics.capture import CaptureState, ParameterSource, layer_chunks, model_outputs, no_tf32, record_inputs
+from submerge.diagnostics.capture import (
+    CaptureState,
+    ParameterSource,
+    layer_chunks,
+    model_outputs,
+    no_tf32,
+    record_inputs,
+)
 from submerge.diagnostics.linearity.sweep import Unit, measure_layer, model_replayed, units_of
 from submerge.diagnostics.modules import Submodule
 
@@ -65,13 +72,13 @@ def load_blocks(spec: dict, layers: range, *, head: bool, device, offload: bool 
     The stages outside the blocks are read too (embedding, final norm), the output head only with `head`;
     ``spec``: the base's `checkpoint_spec` (``reader``), storage ``dtype`` and ``trust_remote_code``. With
     `offload` (and an accelerator `device`) they are read into host memory and stream to `device` stage by stage
-    (`submerge.diagnostics.models.execution_device`), as a base loaded with ``offload=True`` does.
+    (`submerge.diagnostics.placement.execution_device`), as a base loaded with ``offload=True`` does.
     """
     from pathlib import Path
 
-    from submerge.diagnostics.models import BaseModel, checkpoint_name_map, offload_to, offloads
+    from submerge.diagnostics.base_model import BaseModel, checkpoint_name_map, meta_model
     from submerge.diagnostics.modules import find_architecture
-    from submerge.diagnostics.tensors import meta_model
+    from submerge.diagnostics.placement import offload_to, offloads
 
     dtype = getattr(torch, spec["dtype"])
     model = meta_model(Path(spec["reader"]["path"]), trust_remote_code=spec["trust_remote_code"], buffers=False,
@@ -113,8 +120,8 @@ class BlockWorker:
     """
 
     def __init__(self, job: dict, layers: list[int], modules: dict[int, list[Submodule]], incoming: list):
-        from submerge.diagnostics.models import pick_device
         from submerge.diagnostics.modules import find_architecture
+        from submerge.diagnostics.placement import pick_device
 
         if job["threads"]:
             torch.set_num_threads(job["threads"])

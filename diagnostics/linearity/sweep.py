@@ -34,8 +34,9 @@ from submerge.diagnostics.capture import (
 )
 from submerge.diagnostics.modules import Submodule, find_submodules, get_module
 from submerge.diagnostics.progress import progress_bar
+from submerge.diagnostics.provenance import run_attrs
 from submerge.diagnostics.scale_out import check_workers
-from submerge.diagnostics.store import Store, UnitWriter, run_attrs
+from submerge.diagnostics.store import Store, UnitWriter
 
 DEFAULT_CAPTURE_BUDGET = 2 * 1024**3  # bytes of recorded inputs held at once
 PRECISION_NOTE = {
