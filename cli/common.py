@@ -15,6 +15,8 @@ import yaml
 from rich.console import Console
 from rich.markup import escape
 
+from submerge.diagnostics import demo
+from submerge.diagnostics.data import parse_named
 from submerge.diagnostics.errors import SubmergeError
 
 # soft_wrap: a message is one logical line the terminal wraps, so a long path in it stays whole (rich would break
@@ -87,14 +89,12 @@ def user_errors(function):
 def resolve_inputs(model: Optional[str], finetuned: Optional[list[str]], data: Optional[list[str]],
                    *, need_data: bool = True) -> tuple[str, dict[str, str], dict[str, str]]:
     """The base / fine-tunes / data the user named, or the embedded demo kit when no --model."""
-    from submerge.diagnostics.data import parse_named
 
     named_finetuned = parse_named(finetuned, "finetuned")
     named_data = parse_named(data, "data")
     if model is None:
         if named_finetuned:
             raise typer.BadParameter("--finetuned given without --model; name the base model too")
-        from submerge.diagnostics import demo
 
         console.print("[bold]No --model: using the embedded demo kit[/] (SmolLM2-135M-Instruct and LoRA fine-tunes "
                       f"on {', '.join(demo.DEMO_TASKS)}).")

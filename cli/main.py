@@ -18,6 +18,25 @@ from submerge.cli.options import (
     run_options,
     scale_out_arguments,
 )
+from submerge.diagnostics import demo
+from submerge.diagnostics.checkpoints import local_path, open_checkpoint
+from submerge.diagnostics.data import parse_named
+from submerge.diagnostics.evaluate import evaluate
+from submerge.diagnostics.interference import interference as run_interference
+from submerge.diagnostics.interference import summarize_interference
+from submerge.diagnostics.linearity import GRANULARITIES, nonlinearity, summarize_nonlinearity
+from submerge.diagnostics.linearity import alpha as run_alpha
+from submerge.diagnostics.linearity import projection as run_projection
+from submerge.diagnostics.modules import LEVELS
+from submerge.diagnostics.outputs import check_output_file, file_starts_with, replace_file
+from submerge.diagnostics.plot import report as draw
+from submerge.diagnostics.store import Store
+from submerge.diagnostics.task_vectors import open_finetunes
+from submerge.merge.compare import compare as run_compare
+from submerge.merge.compare import leaderboard
+from submerge.merge.plan import MERGEKIT_HEADER, is_plan_file, make_plan
+from submerge.merge.run import DataSettings, needs_data, run_merge
+from submerge.merge.strategies import resolve_method
 
 app = typer.Typer(
     name="diag",
@@ -36,8 +55,6 @@ _experiment = load_experiment  # the merge command's name for it
 
 
 def _levels(value: str) -> tuple[str, ...]:
-    from submerge.diagnostics.modules import LEVELS
-
     levels = tuple(v.strip() for v in value.split(",") if v.strip())
     bad = [v for v in levels if v not in LEVELS or v == "linear"]
     if bad or not levels:
@@ -72,7 +89,6 @@ def _cell(value) -> str:
 
 def _store_run(run: RunOptions) -> dict:
     """The keyword arguments every data-driven driver takes from the shared options."""
-    from submerge.diagnostics.store import Store
 
     return {"store": Store(run.out), "force": run.force, "progress": run.progress, "command": command_line(),
             "capture_budget": run.capture_bytes, **run.scale_out}
@@ -93,7 +109,6 @@ def linearity(
     Writes store group `linearity` (nonlinearity_score over task × module × sample) and prints
     mean ± std per level and task (seed 002 Table 17). A killed run resumes where it stopped.
     """
-    from submerge.diagnostics.linearity import nonlinearity, summarize_nonlinearity
 
     if model_output not in ("hidden", "logits"):
         raise typer.BadParameter("--model-output must be hidden or logits")
@@ -114,7 +129,6 @@ def projection(
 ):
     """Projection Distance (Eq. 8), cosine_merge (Eq. 16) and cosine_base (Eq. 17) for every subset of
     two or more fine-tunes over an α grid, per submodule. Writes store group `projection`."""
-    from submerge.diagnostics.linearity import projection as run_projection
 
     alphas = _numbers(alpha_values, "--alpha") if alpha_values else None
     chosen = _levels(levels)
@@ -141,8 +155,6 @@ def alpha(
 
     Writes store group `alpha/<granularity>` with α, the condition number, a least-squares flag,
     and the Eq. 10 objective at the solved α and at uniform weights."""
-    from submerge.diagnostics.linearity import GRANULARITIES
-    from submerge.diagnostics.linearity import alpha as run_alpha
 
     if granularity not in GRANULARITIES:
         raise typer.BadParameter(f"--granularity must be one of {', '.join(GRANULARITIES)}")
@@ -157,8 +169,6 @@ def alpha(
 
 def _open_models(run: RunOptions):
     """(base spec, base reader, task-vector readers, pre-flight report) of the shared model options."""
-    from submerge.diagnostics.checkpoints import open_checkpoint
-    from submerge.diagnostics.task_vectors import open_finetunes
 
     model, named_finetuned, _ = run.inputs(need_data=False)
     base = open_checkpoint(model, allow_pickle=run.allow_pickle, role="base model")
@@ -184,9 +194,6 @@ def interference(
     sign conflicts, STI (TSV-M), SAR (Iso-C), row-space interference I(k) and R(k) (CART).
 
     Streams one matrix at a time (base + one tensor per fine-tune); writes store group `interference`."""
-    from submerge.diagnostics.interference import interference as run_interference
-    from submerge.diagnostics.interference import summarize_interference
-    from submerge.diagnostics.store import Store
 
     fractions = _numbers(rank_fracs, "--rank-fracs")
     _, base, task_vectors, _ = _open_models(run)
@@ -214,7 +221,6 @@ def report(
 
     Groups not marked complete (a run that stopped) and absent chunks are listed as partial data;
     a damaged store file is named."""
-    from submerge.diagnostics.plot import report as draw
 
     figures = draw(store_path, out_dir or store_path.with_name(store_path.stem + "-figures"), console=out)
     out.print(f"Wrote {len(figures)} figure(s) to {figures[0].parent if figures else out_dir}")
@@ -260,9 +266,6 @@ def plan(
     """Choose the merge granularity from the store and write a plan: α per submodule + the rest."""
     import yaml
 
-    from submerge.diagnostics.outputs import check_output_file, file_starts_with, replace_file
-    from submerge.merge.plan import MERGEKIT_HEADER, is_plan_file, make_plan
-
     check_output_file(out_path, force, option="--out", ours=is_plan_file, what="a submerge plan")
     if export_mergekit:
         check_output_file(export_mergekit, force, option="--export-mergekit", ours=file_starts_with(MERGEKIT_HEADER),
@@ -275,8 +278,6 @@ def plan(
     out.print(f"Plan: granularity [bold]{the_plan.granularity}[/], {len(the_plan.alpha)} submodules → {out_path}")
     if export_mergekit:
         from transformers import AutoConfig
-
-        from submerge.diagnostics.checkpoints import local_path
 
         layers = AutoConfig.from_pretrained(local_path(the_plan.base_model)).num_hidden_layers
         mergekit, notes = the_plan.to_mergekit(layers)
@@ -311,9 +312,6 @@ def merge(
 ):
     """Write a merged Hugging Face checkpoint, streaming tensor by tensor (sharded safetensors + config +
     tokenizer + submerge_merge.yaml)."""
-    from submerge.diagnostics.data import parse_named
-    from submerge.merge.run import DataSettings, needs_data, run_merge
-    from submerge.merge.strategies import resolve_method
 
     if (plan_path is None) == (method is None):
         raise typer.BadParameter("give either a PLAN file or --method")
@@ -347,9 +345,6 @@ def evaluate_command(
 ):
     """Per-task mean token loss and perplexity on held-out records, for the base, each fine-tune and
     merged models, in one table. Writes store group `eval`."""
-    from submerge.diagnostics.data import parse_named
-    from submerge.diagnostics.evaluate import evaluate
-    from submerge.diagnostics.store import Store
 
     base, named_finetuned, named_data = run.inputs()
     models = {**named_finetuned, **parse_named(merged, "merged")}
@@ -376,7 +371,6 @@ app.add_typer(demo_app, name="demo")
 @user_errors
 def demo_fetch():
     """Fetch and cache the demo base model and task data now (later commands then run offline)."""
-    from submerge.diagnostics import demo
 
     base = demo.ensure_demo_base(console)
     data = demo.ensure_demo_data(console)
@@ -426,9 +420,6 @@ def compare(
     α per layer and per attn+MLP, and the plan, each evaluated on held-out records; one merge at a time.
 
     Writes store group `compare` (loss and normalised gain per method × task) and prints the leaderboard."""
-    from submerge.diagnostics.store import Store
-    from submerge.merge.compare import compare as run_compare
-    from submerge.merge.compare import leaderboard
 
     base, named_finetuned, named_data = run.inputs()
     grid = _numbers(lambdas, "--lambdas")

@@ -27,6 +27,7 @@ from typing import Annotated, Optional
 import typer
 
 from submerge.cli.common import ConfigOption, console, resolve_inputs
+from submerge.diagnostics.experiment import Experiment
 
 DEMO_SAMPLES, DEMO_MAX_TOKENS = 16, 256  # the README's demo command; no --model means the demo kit
 SAMPLES, MAX_TOKENS = 30, 512  # seed 002's 30 records; 512 tokens
@@ -211,7 +212,6 @@ DATA_RUN = (*MODELS, "data", "out", "samples", "max_tokens", "batch_size", "capt
 
 def load_experiment(model, finetuned, data, **settings):
     """`Experiment.load` on the user's inputs (or the demo kit), with a status line while it loads."""
-    from submerge.diagnostics.experiment import Experiment
 
     model, named_finetuned, named_data = resolve_inputs(model, finetuned, data)
     with console.status("Loading the base model and opening the fine-tunes ..."):

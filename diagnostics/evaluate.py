@@ -27,7 +27,7 @@ from submerge.diagnostics.errors import ModelInputError
 from submerge.diagnostics.experiment import check_device, pick_compute_dtype
 from submerge.diagnostics.modules import find_architecture
 from submerge.diagnostics.progress import progress_bar
-from submerge.diagnostics.scale_out import check_workers
+from submerge.diagnostics.scale_out import check_workers, ordered_results, process_stats
 from submerge.diagnostics.store import Store, UnitWriter
 from submerge.diagnostics.task_vectors import TaskVectorReader
 
@@ -121,8 +121,6 @@ class EvalWorker:
                              allow_pickle=self.allow_pickle) for spec in group]
 
     def stats(self) -> dict:
-        from submerge.diagnostics.scale_out import process_stats
-
         return process_stats()
 
 
@@ -134,7 +132,6 @@ def _losses(base, arch, specs: list[str | None], tasks, batches, compute, load: 
             yield model_losses(base, arch, spec, tasks, batches, compute, allow_pickle=load["allow_pickle"],
                                describe=lambda task, spec=spec: describe(f"{spec or 'base'} on {task}"))
         return
-    from submerge.diagnostics.scale_out import ordered_results
 
     describe(f"{scale_out['workers']} Ray worker(s)")
     options = dict(scale_out.get("ray_options") or {})

@@ -24,6 +24,9 @@ import seaborn as sns
 import xarray as xr
 from matplotlib.ticker import MaxNLocator
 
+from submerge.diagnostics.errors import StoreError
+from submerge.diagnostics.store import Store
+
 LEVEL_ORDER = ("model", "layer", "attn", "mlp", "head")
 GRANULARITY_ORDER = ("model", "layer", "attn-mlp", "head-mlp")
 INTERFERENCE_RANK_FRAC = 0.08  # CART's reported optimum; the I(k) column of the per-layer heatmap
@@ -49,8 +52,6 @@ def check_store(store_path: str | Path) -> list[str]:
     A damaged store (a truncated ``zarr.json``, a missing or undecodable chunk) raises `StoreError`
     naming the file, so a report never shows it as "—".
     """
-    from submerge.diagnostics.errors import StoreError
-    from submerge.diagnostics.store import Store
 
     store = Store(store_path)
     if not store.exists():
@@ -65,8 +66,6 @@ def check_store(store_path: str | Path) -> list[str]:
 
 
 def _open_tree(store_path: str | Path) -> xr.DataTree:
-    from submerge.diagnostics.store import Store
-
     return Store(store_path).open()
 
 

@@ -18,6 +18,9 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+from submerge.diagnostics.checkpoints import LoraReader, StateDictReader, open_checkpoint
+from submerge.diagnostics.task_vectors import TaskVectorReader
+
 RAY_EXTRA = "pip install 'submerge[ray]' (or pip install 'ray>=2.9')"
 GROUP_ELEMENTS = 1 << 20  # a tensor this large is a task of its own; smaller ones are grouped up to it
 
@@ -54,7 +57,6 @@ def connect(address: str, workers: int, gpus_per_worker: float = 0) -> bool:
 
 def checkpoint_spec(reader) -> dict:
     """What a worker needs to reopen a `CheckpointReader`: its resolved path and how it was opened."""
-    from submerge.diagnostics.checkpoints import LoraReader, StateDictReader
 
     if not hasattr(reader, "path"):
         raise TypeError(f"ray needs checkpoints it can reopen from a path; {type(reader).__name__} has none")
@@ -64,7 +66,6 @@ def checkpoint_spec(reader) -> dict:
 
 def reopen_checkpoint(spec: dict, base=None):
     """The `CheckpointReader` of a :func:`checkpoint_spec` (a LoRA adapter is read against ``base``)."""
-    from submerge.diagnostics.checkpoints import open_checkpoint
 
     return open_checkpoint(spec["path"], base=base if spec["lora"] else None, allow_pickle=spec["allow_pickle"])
 
@@ -76,7 +77,6 @@ def task_vector_specs(task_readers: dict) -> dict:
 
 def reopen_task_vectors(base, specs: dict) -> dict:
     """The `TaskVectorReader`s of `task_vector_specs` against the base `CheckpointReader` ``base``."""
-    from submerge.diagnostics.task_vectors import TaskVectorReader
 
     return {task: TaskVectorReader(task, base, reopen_checkpoint(spec, base), vocab)
             for task, (spec, vocab) in specs.items()}

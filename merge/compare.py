@@ -42,7 +42,12 @@ import numpy as np
 import pandas as pd
 import xarray as xr
 
+from submerge.diagnostics.capture import GramsByLayer
+from submerge.diagnostics.checkpoints import open_checkpoint
+from submerge.diagnostics.data import read_task_file, tokenize
 from submerge.diagnostics.errors import SubmergeError
+from submerge.diagnostics.evaluate import checkpoint_source, scaled_source, streamed_losses
+from submerge.diagnostics.experiment import Experiment
 from submerge.diagnostics.outputs import (
     MERGE_MARKER,
     OutputError,
@@ -50,8 +55,12 @@ from submerge.diagnostics.outputs import (
     check_output_file,
     is_merge_output,
 )
+from submerge.diagnostics.progress import progress_bar
 from submerge.diagnostics.store import Store, UnitWriter
-from submerge.merge.plan import is_plan_file
+from submerge.merge.plan import Plan, PlanError, choose_by_evidence, is_plan_file, make_plan
+from submerge.merge.rules import regmean_rule
+from submerge.merge.strategies import STRATEGIES
+from submerge.merge.writer import ParameterRule, write_merge
 
 DEFAULT_LAMBDAS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 TUNED = "task-arithmetic-tuned"
@@ -84,7 +93,6 @@ DATA_STEPS = ("regmean",)
 
 def default_methods() -> list[str]:
     """Every registered strategy, the tuned task arithmetic, closed form at layer and attn-mlp, the plan."""
-    from submerge.merge.strategies import STRATEGIES
 
     strategies = [name for name, method in STRATEGIES.items() if not method.needs_data or name in DATA_STEPS]
     return [*strategies, TUNED, *CLOSED_FORM, PLAN]
@@ -129,9 +137,6 @@ class Merge:
 
 
 def _strategy(name: str) -> Merge:
-    from submerge.merge.strategies import STRATEGIES
-    from submerge.merge.writer import ParameterRule
-
     rule = ParameterRule(method=name, options={})
     options = STRATEGIES[name].resolve_options({})
     return Merge(lambda info: rule, f"defaults {options}" if options else "no options",
@@ -140,8 +145,6 @@ def _strategy(name: str) -> Merge:
 
 def _regmean(experiment) -> Merge:
     """RegMean on every linear map inside the blocks (Grams of the fit records on the base); TA elsewhere."""
-    from submerge.diagnostics.capture import GramsByLayer
-    from submerge.merge.rules import regmean_rule
 
     grams = GramsByLayer(experiment.base.model, experiment.arch, experiment.batches,
                          checkpoint_names=experiment.base.checkpoint_names, device=experiment.device)
@@ -170,8 +173,6 @@ def prepare(experiment, finetuned: dict[str, str], methods: list[str], *, plan=N
     Runs before any merged weights are loaded: capture needs the base model's own weights.
     Returns (merges, the plan used or None).
     """
-    from submerge.merge.plan import Plan, PlanError, choose_by_evidence, make_plan
-    from submerge.merge.strategies import STRATEGIES
 
     merges = {name: _strategy(name) for name in methods if name in STRATEGIES and name != "regmean"}
     if "regmean" in methods:
@@ -221,29 +222,23 @@ class _Evaluator:
         self.load(None)
 
     def losses(self, batches: dict | None = None) -> np.ndarray:
-        from submerge.diagnostics.evaluate import streamed_losses
-
         batches = batches or self.held_out
         results = streamed_losses(self.source, self.arch, {t: batches[t] for t in self.tasks}, self.variant)
         return np.array([results[t][0] for t in self.tasks])
 
     def load(self, spec: str | None) -> None:
         """The checkpoint `spec` (None: the base) is the model the next `losses` measure."""
-        from submerge.diagnostics.evaluate import checkpoint_source
 
         self.source, self.variant = checkpoint_source(self.base, spec, self.compute, allow_pickle=self.allow_pickle)
 
     def load_scaled(self, reader, scale: float, *, name: str = "scaled") -> None:
         """θ0 + scale · (θ_reader − θ0) is the model the next `losses` measure."""
-        from submerge.diagnostics.evaluate import scaled_source
 
         self.source, self.variant = scaled_source(self.base, reader, scale, self.compute, name=name)
 
 
 def _tune_lambda(evaluator: _Evaluator, write: Callable, lambdas) -> tuple[float, dict[float, float]]:
     """λ of θ0 + λ Σ τ with the lowest mean loss over tasks on the fit records; all fit losses."""
-    from submerge.diagnostics.checkpoints import open_checkpoint
-    from submerge.merge.writer import ParameterRule
 
     summed = ParameterRule(method="task-arithmetic", options={"scaling": 1.0})
     directory = write("task-arithmetic-sum", Merge(lambda info: summed, "", {"method": "task-arithmetic"}), False)
@@ -331,8 +326,6 @@ def compare(
     Returns the ``compare`` dataset (method × task loss and normalised gain, mean gain, seconds);
     with `store`, writes it as group ``compare`` method by method (resumable).
     """
-    from submerge.diagnostics.data import read_task_file, tokenize
-    from submerge.diagnostics.experiment import Experiment
 
     methods = check_methods(list(methods) if methods else default_methods())
     skip = fit if skip is None else skip
@@ -416,8 +409,6 @@ def _check_outputs(pending: list[str], keep, plan_out, store: Store | None, forc
 def _run_methods(pending, merges, evaluator, writer, references, base_spec, finetuned, *, lambdas, keep,
                  allow_pickle, vocab, progress, store=None) -> dict:
     """Write, load, evaluate and (unless kept) delete each pending method's merge; returns notes for attrs."""
-    from submerge.diagnostics.progress import progress_bar
-    from submerge.merge.writer import ParameterRule, write_merge
 
     notes = {}
     scratch = Path(tempfile.mkdtemp(prefix="submerge-compare-"))

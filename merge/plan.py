@@ -28,13 +28,25 @@ import numpy as np
 import torch
 import yaml
 
+from submerge.diagnostics.capture import (
+    head_output,
+    layer_chunks,
+    record_inputs,
+    replay,
+    replay_with_heads,
+    sample_features,
+)
+from submerge.diagnostics.checkpoints import local_path
 from submerge.diagnostics.errors import SubmergeError
-from submerge.diagnostics.modules import GRANULARITIES
+from submerge.diagnostics.linearity import alpha_system, balance_denominator, merge_objective, solve_alpha, task_gram
+from submerge.diagnostics.modules import GRANULARITIES, get_module, module_parameter_names
 from submerge.diagnostics.outputs import check_output_file, file_starts_with, replace_file
+from submerge.diagnostics.progress import progress_bar
 from submerge.diagnostics.provenance import provenance
 from submerge.diagnostics.store import Store
-from submerge.diagnostics.tensors import TensorInfo
+from submerge.diagnostics.tensors import TensorInfo, TensorTable
 from submerge.merge.rules import ParameterRule, head_rule, mean_rule, weights_rule
+from submerge.merge.strategies import merge_parameter
 
 DEFAULT_NL_MAX = 0.5
 DEFAULT_PD_MAX = 0.2
@@ -330,8 +342,6 @@ def plan_from_alpha(alpha, base_model: str, finetuned: dict[str, str], *, rest: 
 
 
 def _base_config(spec: str) -> dict:
-    from submerge.diagnostics.checkpoints import local_path
-
     path = local_path(spec)
     config = path / "config.json" if path.is_dir() else path.parent / "config.json"
     return json.loads(config.read_text()) if config.exists() else {}
@@ -387,7 +397,6 @@ def fold_alphas(grams_by_task, folds_by_task, fold: int, *, balance: bool = True
     ``grams_by_task[a]`` is the (n_a, T, T) stack of per-sample Grams on task a's inputs and
     ``folds_by_task[a]`` the (n_a,) fold of each sample; ``fold = -1`` uses every sample.
     """
-    from submerge.diagnostics.linearity import alpha_system, solve_alpha
 
     train = []
     for a, (grams, folds) in enumerate(zip(grams_by_task, folds_by_task)):
@@ -418,7 +427,6 @@ def interference_marks(interference, *, sti_max: float = DEFAULT_STI_MAX,
 
 def rule_delta(rule: ParameterRule, info: TensorInfo, vectors: list[torch.Tensor], tasks: list[str]) -> torch.Tensor:
     """The merged task vector of one tensor under `rule` (weights: Σ w_t τ_t; method: the strategy)."""
-    from submerge.merge.strategies import merge_parameter
 
     if rule.weights is None:
         return merge_parameter(info.name, vectors, rule.method, rule.options, kind=info.kind)
@@ -555,8 +563,6 @@ class _BlockScorer:
 
     def __init__(self, experiment, finetuned: dict[str, str], settings: dict, marks: dict[str, str],
                  rest: dict | None = None):
-        from submerge.diagnostics.tensors import TensorTable
-
         self.experiment, self.settings, self.marks = experiment, settings, marks
         self.rest = rest or {"method": "mean-task-vector"}
         self.tasks = experiment.tasks
@@ -580,8 +586,6 @@ class _BlockScorer:
 
     def features(self, path: str, recs, params, head: int | None = None) -> list[torch.Tensor]:
         """Per-sample float64 features of the module at `path` (or one of its heads) replayed with `params`."""
-        from submerge.diagnostics.capture import head_output, replay, replay_with_heads, sample_features
-        from submerge.diagnostics.modules import get_module
 
         module = get_module(self.model, path)
         out = []
@@ -596,7 +600,6 @@ class _BlockScorer:
 
     def unit_grams(self, path: str, head, recorded) -> tuple[list[np.ndarray], list[list[list[torch.Tensor]]]]:
         """Per-sample Grams (per input task) of one unit and its features [task][variant][sample]."""
-        from submerge.diagnostics.linearity import task_gram
 
         variants = [self.source.variant(path, {})] + [self.source.variant(path, {t: 1.0}) for t in self.tasks]
         grams, feats = [], []
@@ -610,7 +613,6 @@ class _BlockScorer:
     def block_parameters(self, layer: int, plan: Plan) -> dict[str, torch.Tensor]:
         """Block `layer`'s parameters merged by `plan` (local names), θ0 + δ in the compute dtype, never rounded
         back to storage (plus the block's floating buffers, upcast, as `ParameterSource.variant` gives them)."""
-        from submerge.diagnostics.modules import module_parameter_names
 
         path = self.arch.layer_path(layer)
         params = self.source.upcast_buffers(path)
@@ -631,7 +633,6 @@ class _BlockScorer:
 
     def fold_objective(self, merged, layer_feats, layer_grams, folds_by_task, fold: int) -> float:
         """Eq. 10 (balanced by Eq. 33 when `balance`) of the merged block on the samples of `fold`."""
-        from submerge.diagnostics.linearity import balance_denominator, merge_objective
 
         chosen, targets, denominators = [], [], []
         for a in range(len(self.tasks)):
@@ -691,8 +692,6 @@ def choose_by_evidence(
     `interference`: the store's `interference` dataset (or None: no steering). `finetuned`: the specs
     written into the plan (task → spec, the experiment's tasks).
     """
-    from submerge.diagnostics.capture import layer_chunks, record_inputs
-    from submerge.diagnostics.progress import progress_bar
 
     candidates = tuple(dict.fromkeys(candidates))
     for candidate in candidates:
@@ -738,8 +737,6 @@ def block_objectives(experiment, plan: Plan, *, balance: bool = True, layers: li
     The block's inputs are recorded on the base; its merged output is compared with each input task's own
     fine-tune. Use an experiment on held-out records (``skip``) to check a plan out of sample.
     """
-    from submerge.diagnostics.capture import record_inputs
-    from submerge.diagnostics.progress import progress_bar
 
     settings = {"candidates": [], "folds": 1, "balance": balance, "steer_method": "tsv-m", "tolerance": 0.0}
     scorer = _BlockScorer(experiment, dict(plan.finetuned), settings, {}, plan.rest)

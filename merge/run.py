@@ -19,7 +19,12 @@ from pathlib import Path
 
 import torch
 
+from submerge.diagnostics.capture import GramsByLayer
+from submerge.diagnostics.checkpoints import local_path
+from submerge.diagnostics.experiment import Experiment
+from submerge.diagnostics.linearity import alpha
 from submerge.diagnostics.scale_out import check_workers
+from submerge.merge.plan import Plan, plan_from_alpha
 from submerge.merge.rules import RuleFunction, checked_method, method_rule, regmean_rule
 from submerge.merge.strategies import STRATEGIES
 from submerge.merge.writer import MergeError, check_not_an_input, check_output, parse_size, write_merge
@@ -83,7 +88,6 @@ def run_merge(
     parse_size(shard_size)
     dtype = parse_out_dtype(out_dtype)
     if plan is not None:
-        from submerge.merge.plan import Plan
 
         the_plan = Plan.load(plan)
         base, finetuned = the_plan.base_model, the_plan.finetuned
@@ -117,7 +121,6 @@ def parse_out_dtype(value: str | torch.dtype | None) -> torch.dtype | None:
 
 def _refuse_inputs(out_dir: Path, base: str, finetuned: dict[str, str], allow_pickle: bool) -> None:
     """`check_not_an_input` on the inputs' local paths, before any data step (the writer checks again)."""
-    from submerge.diagnostics.checkpoints import local_path
 
     inputs = {}
     for what, spec in {"base model": base, **{f"fine-tune '{t}'": s for t, s in (finetuned or {}).items()}}.items():
@@ -136,7 +139,6 @@ def method_setup(method: str, options: dict, base: str, finetuned: dict[str, str
     registered = STRATEGIES[name]
     if not registered.needs_data:
         return MergeSetup(method_rule(name, options), record)
-    from submerge.diagnostics.experiment import Experiment
 
     experiment = Experiment.load(base, finetuned, data.data, samples=data.samples, max_tokens=data.max_tokens,
                                  batch_size=data.batch_size, dtype="auto", device=device, offload=offload,
@@ -146,9 +148,6 @@ def method_setup(method: str, options: dict, base: str, finetuned: dict[str, str
 
 
 def _closed_form(experiment, base, finetuned, record, options, data_options, progress) -> MergeSetup:
-    from submerge.diagnostics.linearity import alpha
-    from submerge.merge.plan import plan_from_alpha
-
     solved = alpha(experiment, granularity=data_options["granularity"], balance=data_options["balance"],
                    progress=progress)
     the_plan = plan_from_alpha(solved, base, finetuned)
@@ -157,8 +156,6 @@ def _closed_form(experiment, base, finetuned, record, options, data_options, pro
 
 
 def _regmean(experiment, base, finetuned, record, options, data_options, progress) -> MergeSetup:
-    from submerge.diagnostics.capture import GramsByLayer
-
     grams = GramsByLayer(experiment.base.model, experiment.arch, {t: experiment.batches[t] for t in finetuned},
                          checkpoint_names=experiment.base.checkpoint_names, device=experiment.device)
     return MergeSetup(regmean_rule(options, grams.names), record, grams)

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from submerge.diagnostics import scale_out as common
+from submerge.diagnostics.tensors import TensorTable
 
 __all__ = ["MergeWorker", "ray_merged"]
 
@@ -28,8 +29,6 @@ class MergeWorker:
 
     def __init__(self, base_spec: dict, task_specs: dict, rule_for: Callable, gram_matrices: Callable | None,
                  options: dict, threads: int | None):
-        from submerge.diagnostics.tensors import TensorTable
-
         if threads:
             torch.set_num_threads(threads)
         self.base = common.reopen_checkpoint(base_spec)

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from submerge.diagnostics.checkpoints import CheckpointReader
 from submerge.diagnostics.errors import SelectionError
 from submerge.diagnostics.interference.metrics import (
     DEFAULT_RANK_FRACS,
@@ -44,8 +45,13 @@ from submerge.diagnostics.interference.metrics import (
     rank_from_fraction,
     task_matrix_interference,
 )
+from submerge.diagnostics.placement import pick_device
+from submerge.diagnostics.progress import progress_bar
 from submerge.diagnostics.scale_out import check_workers
 from submerge.diagnostics.spectral import svd_dtype as _svd_dtype
+from submerge.diagnostics.store import UnitWriter
+from submerge.diagnostics.task_vectors import TaskVectorReader
+from submerge.diagnostics.tensors import TensorTable
 
 __all__ = ["GROUP", "MatrixJob", "interference", "measure_matrix", "summarize_interference"]
 
@@ -120,7 +126,6 @@ def _check_strategy(sar_against: str, sar_options: dict | None) -> None:
 def _plan_matrices(base, task_readers: dict, table, matrices, transposed):
     """(table, matrix names in order without tied duplicates, {duplicate: kept}, Conv1D names) from the table."""
     if table is None:
-        from submerge.diagnostics.tensors import TensorTable
 
         table = TensorTable.from_reader(base)
     names = _matrix_names(base, table, matrices)
@@ -246,7 +251,6 @@ def _notes(job: MatrixJob, device, duplicates: dict[str, str]) -> dict:
 def _open_writer(store, job: MatrixJob, base, task_readers: dict, matrices, *, force: bool, command: str | None,
                  scale_out: dict | None = None):
     """The `UnitWriter` of group ``interference`` (store None: results are only gathered)."""
-    from submerge.diagnostics.store import UnitWriter
 
     if store is None:
         return UnitWriter(None, GROUP, {}, dim="matrix")
@@ -265,8 +269,6 @@ def _open_writer(store, job: MatrixJob, base, task_readers: dict, matrices, *, f
 
 def _task_readers(base, finetuned: dict) -> dict:
     """task → TaskVectorReader (CheckpointReaders, LoRA readers included, are wrapped against ``base``)."""
-    from submerge.diagnostics.checkpoints import CheckpointReader
-    from submerge.diagnostics.task_vectors import TaskVectorReader
 
     if not finetuned:
         raise ValueError("finetuned is empty: need at least one fine-tuned model")
@@ -292,7 +294,6 @@ def _results(names: list[str], base, task_readers: dict, job: MatrixJob, device:
 
 def _local_results(names: list[str], task_readers: dict, job: MatrixJob, device: str, on_start) -> Iterator:
     """(name, shape, result) of every matrix in order, measured in this process."""
-    from submerge.diagnostics.placement import pick_device
 
     target = pick_device(device)
     for name in names:
@@ -366,8 +367,6 @@ def interference(
     threads_per_worker, report; see ``submerge.diagnostics.interference.scale_out``); this process alone
     writes the store, so results, resume and provenance are as in one process.
     """
-    from submerge.diagnostics.placement import pick_device
-    from submerge.diagnostics.progress import progress_bar
 
     task_readers = _task_readers(base, finetuned)
     _check_settings(svd_dtype, rank_fracs, sar_against, sar_options, ray, workers)

@@ -41,6 +41,7 @@ from collections.abc import Iterator
 import torch
 
 from submerge.diagnostics.interference.driver import MatrixJob, measure_matrix
+from submerge.diagnostics.placement import pick_device
 from submerge.diagnostics.scale_out import (
     GROUP_ELEMENTS,
     checkpoint_spec,
@@ -59,8 +60,6 @@ class InterferenceWorker:
     """One worker process: opens the checkpoints once, then measures the groups of matrices it is given."""
 
     def __init__(self, base_spec: dict, task_specs: dict, job: MatrixJob, device: str, threads: int | None):
-        from submerge.diagnostics.placement import pick_device
-
         if threads:
             torch.set_num_threads(threads)
         self.task_readers = reopen_task_vectors(reopen_checkpoint(base_spec), task_specs)

@@ -39,6 +39,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from submerge.diagnostics import scale_out as common
+from submerge.diagnostics.base_model import BaseModel, checkpoint_name_map, meta_model
 from submerge.diagnostics.capture import (
     CaptureState,
     ParameterSource,
@@ -48,7 +49,8 @@ from submerge.diagnostics.capture import (
     record_inputs,
 )
 from submerge.diagnostics.linearity.sweep import Unit, measure_layer, model_replayed, units_of
-from submerge.diagnostics.modules import Submodule
+from submerge.diagnostics.modules import Submodule, find_architecture
+from submerge.diagnostics.placement import offload_to, offloads, pick_device
 
 __all__ = ["BlockWorker", "Pipeline", "load_blocks", "split_layers"]
 
@@ -75,10 +77,6 @@ def load_blocks(spec: dict, layers: range, *, head: bool, device, offload: bool 
     (`submerge.diagnostics.placement.execution_device`), as a base loaded with ``offload=True`` does.
     """
     from pathlib import Path
-
-    from submerge.diagnostics.base_model import BaseModel, checkpoint_name_map, meta_model
-    from submerge.diagnostics.modules import find_architecture
-    from submerge.diagnostics.placement import offload_to, offloads
 
     dtype = getattr(torch, spec["dtype"])
     model = meta_model(Path(spec["reader"]["path"]), trust_remote_code=spec["trust_remote_code"], buffers=False,
@@ -120,9 +118,6 @@ class BlockWorker:
     """
 
     def __init__(self, job: dict, layers: list[int], modules: dict[int, list[Submodule]], incoming: list):
-        from submerge.diagnostics.modules import find_architecture
-        from submerge.diagnostics.placement import pick_device
-
         if job["threads"]:
             torch.set_num_threads(job["threads"])
         self.device = pick_device(job["device"])
