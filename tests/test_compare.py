@@ -494,12 +494,10 @@ def test_compare_leaves_nothing_on_disk_without_keep(compared):
 
 def _counting(monkeypatch) -> dict[str, list]:
     """Count merged checkpoints written (by label), evidence choices and reference evaluations."""
-    import submerge.merge.plan
-    import submerge.merge.writer
     from submerge.merge import compare as module
 
     calls: dict[str, list] = {"written": [], "evidence": [], "loaded": []}
-    write_merge, choose, load = submerge.merge.writer.write_merge, submerge.merge.plan.choose_by_evidence, module._Evaluator.load
+    write_merge, choose, load = module.write_merge, module.choose_by_evidence, module._Evaluator.load
 
     def counted_write(base, finetuned, directory, *args, **kwargs):
         calls["written"].append(Path(directory).name)
@@ -513,8 +511,8 @@ def _counting(monkeypatch) -> dict[str, list]:
         calls["loaded"].append(spec)
         return load(self, spec)
 
-    monkeypatch.setattr(submerge.merge.writer, "write_merge", counted_write)
-    monkeypatch.setattr(submerge.merge.plan, "choose_by_evidence", counted_choose)
+    monkeypatch.setattr(module, "write_merge", counted_write)  # the names compare calls
+    monkeypatch.setattr(module, "choose_by_evidence", counted_choose)
     monkeypatch.setattr(module._Evaluator, "load", counted_load)
     return calls
 
