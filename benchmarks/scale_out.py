@@ -7,11 +7,11 @@ Linearity (``--diagnostic linearity``): a random Llama of ``submerge.diagnostics
 task data (8 samples each); ``nonlinearity`` over the layer, attn and mlp levels with N = 4.  Each in a
 fresh subprocess:
 
-- ``single``:   the driver in this process, torch limited to 1 thread;
-- ``ray-1``:    ``ray="auto", workers=1`` (a local Ray instance, 1 CPU);
-- ``ray-2``:    ``ray="auto", workers=2`` (linearity: worker 0 holds blocks 0–3, worker 1 blocks 4–7).
+- ``single``:   ``LocalEngine(threads=1)``, the driver in this process;
+- ``ray-1``:    ``RayEngine("auto", workers=1, threads=1)`` (a local Ray instance, 1 CPU);
+- ``ray-2``:    ``RayEngine("auto", workers=2, threads=1)`` (linearity: worker 0 holds blocks 0–3, worker 1 4–7).
 
-Every Ray worker runs torch with 1 thread too, so the three runs do the same
+Every engine fixes torch's thread count at 1, so the three runs do the same
 arithmetic and their arrays must be bitwise equal (checked and printed).  Ray's
 start-up (``ray.init``) is timed apart from the pass; the pass includes starting
 the worker processes (each imports torch and opens the checkpoints; a linearity
@@ -54,8 +54,10 @@ def _interference_benchmark():
 
 def _start_ray(mode: str) -> tuple[dict, float, float | None]:
     """For a ``ray-N`` mode: Ray started here (timed), the drivers' Ray options, an idle worker's peak RSS."""
+    from submerge.diagnostics.execution import LocalEngine, RayEngine
+
     if mode == "single":
-        return {}, 0.0, None
+        return {"engine": LocalEngine(threads=1)}, 0.0, None
     import ray
 
     workers = int(mode.split("-")[1])
@@ -63,7 +65,7 @@ def _start_ray(mode: str) -> tuple[dict, float, float | None]:
     ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False)
     startup = time.perf_counter() - start
     idle = ray.get(ray.remote(_idle_peak_rss_mib).remote())
-    return {"ray": "auto", "workers": workers, "ray_options": {"report": {}, "threads_per_worker": 1}}, startup, idle
+    return {"engine": RayEngine("auto", workers=workers, threads=1, report={})}, startup, idle
 
 
 def _interference_pass(directory: Path, options: dict):
@@ -87,7 +89,7 @@ def _linearity_pass(directory: Path, options: dict):
     experiment = Experiment.load(str(directory / "base"), {task: str(directory / task) for task in LINEARITY_TASKS},
                                  {task: str(directory / f"{task}.jsonl") for task in LINEARITY_TASKS},
                                  samples=8, max_tokens=64, batch_size=4, dtype="float32", device="cpu",
-                                 weights="ray" not in options)
+                                 weights=type(options["engine"]).__name__ == "LocalEngine")
     start = time.perf_counter()
     dataset = nonlinearity(experiment, levels=("layer", "attn", "mlp"), steps=4, progress=False, **options)
     return dataset, time.perf_counter() - start
@@ -107,8 +109,9 @@ def run(mode: str, diagnostic: str, directory: Path, arrays: Path) -> dict:
     np.savez(arrays, **{name: variable.values for name, variable in dataset.data_vars.items()})
     result = {"wall_s": wall, "startup_s": startup,
               "driver_peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
-    if options:
-        result["workers"] = options["ray_options"]["report"]["workers"]
+    report = getattr(options["engine"], "report", None)
+    if report is not None:
+        result["workers"] = report["workers"]
         result["idle_worker_peak_rss_mib"] = idle
     return result
 

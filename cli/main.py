@@ -14,9 +14,9 @@ from submerge.cli.options import (
     MODELS,
     SCALE_OUT,
     RunOptions,
+    engine_of,
     load_experiment,
     run_options,
-    scale_out_arguments,
 )
 from submerge.diagnostics import demo
 from submerge.diagnostics.checkpoints import local_path, open_checkpoint
@@ -36,7 +36,7 @@ from submerge.merge.compare import compare as run_compare
 from submerge.merge.compare import leaderboard
 from submerge.merge.plan import MERGEKIT_HEADER, is_plan_file, make_plan
 from submerge.merge.run import DataSettings, needs_data, run_merge
-from submerge.merge.strategies import resolve_method
+from submerge.merge.strategies import MergedTaskVector, resolve_method
 
 app = typer.Typer(
     name="diag",
@@ -87,13 +87,6 @@ def _cell(value) -> str:
     return str(value)
 
 
-def _store_run(run: RunOptions) -> dict:
-    """The keyword arguments every data-driven driver takes from the shared options."""
-
-    return {"store": Store(run.out), "force": run.force, "progress": run.progress, "command": command_line(),
-            "capture_budget": run.capture_bytes, **run.scale_out}
-
-
 @app.command()
 @user_errors
 @run_options(*DATA_RUN)
@@ -113,7 +106,7 @@ def linearity(
     if model_output not in ("hidden", "logits"):
         raise typer.BadParameter("--model-output must be hidden or logits")
     chosen = _levels(levels)
-    dataset = nonlinearity(run.experiment(), levels=chosen, steps=steps, model_output=model_output, **_store_run(run))
+    dataset = nonlinearity(run.experiment(), levels=chosen, steps=steps, model_output=model_output, run=run.run_settings())
     _print_frame(summarize_nonlinearity(dataset), "Non-linearity Score (mean ± std over modules and samples)")
     out.print(f"Wrote group [bold]linearity[/] of {run.out}")
 
@@ -135,7 +128,7 @@ def projection(
     if run.model is not None and len(run.finetuned or []) < 2:
         raise typer.BadParameter(f"diag projection compares merges of two or more fine-tunes; got "
                                  f"{len(run.finetuned or [])} (give --finetuned NAME=PATH at least twice)")
-    dataset = run_projection(run.experiment(), levels=chosen, alphas=alphas, **_store_run(run))
+    dataset = run_projection(run.experiment(), levels=chosen, alphas=alphas, run=run.run_settings())
     frame = dataset.projection_distance.mean("combo").to_dataframe().groupby("level")["projection_distance"].agg(
         ["mean", "std"])
     _print_frame(frame, "Projection Distance (mean over the α grid; mean and std over modules)")
@@ -158,7 +151,7 @@ def alpha(
 
     if granularity not in GRANULARITIES:
         raise typer.BadParameter(f"--granularity must be one of {', '.join(GRANULARITIES)}")
-    dataset = run_alpha(run.experiment(), granularity=granularity, balance=balance, **_store_run(run))
+    dataset = run_alpha(run.experiment(), granularity=granularity, balance=balance, run=run.run_settings())
     frame = dataset.alpha.isel(granularity=0).to_pandas()
     frame["objective α"] = dataset.objective_alpha.isel(granularity=0).to_pandas()
     frame["objective 1/T"] = dataset.objective_uniform.isel(granularity=0).to_pandas()
@@ -198,10 +191,9 @@ def interference(
     fractions = _numbers(rank_fracs, "--rank-fracs")
     _, base, task_vectors, _ = _open_models(run)
     selected = None if matrices is None else [m.strip() for m in matrices.split(",") if m.strip()]
-    dataset = run_interference(base, task_vectors, rank_fracs=fractions, sar_against=sar_against,
-                               svd_dtype=svd_dtype, device=run.device, progress=run.progress, matrices=selected,
-                               store=Store(run.out), force=run.force, command=command_line(),
-                               **run.scale_out)
+    reference = "ta" if sar_against == "ta" else MergedTaskVector(sar_against)
+    dataset = run_interference(base, task_vectors, rank_fracs=fractions, sar_against=reference,
+                               svd_dtype=svd_dtype, device=run.device, matrices=selected, run=run.run_settings())
     short = {"matrices": "n", "task_vector_norm": "‖τ‖", "effective_rank": "eff.rank", "cosine": "cos",
              "sign_conflict": "sign≠", "sti_normalized": "STI/Σσ", "sar": "SAR"}
     for by, title in (("level", "Interference per level"), ("layer", "Interference per layer")):
@@ -308,7 +300,7 @@ def merge(
                                            "(float64 for SVDs and solves).")] = "base",
     *,
     model, finetuned, data, samples, max_tokens, device, offload, allow_pickle, vocab, force, progress,  # run_options
-    ray, workers, gpus_per_worker,
+    ray, workers, gpus_per_worker, threads,
 ):
     """Write a merged Hugging Face checkpoint, streaming tensor by tensor (sharded safetensors + config +
     tokenizer + submerge_merge.yaml)."""
@@ -326,7 +318,7 @@ def merge(
     out_dir = run_merge(out_dir, plan=plan_path, method=method, options=options, base=base,
                         finetuned=named_finetuned, data=settings, shard_size=shard_size, device=device, offload=offload,
                         allow_pickle=allow_pickle, vocab=vocab, force=force, progress=progress, out_dtype=out_dtype,
-                        **scale_out_arguments(ray, workers, gpus_per_worker))
+                        engine=engine_of(ray, workers, gpus_per_worker, threads))
     out.print(f"Merged checkpoint → [bold]{out_dir}[/] (load with AutoModelForCausalLM.from_pretrained)")
 
 
@@ -352,8 +344,7 @@ def evaluate_command(
                        batch_size=run.batch_size, dtype=run.dtype, compute_dtype=run.compute_dtype, device=run.device,
                        offload=run.offload,
                        allow_pickle=run.allow_pickle,
-                       trust_remote_code=run.trust_remote_code, store=Store(run.out), force=run.force,
-                       progress=run.progress, command=command_line(), **run.scale_out)
+                       trust_remote_code=run.trust_remote_code, run=run.run_settings())
     frame = dataset.loss.to_pandas()
     frame.columns = [f"loss {c}" for c in frame.columns]
     for task in dataset.task.values:

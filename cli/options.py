@@ -26,8 +26,10 @@ from typing import Annotated, Optional
 
 import typer
 
-from submerge.cli.common import ConfigOption, console, resolve_inputs
+from submerge.cli.common import ConfigOption, command_line, console, resolve_inputs
+from submerge.diagnostics.execution import LocalEngine, RayEngine, RunSettings
 from submerge.diagnostics.experiment import Experiment
+from submerge.diagnostics.store import Store
 
 DEMO_SAMPLES, DEMO_MAX_TOKENS = 16, 256  # the README's demo command; no --model means the demo kit
 SAMPLES, MAX_TOKENS = 30, 512  # seed 002's 30 records; 512 tokens
@@ -114,6 +116,10 @@ WorkersOption = Annotated[int, typer.Option("--workers", min=1, help="Ray worker
                                             "data-driven diagnostics give each a contiguous range of blocks.")]
 GpusPerWorkerOption = Annotated[float, typer.Option("--gpus-per-worker", min=0, help="GPUs Ray reserves for each "
                                                     "worker (with --ray); > 0: the workers compute on CUDA.")]
+ThreadsOption = Annotated[Optional[int], typer.Option(
+    "--threads", min=1, help="Intra-op threads of every task, here or in each Ray worker (default: torch's count "
+                             "on this machine). Recorded in the store; the same count gives bitwise-equal results "
+                             "on one process and on any number of Ray workers.")]
 
 
 @dataclass(frozen=True)
@@ -140,6 +146,7 @@ class RunOptions:
     ray: Optional[str] = None
     workers: int = 1
     gpus_per_worker: float = 0
+    threads: Optional[int] = None
 
     def __post_init__(self):
         given = [f"--workers {self.workers}"] * (self.workers != 1)
@@ -159,9 +166,15 @@ class RunOptions:
             object.__setattr__(self, "max_tokens", DEMO_MAX_TOKENS if demo else MAX_TOKENS)
 
     @property
-    def scale_out(self) -> dict:
-        """The drivers' keyword arguments for Ray (``ray``, ``workers``, ``ray_options``); none without --ray."""
-        return scale_out_arguments(self.ray, self.workers, self.gpus_per_worker)
+    def engine(self):
+        """Where the work runs: this process, or Ray workers (--ray)."""
+        return engine_of(self.ray, self.workers, self.gpus_per_worker, self.threads)
+
+    def run_settings(self, **settings) -> RunSettings:
+        """The drivers' `RunSettings` of these options: the store at --out, --force, --progress, the command line,
+        the capture budget and the engine."""
+        return RunSettings(store=Store(self.out), force=self.force, progress=self.progress, command=command_line(),
+                           capture_budget=self.capture_bytes, engine=self.engine, **settings)
 
     @property
     def capture_bytes(self) -> int:
@@ -183,11 +196,11 @@ class RunOptions:
                                weights=self.ray is None)  # on Ray, the workers read the blocks
 
 
-def scale_out_arguments(ray: Optional[str], workers: int, gpus_per_worker: float) -> dict:
-    """The drivers' keyword arguments for --ray/--workers/--gpus-per-worker (checked by `RunOptions`)."""
+def engine_of(ray: Optional[str], workers: int, gpus_per_worker: float, threads: Optional[int]):
+    """The engine of --ray/--workers/--gpus-per-worker/--threads (checked by `RunOptions`)."""
     if ray is None:
-        return {}
-    return {"ray": ray, "workers": workers, "ray_options": {"gpus_per_worker": gpus_per_worker}}
+        return LocalEngine(threads)
+    return RayEngine(ray, workers, threads, gpus_per_worker)
 
 
 OPTIONS: dict[str, object] = {
@@ -196,14 +209,14 @@ OPTIONS: dict[str, object] = {
     "capture_budget": CaptureBudgetOption, "device": DeviceOption, "offload": OffloadOption, "dtype": DtypeOption,
     "compute_dtype": ComputeDtypeOption, "allow_pickle": PickleOption,
     "trust_remote_code": RemoteCodeOption, "vocab": VocabOption, "force": ForceOption, "progress": ProgressOption,
-    "ray": RayOption, "workers": WorkersOption, "gpus_per_worker": GpusPerWorkerOption,
+    "ray": RayOption, "workers": WorkersOption, "gpus_per_worker": GpusPerWorkerOption, "threads": ThreadsOption,
 }
 """Annotation (type + typer.Option) of each shared option; the defaults are `RunOptions`'s."""
 
 INPUTS = ("model", "finetuned", "data", "out")
 MODELS = ("model", "finetuned", "allow_pickle", "vocab")
 """The options of every command that opens a base and its fine-tunes."""
-SCALE_OUT = ("ray", "workers", "gpus_per_worker")
+SCALE_OUT = ("ray", "workers", "gpus_per_worker", "threads")
 """The options of the commands that run on Ray."""
 DATA_RUN = (*MODELS, "data", "out", "samples", "max_tokens", "batch_size", "capture_budget", "device", "offload",
             "dtype", "compute_dtype", "trust_remote_code", "force", "progress", *SCALE_OUT)

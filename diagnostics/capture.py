@@ -223,6 +223,7 @@ def _in_compute_dtype(handles: list, model: nn.Module, arch: Architecture, compu
 #: Models whose weights take at least this many bytes give the pages of their memory-mapped weights back after
 #: every block of a capture forward (one ``/proc/self/smaps`` read, ≈ 20 ms, per block and batch): the RSS then
 #: holds about one stored block, not every block the forward passed (≈ 400 MiB each at Llama-2-7B width).
+DEFAULT_CAPTURE_BUDGET = 2 * 1024**3  # bytes of recorded inputs held at once (--capture-budget)
 RELEASE_BYTES = 2**30
 
 
@@ -562,7 +563,7 @@ def model_outputs(
     Returns outputs[variant][batch] of shape (batch, seq, hidden | vocab), in the compute dtype
     (`source.dtype_for`). Only one block's parameters per variant exist at a time, never a second model.
 
-    A pipeline stage (`submerge.diagnostics.linearity.scale_out`) runs only the blocks `layers`: `hidden` holds the
+    A pipeline stage (`submerge.diagnostics.pipeline`) runs only the blocks `layers`: `hidden` holds the
     variants' streams entering the first of them (None: the embedding stage runs here); the final norm and
     head run only when `layers` ends at the last block, else the streams leaving `layers` come back.
     """

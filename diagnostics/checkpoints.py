@@ -442,3 +442,17 @@ def load_gguf_model(path: Path, dtype: torch.dtype):
         del model.config.quantization_config
     model.hf_quantizer = None
     return model
+
+
+def checkpoint_spec(reader) -> dict:
+    """What a worker needs to reopen a `CheckpointReader`: its resolved path and how it was opened."""
+    if not hasattr(reader, "path"):
+        raise TypeError(f"ray needs checkpoints it can reopen from a path; {type(reader).__name__} has none")
+    return {"path": str(Path(reader.path).resolve()), "lora": isinstance(reader, LoraReader),
+            "allow_pickle": isinstance(reader, StateDictReader)}
+
+
+def reopen_checkpoint(spec: dict, base=None):
+    """The `CheckpointReader` of a :func:`checkpoint_spec` (a LoRA adapter is read against ``base``)."""
+
+    return open_checkpoint(spec["path"], base=base if spec["lora"] else None, allow_pickle=spec["allow_pickle"])

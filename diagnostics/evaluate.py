@@ -12,7 +12,9 @@ block's weights plus the hidden states of the batches, never a second model.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -24,11 +26,12 @@ from submerge.diagnostics.capture import ParameterSource, model_outputs, no_tf32
 from submerge.diagnostics.checkpoints import open_checkpoint
 from submerge.diagnostics.data import read_task_file, tokenize
 from submerge.diagnostics.errors import ModelInputError
+from submerge.diagnostics.execution import LocalEngine, RunSettings
 from submerge.diagnostics.experiment import check_device, pick_compute_dtype
 from submerge.diagnostics.modules import find_architecture
+from submerge.diagnostics.placement import process_stats
 from submerge.diagnostics.progress import progress_bar
-from submerge.diagnostics.scale_out import check_workers, ordered_results, process_stats
-from submerge.diagnostics.store import Store, UnitWriter
+from submerge.diagnostics.store import UnitWriter
 from submerge.diagnostics.task_vectors import TaskVectorReader
 
 
@@ -106,15 +109,11 @@ def model_losses(base: BaseModel, arch, spec: str | None, tasks: list[str], batc
 
 
 class EvalWorker:
-    """A Ray worker of `evaluate`: the base (memory-mapped), over which each model of its groups is run block by block."""
+    """Runs each model of its groups block by block over the base (memory-mapped): (loss, tokens) per task."""
 
-    def __init__(self, base_spec: str, load: dict, tasks: list[str], batches: dict, compute: torch.dtype,
-                 threads: int | None):
-        if threads:
-            torch.set_num_threads(threads)
-        self.base = load_base_model(base_spec, **load)
-        self.arch, self.tasks, self.batches, self.compute = find_architecture(self.base.model), tasks, batches, compute
-        self.allow_pickle = load["allow_pickle"]
+    def __init__(self, base: BaseModel, tasks: list[str], batches: dict, compute: torch.dtype, allow_pickle: bool):
+        self.base, self.arch = base, find_architecture(base.model)
+        self.tasks, self.batches, self.compute, self.allow_pickle = tasks, batches, compute, allow_pickle
 
     def evaluate(self, group: list[str | None]) -> list[tuple[list, list]]:
         return [model_losses(self.base, self.arch, spec, self.tasks, self.batches, self.compute,
@@ -124,21 +123,25 @@ class EvalWorker:
         return process_stats()
 
 
-def _losses(base, arch, specs: list[str | None], tasks, batches, compute, load: dict, scale_out: dict | None,
-            describe) -> Iterator[tuple[list, list]]:
-    """`model_losses` of every spec in order: here, or one model per task on Ray workers (``scale_out``)."""
-    if scale_out is None:
-        for spec in specs:
-            yield model_losses(base, arch, spec, tasks, batches, compute, allow_pickle=load["allow_pickle"],
-                               describe=lambda task, spec=spec: describe(f"{spec or 'base'} on {task}"))
-        return
+@dataclass
+class EvalTask:
+    """What a worker of `evaluate` needs: the base (loaded by a Ray worker from its spec; here the one loaded
+    already, which is not pickled), the tasks' batches and the compute dtype."""
 
-    describe(f"{scale_out['workers']} Ray worker(s)")
-    options = dict(scale_out.get("ray_options") or {})
-    args = (base.spec, load, tasks, batches, compute, options.pop("threads_per_worker", None))
-    for group in ordered_results(scale_out["ray"], EvalWorker, args, "evaluate", [[spec] for spec in specs],
-                                 workers=scale_out["workers"], **options):
-        yield from group
+    method: ClassVar[str] = "evaluate"
+    base_spec: str
+    load: dict
+    tasks: list[str]
+    batches: dict
+    compute: torch.dtype
+    opened: BaseModel | None = field(default=None, repr=False, compare=False)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "opened": None}
+
+    def open(self) -> EvalWorker:
+        base = self.opened or load_base_model(self.base_spec, **self.load)
+        return EvalWorker(base, self.tasks, self.batches, self.compute, self.load["allow_pickle"])
 
 
 def _piece(label: str, spec: str, tasks: list[str], losses: list[float], counts: list[int]) -> xr.Dataset:
@@ -169,29 +172,25 @@ def evaluate(
     offload: bool = False,
     allow_pickle: bool = False,
     trust_remote_code: bool = False,
-    store: Store | None = None,
-    force: bool = False,
-    progress: bool = True,
-    command: str | None = None,
-    on_unit: Callable[[str], None] | None = None,
-    ray: str | None = None,
-    workers: int = 1,
-    ray_options: dict | None = None,
+    run: RunSettings | None = None,
+    **run_options,
 ) -> xr.Dataset:
     """Loss and perplexity of 'base' and every model in `models` (label → spec) on each task's held-out records.
 
     Weights are kept in `dtype` (storage); the forwards run in `compute_dtype` stage by stage, TF32 off
     (`offload`: the base's weights stay in host memory and go to `device` one block at a time).
-    ``ray`` (``"auto"`` or an address): each model is a task of ``workers`` Ray processes, each holding one
-    model instance (``ray_options``: max_retries, gpus_per_worker, threads_per_worker, report); this process
-    loads the base on the meta device only and alone writes the store, model by model, in order.
+    ``run`` (or its fields as keywords: ``store``, ``force``, ``progress``, ``command``, ``on_unit``, ``engine``;
+    `submerge.diagnostics.execution.RunSettings`): with a ``RayEngine`` each model is a task of its Ray workers,
+    each holding one model instance; this process loads the base on the meta device only and alone writes the
+    store, model by model, in order.
     """
+    run = RunSettings.of(run, **run_options)
     compute = pick_compute_dtype(compute_dtype)
     check_device(device)
-    check_workers(ray, workers)
+    local = isinstance(run.engine, LocalEngine)
     load = {"dtype": dtype, "device": device, "allow_pickle": allow_pickle, "trust_remote_code": trust_remote_code,
             "offload": offload}
-    base = load_base_model(base_spec, **load, weights=ray is None)  # on Ray, each worker loads the model
+    base = load_base_model(base_spec, **load, weights=local)  # on Ray, each worker loads the model
     if not hasattr(base.model, "get_output_embeddings") or base.model.get_output_embeddings() is None:
         raise ModelInputError(f"{base_spec}: eval needs a causal language model with an output head")
     task_data = {task: read_task_file(task, path, samples=samples, skip=skip) for task, path in data.items()}
@@ -210,21 +209,24 @@ def evaluate(
         "base_model": base.reader.fingerprint() | {"spec": base_spec},
         "models": models,
         "data": {t: d.provenance() for t, d in task_data.items()},
-        **({} if ray is None else {"scale_out": {"ray": ray, "workers": workers}}),
+        "engine": run.engine.provenance(),  # provenance only: a run resumes across engines
     }
-    writer = UnitWriter(store, "eval", settings, dim="model", force=force, on_unit=on_unit, inputs=inputs,
-                        command=command)
+    writer = UnitWriter(run.store, "eval", settings, dim="model", force=run.force, on_unit=run.on_unit, inputs=inputs,
+                        command=run.command)
     todo = [label for label in labels if label not in writer.done]
     specs = {label: None if label == "base" else models[label] for label in labels}
-    scale_out = None if ray is None else {"ray": ray, "workers": workers, "ray_options": ray_options}
-    with progress_bar(progress) as bar:
+    task = EvalTask(base_spec, load, tasks, batches, compute, opened=base if local else None)
+    with progress_bar(run.progress) as bar, run.engine.running():
         job = bar.add_task("Evaluating", total=len(labels) * len(tasks))
         bar.advance(job, (len(labels) - len(todo)) * len(tasks))
-        losses = _losses(base, arch, [specs[label] for label in todo], tasks, batches, compute, load, scale_out,
-                         lambda text: bar.update(job, description=f"Evaluating {text}"))
-        for label, (loss, counts) in zip(todo, losses):
+        if todo:
+            bar.update(job, description=f"Evaluating {todo[0]}")
+        losses = (result for group in run.engine.map(task, [[specs[label]] for label in todo]) for result in group)
+        for index, (label, (loss, counts)) in enumerate(zip(todo, losses)):
             writer.add(_piece(label, specs[label] or base_spec, tasks, loss, counts), label)
             bar.advance(job, len(tasks))
+            if index + 1 < len(todo):
+                bar.update(job, description=f"Evaluating {todo[index + 1]}")
     notes = {
         "loss": "mean next-token cross-entropy over real tokens, nats",
         "perplexity": "exp(loss)",

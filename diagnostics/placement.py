@@ -6,6 +6,10 @@ parameters' device, or — for a base loaded with ``offload=True`` — the accel
 
 from __future__ import annotations
 
+import os
+import platform
+import resource
+import sys
 from pathlib import Path
 
 import torch
@@ -97,3 +101,21 @@ def pick_device(device: str = "auto") -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
+
+
+def process_stats() -> dict:
+    """This process: its pid, host and peak resident memory (MiB)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"pid": os.getpid(), "host": platform.node(),
+            "peak_rss_mib": peak / (1 << 20) if sys.platform == "darwin" else peak / 1024}
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` exists on this machine (a stale lock's or staging folder's owner is gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

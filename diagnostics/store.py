@@ -54,6 +54,7 @@ import zarr
 from zarr.storage import LocalStore, MemoryStore
 
 from submerge.diagnostics.errors import StoreError
+from submerge.diagnostics.placement import process_alive
 from submerge.diagnostics.provenance import identity_changes, input_identity, jsonable, run_attrs, settings_diff
 
 LOCK_NAME = ".submerge.lock"
@@ -211,16 +212,6 @@ def _process_start(pid: int) -> str | None:
         return None
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 _HELD: dict[Path, str] = {}  # lock files this process holds → their content
 
 
@@ -249,7 +240,7 @@ class StoreLock:
         if holder.get("host") != platform.node():
             return None
         pid = holder.get("pid")
-        if not _alive(pid):
+        if not process_alive(pid):
             return f"process {pid} is no longer running"
         started = holder.get("process_start")
         if started is not None and _process_start(pid) not in (None, started):

@@ -16,7 +16,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from submerge.diagnostics.checkpoints import CheckpointReader, LoraReader, open_checkpoint
+from submerge.diagnostics.checkpoints import (
+    CheckpointReader,
+    LoraReader,
+    checkpoint_spec,
+    open_checkpoint,
+    reopen_checkpoint,
+)
 from submerge.diagnostics.errors import CheckpointMismatch, ModelInputError, NonFiniteWeights
 
 VOCAB_POLICIES = ("base", "error")
@@ -162,3 +168,14 @@ def open_finetunes(
                for task, spec in specs.items()}
     report = preflight(base, readers, vocab=vocab)
     return {task: TaskVectorReader(task, base, reader, vocab) for task, reader in readers.items()}, report
+
+
+def task_vector_specs(task_readers: dict) -> dict:
+    """{task: (checkpoint spec of the fine-tune, vocab)} of `TaskVectorReader`s, for `reopen_task_vectors`."""
+    return {task: (checkpoint_spec(reader.finetuned), reader.vocab) for task, reader in task_readers.items()}
+
+
+def reopen_task_vectors(base, specs: dict) -> dict:
+    """The `TaskVectorReader`s of `task_vector_specs` against the base `CheckpointReader` ``base``."""
+    return {task: TaskVectorReader(task, base, reopen_checkpoint(spec, base), vocab)
+            for task, (spec, vocab) in specs.items()}

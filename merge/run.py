@@ -21,9 +21,9 @@ import torch
 
 from submerge.diagnostics.capture import GramsByLayer
 from submerge.diagnostics.checkpoints import local_path
+from submerge.diagnostics.execution import Engine
 from submerge.diagnostics.experiment import Experiment
 from submerge.diagnostics.linearity import alpha
-from submerge.diagnostics.scale_out import check_workers
 from submerge.merge.plan import Plan, plan_from_alpha
 from submerge.merge.rules import RuleFunction, checked_method, method_rule, regmean_rule
 from submerge.merge.strategies import STRATEGIES
@@ -71,20 +71,17 @@ def run_merge(
     force: bool = False,
     progress: bool = True,
     out_dtype: str | torch.dtype | None = None,
-    ray: str | None = None,
-    workers: int = 1,
-    ray_options: dict | None = None,
+    engine: Engine | None = None,
 ) -> Path:
     """Write the merged checkpoint of a plan file or of `method` (+ `options`) on `base` + `finetuned`.
 
     Every setting is checked before any work (output, shard size, out dtype, outputs that would
     overwrite an input); tensors are written in `out_dtype` ("base" or None: each base tensor's dtype).
-    ``ray``, ``workers``, ``ray_options``: the tensors merged by Ray workers (`submerge.merge.scale_out`).
+    ``engine``: where the tensors are merged (`submerge.diagnostics.execution`; default this process).
     """
     out_dir = Path(out_dir)
     if (plan is None) == (method is None):
         raise ValueError("give either a plan or a method")
-    check_workers(ray, workers)
     parse_size(shard_size)
     dtype = parse_out_dtype(out_dtype)
     if plan is not None:
@@ -100,8 +97,7 @@ def run_merge(
     setup.record["out_dtype"] = str(dtype).removeprefix("torch.") if dtype else "base"
     return write_merge(base, finetuned, out_dir, setup.rule_for, record=setup.record, force=force,
                        allow_pickle=allow_pickle, vocab=vocab, shard_size=shard_size, dtype=dtype, device=device,
-                       gram_matrices=setup.gram_matrices, progress=progress, ray=ray, workers=workers,
-                       ray_options=ray_options)
+                       gram_matrices=setup.gram_matrices, progress=progress, engine=engine)
 
 
 OUT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,

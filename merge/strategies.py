@@ -56,6 +56,7 @@ __all__ = [
     "ROW_LOCAL_METHODS",
     "STRATEGIES",
     "MergeMethod",
+    "MergedTaskVector",
     "SftmSystem",
     "TsvBases",
     "breadcrumbs",
@@ -1031,6 +1032,29 @@ def merge_parameter(
             matrices = [task_vector.reshape(shape[0], -1) for task_vector in task_vectors]
             return merge_method.function(matrices, **resolved).reshape(shape)
     return merge_method.function(list(task_vectors), **resolved)
+
+
+@dataclass(frozen=True)
+class MergedTaskVector:
+    """τ_M of one tensor under a registered method (paper defaults updated by ``options``), as a picklable callable
+    ``(name, task_vectors, kind) → τ_M``: what ``diag interference --sar-against METHOD`` measures SAR against
+    (`submerge.diagnostics.interference.interference`'s ``sar_against``). Unknown methods or options fail here,
+    before any work."""
+
+    method: str
+    options: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        registered, options = resolve_method(self.method, self.options)
+        registered.resolve_options(options)
+        object.__setattr__(self, "options", dict(options))
+
+    @property
+    def label(self) -> str:
+        return self.method
+
+    def __call__(self, name: str, task_vectors: Sequence[torch.Tensor], kind: str | None = None) -> torch.Tensor:
+        return merge_parameter(name, task_vectors, self.method, self.options, kind=kind)
 
 
 #: Methods whose merged row i depends on row i of the task vectors alone (no statistic over the whole tensor,

@@ -19,30 +19,25 @@ import os
 import re
 import shutil
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
 import yaml
 
 from submerge.diagnostics.checkpoints import local_path, open_checkpoint
+from submerge.diagnostics.execution import Engine, LocalEngine
 from submerge.diagnostics.outputs import MERGE_MARKER, check_output_directory
+from submerge.diagnostics.placement import process_alive
 from submerge.diagnostics.progress import progress_bar
 from submerge.diagnostics.provenance import provenance
-from submerge.diagnostics.scale_out import check_workers
-from submerge.diagnostics.task_vectors import all_finite, open_finetunes
-from submerge.diagnostics.tensors import TensorInfo, TensorTable
+from submerge.diagnostics.task_vectors import open_finetunes
+from submerge.diagnostics.tensors import TensorInfo
 from submerge.merge.rules import MergeError, ParameterRule, method_rule, regmean_rule
-from submerge.merge.strategies import (
-    CHUNK_THRESHOLD,
-    compute_dtype,
-    is_row_local,
-    merge_parameter,
-    weighted_task_arithmetic,
-)
+from submerge.merge.tensor_merge import MergeTask
 
-__all__ = ["MergeError", "ParameterRule", "ShardWriter", "check_not_an_input", "check_output", "merge_tensor",
-           "method_rule", "parse_size", "regmean_rule", "write_merge"]
+__all__ = ["MergeError", "ParameterRule", "ShardWriter", "check_not_an_input", "check_output", "method_rule",
+           "parse_size", "regmean_rule", "write_merge"]
 
 _COPIED_FILES = (
     "config.json",
@@ -93,21 +88,9 @@ def _leftover_staging(out_dir: Path) -> list[Path]:
     leftovers = []
     for path in out_dir.parent.glob(f"{out_dir.name}.partial-*") if out_dir.parent.is_dir() else []:
         pid = path.name.rsplit("-", 1)[-1]
-        if path.is_dir() and pid.isdigit() and not _alive(int(pid)):
+        if path.is_dir() and pid.isdigit() and int(pid) != os.getpid() and not process_alive(int(pid)):
             leftovers.append(path)
     return leftovers
-
-
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def check_not_an_input(out_dir: Path, inputs: dict[str, Path]) -> None:
@@ -150,40 +133,6 @@ def _replace(staging: Path, out_dir: Path) -> None:
         shutil.rmtree(old)
     else:
         old.unlink()
-
-
-def merge_tensor(info: TensorInfo, base_tensor: torch.Tensor, task_vectors: Mapping[str, torch.Tensor],
-                 rule: ParameterRule, grams: list[torch.Tensor] | None = None, *,
-                 dtype: torch.dtype | None = None) -> torch.Tensor:
-    """θ0 + τ_M of one tensor: `task_vectors` (task → τ_t) merged by `rule`, added to `base_tensor`.
-
-    A weights rule is `weighted_task_arithmetic` with each task's weight (0 for a task it does
-    not name); a method rule is `merge_parameter` with the table's ``kind`` (and RegMean's input
-    Grams `grams`, one per task; a Conv1D weight stored (in, out) is transposed around it). The sum
-    is taken in float32 and returned in `dtype` (default: the base tensor's). Non-floating tensors
-    (integer buffers) are returned as they are. A NaN/Inf result is a `MergeError` naming the tensor.
-    """
-    if not base_tensor.is_floating_point():
-        return base_tensor
-    vectors = list(task_vectors.values())
-    if rule.weights is not None:
-        delta = weighted_task_arithmetic(vectors, [rule.weights.get(task, 0.0) for task in task_vectors])
-    else:
-        transposed = bool(grams) and info.transposed
-        if transposed:  # GPT-2 Conv1D stores (in, out)
-            vectors = [v.T for v in vectors]
-        try:
-            delta = merge_parameter(info.name, vectors, rule.method, rule.options, kind=info.kind,
-                                    gram_matrices=grams)
-        except ValueError as exc:
-            raise MergeError(f"merging '{info.name}' {tuple(base_tensor.shape)}: {exc}") from exc
-        if transposed:
-            delta = delta.T
-    compute = compute_dtype(base_tensor.dtype)
-    merged = (base_tensor.to(compute) + delta.to(compute)).to(dtype or base_tensor.dtype)
-    if not all_finite(merged):
-        raise MergeError(f"merged tensor '{info.name}' has NaN/Inf values (rule: {rule.describe()})")
-    return merged
 
 
 class ShardWriter:
@@ -300,9 +249,7 @@ def write_merge(
     device: str = "cpu",
     gram_matrices: Callable[[str], list[torch.Tensor] | None] | None = None,
     progress: bool = True,
-    ray: str | None = None,
-    workers: int = 1,
-    ray_options: dict | None = None,
+    engine: Engine | None = None,
 ) -> Path:
     """Merge `finetuned` into `base` tensor by tensor with the rule `rule_for(info)` gives (info: the tensor table's).
 
@@ -313,12 +260,12 @@ def write_merge(
     contains or is inside an input model's directory is refused before anything is written.
     Returns the output directory, loadable with `AutoModelForCausalLM.from_pretrained`.
 
-    ``ray`` (``"auto"`` or an address) merges groups of tensors in ``workers`` Ray processes
-    (`submerge.merge.scale_out`, ``ray_options`` its options); this process alone writes the shards, in order.
+    ``engine`` (`submerge.diagnostics.execution`; default `LocalEngine`) merges groups of tensors, here or in Ray
+    workers (`submerge.merge.tensor_merge.MergeTask`); this process alone writes the shards, in order, so the
+    checkpoint is byte for byte the same on every engine.
     """
     out_dir = Path(out_dir)
-    check_workers(ray, workers)
-    scale_out = None if ray is None else {"address": ray, "workers": workers, **(ray_options or {})}
+    engine = engine or LocalEngine()
     limit = parse_size(shard_size)
     base_reader = open_checkpoint(base, allow_pickle=allow_pickle)
     task_vectors, report = open_finetunes(base_reader, finetuned, allow_pickle=allow_pickle, vocab=vocab)
@@ -331,11 +278,11 @@ def write_merge(
     try:
         shards = ShardWriter(staging, limit, layout)
         tensors = _merged_tensors(names, base_reader, task_vectors, rule_for, dtype=dtype, device=device,
-                                  gram_matrices=gram_matrices, scale_out=scale_out)
+                                  gram_matrices=gram_matrices, engine=engine)
         used = _stream_tensors(tensors, len(names), shards, progress)
         shards.finish()
         _copy_model_files(base, staging, allow_pickle)
-        _write_record(staging, record, used, base, task_vectors, report)
+        _write_record(staging, record, used, base, task_vectors, report, engine.provenance())
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -343,36 +290,9 @@ def write_merge(
     return out_dir
 
 
-#: Tensors above this many entries whose rule merges row by row are read, merged and written in row blocks of
-#: about STREAM_ELEMENTS entries per input (`merge_row_blocks`). Small blocks are faster, not only leaner: each
-#: block's temporaries are fresh allocations, and above glibc's mmap threshold (≤ 32 MiB) every one of them is
-#: new pages the kernel must fault in and zero. Task arithmetic on the 7B-width 1-layer slice of
-#: benchmarks/scale.py: 14.5 s with 2**24 entries (64 MiB in float32), 10.8 s with 2**22, 7.4 s with 2**20.
-STREAM_THRESHOLD = CHUNK_THRESHOLD
-STREAM_ELEMENTS = 2**20
-
-
 def _written_dtype(stored: torch.dtype, out_dtype: torch.dtype | None) -> torch.dtype:
     """`out_dtype` for floating tensors when given, else the stored dtype (integer buffers always keep theirs)."""
     return out_dtype if (out_dtype is not None and stored.is_floating_point) else stored
-
-
-def merge_named(name: str, base_reader, task_vectors, table: TensorTable, rule_for, *, dtype, device,
-                gram_matrices) -> tuple[torch.Tensor, str | None]:
-    """(merged tensor, description of its rule) of the base tensor `name`; an integer buffer comes back as read
-    (no rule). The inputs' files are unmapped afterwards, so their pages do not pile up in the RSS."""
-    base_tensor = base_reader.get(name, device=device)
-    merged, used = base_tensor, None
-    if base_tensor.is_floating_point():
-        info = table.get(name, tuple(base_tensor.shape))
-        rule = rule_for(info)
-        vectors = {task: reader.get(name, torch.float32, device) for task, reader in task_vectors.items()}
-        grams = gram_matrices(name) if (gram_matrices and rule.method == "regmean") else None
-        merged, used = merge_tensor(info, base_tensor, vectors, rule, grams, dtype=dtype), rule.describe()
-        del vectors
-    for reader in (base_reader, *(tv.finetuned for tv in task_vectors.values())):
-        reader.release()
-    return merged, used
 
 
 def writing_order(names: list[str]) -> list[str]:
@@ -386,57 +306,13 @@ def writing_order(names: list[str]) -> list[str]:
 
 
 def _merged_tensors(names: list[str], base_reader, task_vectors, rule_for, *, dtype, device, gram_matrices,
-                    scale_out: dict | None) -> Iterator[tuple[str, torch.Tensor, str | None]]:
-    """(name, merged tensor, rule description) of every tensor of `names`, in order: merged here, or by Ray
-    workers (``scale_out``: ``ray``, ``workers`` and the `submerge.merge.scale_out.ray_merged` options)."""
-    if scale_out is not None:
-        from submerge.merge.scale_out import ray_merged
-
-        yield from ray_merged(names, base_reader, task_vectors, rule_for, dtype=dtype, device=device,
-                              gram_matrices=gram_matrices, **scale_out)
-        return
-    table = TensorTable.from_reader(base_reader)
-    for name in names:
-        streamed = merge_row_blocks(name, base_reader, task_vectors, table, rule_for, dtype=dtype, device=device)
-        yield name, *(streamed or merge_named(name, base_reader, task_vectors, table, rule_for, dtype=dtype,
-                                              device=device, gram_matrices=gram_matrices))
-
-
-def _row_local(rule: ParameterRule, info: TensorInfo) -> bool:
-    if rule.weights is not None:
-        return all(isinstance(w, (int, float)) for w in rule.weights.values())  # per-head weights slice columns
-    return is_row_local(rule.method, info.kind)
-
-
-def merge_row_blocks(name: str, base_reader, task_vectors, table: TensorTable, rule_for, *, dtype,
-                     device) -> tuple[Iterator[torch.Tensor], str] | None:
-    """(θ0 + τ_M in blocks of rows, rule description) of a tensor above STREAM_THRESHOLD entries whose rule merges
-    row by row (`submerge.merge.strategies.is_row_local`), each block read from the checkpoints alone (about
-    STREAM_ELEMENTS entries per input): the peak is a few blocks, not T + 3 copies of the tensor. None for
-    any other tensor (merged whole by `merge_named`). The blocks are bitwise the rows of the whole merge."""
-    shape = tuple(base_reader.shape(name))
-    if (len(shape) < 2 or math.prod(shape) <= STREAM_THRESHOLD or not base_reader.dtype(name).is_floating_point
-            or not all(reader.reads_rows(name) for reader in task_vectors.values())):
-        return None
-    info = table.get(name, shape)
-    rule = rule_for(info)
-    if not _row_local(rule, info):
-        return None
-    step = max(1, STREAM_ELEMENTS // math.prod(shape[1:]))
-
-    def blocks() -> Iterator[torch.Tensor]:
-        for start in range(0, shape[0], step):
-            rows = slice(start, min(start + step, shape[0]))
-            base = base_reader.get_rows(name, rows, device=device)
-            base32 = base.to(torch.float32)
-            vectors = {task: reader.get_rows(name, rows, torch.float32, device, base=base32)
-                       for task, reader in task_vectors.items()}
-            del base32
-            yield merge_tensor(info, base, vectors, rule, dtype=dtype)
-        for reader in (base_reader, *(tv.finetuned for tv in task_vectors.values())):
-            reader.release()
-
-    return blocks(), rule.describe()
+                    engine) -> Iterator[tuple[str, torch.Tensor, str | None]]:
+    """(name, merged tensor or its row blocks, rule description) of every tensor of `names`, in order, merged on
+    `engine` in the engine's groups."""
+    task = MergeTask.of(base_reader, task_vectors, rule_for, gram_matrices, dtype=dtype, device=device)
+    groups = engine.groups(names, [math.prod(base_reader.shape(name)) for name in names])
+    for group in engine.map(task, groups):
+        yield from group
 
 
 def _stream_tensors(tensors: Iterator, total: int, shards: ShardWriter, progress: bool) -> dict[str, str]:
@@ -453,7 +329,8 @@ def _stream_tensors(tensors: Iterator, total: int, shards: ShardWriter, progress
     return used
 
 
-def _write_record(out_dir: Path, record: dict | None, used: dict[str, str], base: str, task_vectors, report) -> None:
+def _write_record(out_dir: Path, record: dict | None, used: dict[str, str], base: str, task_vectors, report,
+                  engine: dict) -> None:
     content = {
         **(record or {}),
         "rules": _rule_summary(used),
@@ -461,6 +338,7 @@ def _write_record(out_dir: Path, record: dict | None, used: dict[str, str], base
             base_model={"spec": base},
             finetuned={t: tv.finetuned.fingerprint() for t, tv in task_vectors.items()},
             preflight=report,
+            engine=engine,
         ),
     }
     (out_dir / MERGE_MARKER).write_text(yaml.safe_dump(content, sort_keys=False, allow_unicode=True))

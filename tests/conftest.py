@@ -95,7 +95,7 @@ def llama_kit(toy_kit) -> ToyKit:
 def kill_first_ray_worker(monkeypatch) -> list:
     """Ray scale-outs whose first pooled worker is SIGKILLed right after its first group is submitted.
 
-    Patches `submerge.diagnostics.scale_out._pool`; the returned list receives the killed process id.
+    Patches `submerge.diagnostics.execution._pool`; the returned list receives the killed process id.
     """
     import os
     import signal
@@ -103,7 +103,7 @@ def kill_first_ray_worker(monkeypatch) -> list:
     ray = pytest.importorskip("ray")
     from ray.util import ActorPool
 
-    from submerge.diagnostics import scale_out
+    from submerge.diagnostics import execution
 
     killed: list[int] = []
 
@@ -118,7 +118,7 @@ def kill_first_ray_worker(monkeypatch) -> list:
 
             super().submit(fn if killed else kill_after_submitting, value)
 
-    monkeypatch.setattr(scale_out, "_pool", KillsItsFirstWorker)
+    monkeypatch.setattr(execution, "_pool", KillsItsFirstWorker)
     return killed
 
 

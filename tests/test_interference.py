@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from submerge.diagnostics.execution import RayEngine
 from submerge.diagnostics.interference import (
     DEFAULT_RANK_FRACS,
     centered,
@@ -27,6 +28,7 @@ from submerge.diagnostics.interference import (
     sti_rank,
     task_vector_norm,
 )
+from submerge.merge.strategies import MergedTaskVector
 
 F64 = torch.float64
 
@@ -473,20 +475,22 @@ def test_interference_driver_lora_and_strategies(tiny_checkpoints, tmp_path):
     assert math.isnan(k_proj["cosine"].sel(task="lora", task_other="math").item())
 
     # The weight average is TA / T: same left singular vectors and k_M, so the same SAR.
-    average = interference(base, tasks, matrices=names, sar_against="weight-average", progress=False,
+    average = interference(base, tasks, matrices=names, sar_against=MergedTaskVector("weight-average"), progress=False,
                            device="cpu", svd_dtype="float64")
     np.testing.assert_allclose(average["sar"].values, ta["sar"].values, rtol=1e-9)
     assert average.attrs["sar_against"] == "weight-average"
     # Iso-C flattens TA's spectrum: r equal σ → k_M = ⌈r(1 − ε²)⌉ = r = 8 of 8×8, the whole space → SAR = 1.
     iso = interference(base, {"a": finetuned["math"], "b": finetuned["code"]}, matrices=names[:1],
-                       sar_against="iso-c", progress=False, device="cpu", svd_dtype="float64")
+                       sar_against=MergedTaskVector("iso-c"), progress=False, device="cpu", svd_dtype="float64")
     assert iso["sar_k"].item() == 8
     np.testing.assert_allclose(iso["sar"].values, 1.0, atol=1e-9)
     with pytest.raises(ValueError, match="not in the base"):
         interference(base, finetuned, matrices=["nope.weight"], progress=False)
-    with pytest.raises(ValueError, match="sar_against"):
-        interference(base, finetuned, sar_against="no-such-merge", progress=False)
-    with pytest.raises(ValueError, match="workers=2.*only with ray"):
+    with pytest.raises(ValueError, match="sar_against='ties'.*MergedTaskVector"):  # diagnostics never import merge
+        interference(base, finetuned, sar_against="ties", progress=False)
+    with pytest.raises(ValueError, match="unknown merge method 'no-such-merge'"):
+        MergedTaskVector("no-such-merge")
+    with pytest.raises(TypeError, match="unknown run setting.*workers"):
         interference(base, finetuned, workers=2, progress=False)
 
 
@@ -496,7 +500,9 @@ def test_interference_store_resumes(tiny_checkpoints, tmp_path, monkeypatch):
 
     base, finetuned, _, _ = tiny_checkpoints
     fresh = interference_module.interference(base, finetuned, rank_fracs=(0.5, 1.0), progress=False, device="cpu")
-    original = interference_module.task_matrix_interference
+    import submerge.diagnostics.interference.jobs as jobs
+
+    original = jobs.task_matrix_interference
     calls, dying = [], [True]
 
     def dies_on_the_seventh(*args, **kwargs):
@@ -505,7 +511,7 @@ def test_interference_store_resumes(tiny_checkpoints, tmp_path, monkeypatch):
             raise RuntimeError("killed")
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(interference_module, "task_matrix_interference", dies_on_the_seventh)
+    monkeypatch.setattr(jobs, "task_matrix_interference", dies_on_the_seventh)
     store = Store(tmp_path / "run.zarr")
     with pytest.raises(RuntimeError, match="killed"):
         interference_module.interference(base, finetuned, rank_fracs=(0.5, 1.0), progress=False, device="cpu",
@@ -561,7 +567,8 @@ def test_interference_driver_empty_selection(tiny_checkpoints, tmp_path):
 
 
 def test_group_matrices_for_ray_tasks():
-    from submerge.diagnostics.interference.scale_out import GROUP_ELEMENTS, group_matrices
+    from submerge.diagnostics.execution import GROUP_ELEMENTS
+    from submerge.diagnostics.execution import group_items as group_matrices
 
     # 10 elements, 1 worker: groups of ≥ ⌈10 / 4⌉ = 3 elements, in order
     assert group_matrices(["a", "b", "c", "d"], [3, 1, 5, 1], 1) == [["a"], ["b", "c"], ["d"]]
@@ -581,14 +588,14 @@ def test_interference_on_ray_equals_one_process_and_survives_a_killed_worker(tin
     from submerge.diagnostics.store import Store
 
     base, finetuned, _, _ = tiny_checkpoints
-    options = {"rank_fracs": (0.25, 1.0), "progress": False, "device": "cpu", "sar_against": "ties"}
+    options = {"rank_fracs": (0.25, 1.0), "progress": False, "device": "cpu", "sar_against": MergedTaskVector("ties")}
     fresh = interference(base, finetuned, **options)
     killed = kill_first_ray_worker
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         store, report = Store(tmp_path / "ray.zarr"), {}
-        spread = interference(base, finetuned, **options, store=store, flush_every=2, ray="auto", workers=2,
-                              ray_options={"report": report})
+        spread = interference(base, finetuned, **options, store=store, flush_every=2,
+                              engine=RayEngine("auto", workers=2, report=report))
         assert ray.is_initialized()  # a Ray this process started itself is left running
     finally:
         ray.shutdown()
@@ -599,5 +606,6 @@ def test_interference_on_ray_equals_one_process_and_survives_a_killed_worker(tin
         for name, variable in fresh.data_vars.items():
             assert variable.dtype == dataset[name].dtype
             assert np.array_equal(variable.values, dataset[name].values, equal_nan=True), name
-    assert stored.attrs["provenance"]["scale_out"] == {"ray": "auto", "workers": 2}
+    assert stored.attrs["provenance"]["engine"] == {"engine": "ray", "address": "auto", "workers": 2, "threads": 1,
+                                                    "gpus_per_worker": 0}
     assert spread.attrs == fresh.attrs

@@ -26,6 +26,7 @@ from submerge.diagnostics import toy
 from submerge.diagnostics.base_model import BaseModel
 from submerge.diagnostics.capture import ParameterSource, Recorded, record_inputs, replay
 from submerge.diagnostics.checkpoints import StateDictReader
+from submerge.diagnostics.execution import EngineError, LocalEngine, RayEngine, RunSettings
 from submerge.diagnostics.experiment import Experiment
 from submerge.diagnostics.linearity import (
     alpha,
@@ -35,8 +36,8 @@ from submerge.diagnostics.linearity import (
     summarize_nonlinearity,
 )
 from submerge.diagnostics.linearity.nonlinearity import trajectories
-from submerge.diagnostics.linearity.sweep import replay_variants
 from submerge.diagnostics.modules import Submodule, find_submodules, get_module
+from submerge.diagnostics.replay import replay_variants
 from submerge.diagnostics.store import Store
 from submerge.diagnostics.task_vectors import TaskVectorReader
 
@@ -500,7 +501,7 @@ def test_linearity_and_alpha_on_ray_equal_one_process(two_tasks, tmp_path, monke
     import os
     import signal
 
-    from submerge.diagnostics.linearity import scale_out
+    from submerge.diagnostics import pipeline as scale_out
 
     levels = ("model", "layer", "attn", "head", "mlp")
     options = {"levels": levels, "steps": 3, "progress": False}
@@ -525,16 +526,15 @@ def test_linearity_and_alpha_on_ray_equal_one_process(two_tasks, tmp_path, monke
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         with pytest.raises(Killed):
-            nonlinearity(two_tasks, **options, store=store, ray="auto", workers=2, on_unit=kill_the_driver)
+            nonlinearity(two_tasks, **options, store=store, engine=RayEngine("auto", workers=2), on_unit=kill_the_driver)
         monkeypatch.setattr(scale_out.Pipeline, "submit", submit_then_kill_the_last_worker)
-        resumed = nonlinearity(two_tasks, **options, store=store, ray="auto", workers=2,
-                               ray_options={"report": report})
+        resumed = nonlinearity(two_tasks, **options, store=store, engine=RayEngine("auto", workers=2, report=report))
         monkeypatch.setattr(scale_out.Pipeline, "submit", submit)
-        spread_alpha = {granularity: alpha(two_tasks, granularity=granularity, progress=False, ray="auto", workers=2)
+        spread_alpha = {granularity: alpha(two_tasks, granularity=granularity, progress=False, engine=RayEngine(workers=2))
                         for granularity in fresh_alpha}
-        spread_projection = projection(two_tasks, **grid, ray="auto", workers=2)
-        with pytest.raises(ValueError, match="3 Ray workers need 3 CPUs"):  # would wait forever for a third CPU
-            nonlinearity(two_tasks, **options, ray="auto", workers=3)
+        spread_projection = projection(two_tasks, **grid, engine=RayEngine(workers=2))
+        with pytest.raises(EngineError, match="3 Ray workers need 3 CPUs"):  # would wait forever for a third CPU
+            nonlinearity(two_tasks, **options, engine=RayEngine(workers=3))
         assert ray.is_initialized()  # a Ray this process started itself is left running
     finally:
         ray.shutdown()
@@ -543,15 +543,22 @@ def test_linearity_and_alpha_on_ray_equal_one_process(two_tasks, tmp_path, monke
     for dataset in (resumed, store.dataset("linearity")):
         assert_same_dataset(dataset, fresh)
     assert store.is_complete("linearity")
-    assert store.dataset("linearity").attrs["provenance"]["scale_out"] == {"ray": "auto", "workers": 2}
+    assert store.dataset("linearity").attrs["provenance"]["engine"]["workers"] == 2
     for granularity, dataset in spread_alpha.items():
         assert_same_dataset(dataset, fresh_alpha[granularity])
     assert_same_dataset(spread_projection, fresh_projection)
 
 
-def test_workers_without_ray_is_an_error(math_only):
-    with pytest.raises(ValueError, match="only with ray="):
+def test_run_settings_are_checked(math_only):
+    with pytest.raises(TypeError, match=r"unknown run setting\(s\) \['workers'\]"):
         nonlinearity(math_only, levels=("layer",), workers=2, progress=False)
+    with pytest.raises(TypeError, match="not both"):
+        nonlinearity(math_only, levels=("layer",), run=RunSettings(), progress=False)
+    for bad in ({"workers": 0}, {"workers": 1.5}, {"threads": 0}, {"gpus_per_worker": -1}):
+        with pytest.raises(EngineError):
+            RayEngine(**bad)
+    with pytest.raises(EngineError, match="threads=0"):
+        LocalEngine(threads=0)
 
 
 def test_a_base_without_weights_needs_ray(kit):

@@ -26,6 +26,7 @@ from safetensors.torch import load_file
 
 from submerge.diagnostics import toy
 from submerge.diagnostics.capture import ParameterSource, input_gram_matrices, record_inputs, replay, sample_features
+from submerge.diagnostics.execution import RayEngine
 from submerge.diagnostics.experiment import Experiment
 from submerge.diagnostics.linearity import alpha as solve_alpha_per_module
 from submerge.diagnostics.linearity import balance_denominator, merge_objective, nonlinearity, task_gram
@@ -36,7 +37,8 @@ from submerge.merge import strategies
 from submerge.merge.plan import AUTO_ORDER, Plan, PlanError, choose_granularity, make_plan, plan_from_alpha
 from submerge.merge.rules import regmean_rule
 from submerge.merge.run import DataSettings, run_merge
-from submerge.merge.writer import MergeError, ParameterRule, merge_tensor, method_rule, write_merge, writing_order
+from submerge.merge.tensor_merge import merge_tensor
+from submerge.merge.writer import MergeError, ParameterRule, method_rule, write_merge, writing_order
 
 TASKS = ("math", "code", "story")
 STEPS = {"math": 12, "code": 4, "story": 8}  # different training lengths → task vectors of different size
@@ -832,8 +834,8 @@ def test_merge_on_ray_writes_the_one_process_checkpoint_though_a_worker_is_kille
         for name, (base, finetuned, rule_for, gram_matrices) in merges.items():
             write_merge(base, finetuned, tmp_path / f"{name}-one", rule_for, progress=False,
                         gram_matrices=gram_matrices and gram_matrices())
-            write_merge(base, finetuned, tmp_path / f"{name}-ray", rule_for, progress=False, ray="auto", workers=2,
-                        shard_size="64KB", gram_matrices=gram_matrices and gram_matrices())
+            write_merge(base, finetuned, tmp_path / f"{name}-ray", rule_for, progress=False,
+                        engine=RayEngine(workers=2), shard_size="64KB", gram_matrices=gram_matrices and gram_matrices())
     finally:
         ray.shutdown()
     assert len(kill_first_ray_worker) == 1
@@ -847,8 +849,7 @@ def test_merge_on_ray_writes_the_one_process_checkpoint_though_a_worker_is_kille
         records = [yaml.safe_load((tmp_path / f"{name}-{mode}" / "submerge_merge.yaml").read_text())
                    for mode in ("one", "ray")]
         assert records[0]["rules"] == records[1]["rules"]
-    with pytest.raises(ValueError, match="only with ray="):
-        write_merge(kit.base, kit.finetuned, tmp_path / "refused", merges["ties"][2], workers=2, progress=False)
+        assert records[1]["provenance"]["engine"]["engine"] == "ray"
 
 
 def test_eval_on_ray_equals_one_process_and_resumes_a_killed_driver(kit, tmp_path):
@@ -871,16 +872,16 @@ def test_eval_on_ray_equals_one_process_and_resumes_a_killed_driver(kit, tmp_pat
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         with pytest.raises(Killed):
-            evaluate(kit.base, kit.finetuned, kit.data, **options, store=store, ray="auto", workers=2,
+            evaluate(kit.base, kit.finetuned, kit.data, **options, store=store, engine=RayEngine(workers=2),
                      on_unit=kill_the_driver)
-        resumed = evaluate(kit.base, kit.finetuned, kit.data, **options, store=store, ray="auto", workers=2)
+        resumed = evaluate(kit.base, kit.finetuned, kit.data, **options, store=store, engine=RayEngine(workers=2))
     finally:
         ray.shutdown()
     for dataset in (resumed, store.dataset("eval")):
         assert list(dataset.model.values) == list(fresh.model.values)
         for name, variable in fresh.data_vars.items():
             assert np.array_equal(variable.values, dataset[name].values), name
-    assert store.dataset("eval").attrs["provenance"]["scale_out"] == {"ray": "auto", "workers": 2}
+    assert store.dataset("eval").attrs["provenance"]["engine"]["workers"] == 2
 
 
 @pytest.mark.parametrize("method, options, streamed, embedding_streamed", [
@@ -892,20 +893,20 @@ def test_eval_on_ray_equals_one_process_and_resumes_a_killed_driver(kit, tmp_pat
 def test_row_local_merges_stream_row_blocks_and_equal_the_whole_tensor_merge(kit, tmp_path, monkeypatch, method,
                                                                                options, streamed, embedding_streamed):
     """Above the threshold a row-local rule reads, merges and writes blocks of rows: bitwise the whole merge."""
-    from submerge.merge import writer
+    from submerge.merge import tensor_merge
 
     whole = write_merge(kit.base, kit.finetuned, tmp_path / "whole", method_rule(method, options), progress=False)
     calls = []
-    original = writer.merge_row_blocks
+    original = tensor_merge.merge_row_blocks
 
     def spy(name, *args, **kwargs):
         result = original(name, *args, **kwargs)
         calls.append((name, result is not None))
         return result
 
-    monkeypatch.setattr(writer, "STREAM_THRESHOLD", 100)
-    monkeypatch.setattr(writer, "STREAM_ELEMENTS", 3 * HIDDEN + 5)  # 3 rows a block: blocks end mid-tensor
-    monkeypatch.setattr(writer, "merge_row_blocks", spy)
+    monkeypatch.setattr(tensor_merge, "STREAM_THRESHOLD", 100)
+    monkeypatch.setattr(tensor_merge, "STREAM_ELEMENTS", 3 * HIDDEN + 5)  # 3 rows a block: blocks end mid-tensor
+    monkeypatch.setattr(tensor_merge, "merge_row_blocks", spy)
     blocks = write_merge(kit.base, kit.finetuned, tmp_path / "blocks", method_rule(method, options), progress=False)
     expected, got = _tensors(whole), _tensors(blocks)
     assert set(expected) == set(got)
@@ -919,12 +920,12 @@ def test_row_local_merges_stream_row_blocks_and_equal_the_whole_tensor_merge(kit
 
 
 def test_plan_weights_stream_and_a_nan_in_a_row_block_names_the_tensor_and_rows(kit, tmp_path, monkeypatch):
-    from submerge.merge import writer
+    from submerge.merge import tensor_merge
 
     plan = make_plan(kit.store, granularity="attn-mlp")
     whole = write_merge(kit.base, kit.finetuned, tmp_path / "whole", plan.rule_for, progress=False)
-    monkeypatch.setattr(writer, "STREAM_THRESHOLD", 100)
-    monkeypatch.setattr(writer, "STREAM_ELEMENTS", 2 * HIDDEN)
+    monkeypatch.setattr(tensor_merge, "STREAM_THRESHOLD", 100)
+    monkeypatch.setattr(tensor_merge, "STREAM_ELEMENTS", 2 * HIDDEN)
     blocks = write_merge(kit.base, kit.finetuned, tmp_path / "blocks", plan.rule_for, progress=False)
     expected, got = _tensors(whole), _tensors(blocks)
     for name in expected:

@@ -4,7 +4,7 @@ Full fine-tunes (`submerge.diagnostics.toy.finetune`: Adam steps on every parame
 embedding, the norms and the output head included — so a merge reaches every rule's fallback for
 embeddings and norms. The thresholds are lowered in the test (no big models are built):
 
-- `submerge.merge.writer.STREAM_THRESHOLD`: row-local rules read, merge and write a tensor in row blocks;
+- `submerge.merge.tensor_merge.STREAM_THRESHOLD`: row-local rules read, merge and write a tensor in row blocks;
 - `submerge.merge.strategies.CHUNK_THRESHOLD`: element-wise methods run in row chunks over the whole tensor.
 
 Chunked capture (`capture_budget`) and the release of mapped pages (`capture.RELEASE_BYTES`) are tested on
@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file
 
 from submerge.diagnostics import toy
-from submerge.merge import strategies, writer
+from submerge.merge import strategies, tensor_merge
 from submerge.merge.run import DataSettings, run_merge
 from submerge.merge.strategies import STRATEGIES
 
@@ -66,8 +66,8 @@ def test_full_finetunes_change_every_tensor(full):
 def _lower_thresholds(monkeypatch, *, below: bool) -> None:
     """`below`: every 2-D tensor is above both thresholds (row blocks of 3 rows, chunks of 40 entries)."""
     if below:
-        monkeypatch.setattr(writer, "STREAM_THRESHOLD", 64)
-        monkeypatch.setattr(writer, "STREAM_ELEMENTS", 3 * 32 + 5)  # blocks end mid-tensor
+        monkeypatch.setattr(tensor_merge, "STREAM_THRESHOLD", 64)
+        monkeypatch.setattr(tensor_merge, "STREAM_ELEMENTS", 3 * 32 + 5)  # blocks end mid-tensor
         monkeypatch.setattr(strategies, "CHUNK_THRESHOLD", 64)
         monkeypatch.setattr(strategies, "CHUNK_ELEMENTS", 40)
 
@@ -82,7 +82,7 @@ def test_every_method_merges_full_finetunes_the_same_on_both_sides_of_the_thresh
     whole = run_merge(tmp_path / "whole", method=method, base=base, finetuned=finetuned, data=settings,
                       progress=False)
     calls = []
-    original = writer.merge_row_blocks
+    original = tensor_merge.merge_row_blocks
 
     def spy(name, *args, **kwargs):
         result = original(name, *args, **kwargs)
@@ -90,7 +90,7 @@ def test_every_method_merges_full_finetunes_the_same_on_both_sides_of_the_thresh
         return result
 
     _lower_thresholds(monkeypatch, below=True)
-    monkeypatch.setattr(writer, "merge_row_blocks", spy)
+    monkeypatch.setattr(tensor_merge, "merge_row_blocks", spy)
     blocks = run_merge(tmp_path / "blocks", method=method, base=base, finetuned=finetuned, data=settings,
                        progress=False)
     expected, got = _tensors(whole), _tensors(blocks)

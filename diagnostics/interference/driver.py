@@ -21,106 +21,62 @@ What each tensor is (matrix order, level / layer / module coordinates, tied
 embeddings, GPT-2 ``Conv1D`` weights stored (in, out)) comes from the tensor
 table ``submerge.diagnostics.tensors.TensorTable``.
 
-Dependencies: this driver imports ``submerge.merge.strategies`` lazily, and only when
-SAR is taken against a merge strategy (``sar_against`` other than ``"ta"``);
-``submerge.merge.strategies`` in turn imports ``submerge.diagnostics.spectral`` at module import.
-Nothing in ``diagnostics`` imports ``merge`` at module import time.
+The per-matrix work (`submerge.diagnostics.interference.jobs`) runs on the run's engine
+(`submerge.diagnostics.execution`: this process or Ray workers); this process alone writes the store.
+SAR against a merge strategy takes that strategy as a callable (``sar_against``: e.g.
+``submerge.merge.strategies.MergedTaskVector("ties")``): nothing in ``diagnostics`` imports ``merge``.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import math
 from collections.abc import Iterator, Sequence
 from contextlib import closing
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from submerge.diagnostics.checkpoints import CheckpointReader
 from submerge.diagnostics.errors import SelectionError
+from submerge.diagnostics.execution import RunSettings
+from submerge.diagnostics.interference.jobs import InterferenceTask, MatrixJob, MergedMatrix, measure_matrix
 from submerge.diagnostics.interference.metrics import (
     DEFAULT_RANK_FRACS,
     SAR_EPS,
     rank_from_fraction,
-    task_matrix_interference,
 )
 from submerge.diagnostics.placement import pick_device
 from submerge.diagnostics.progress import progress_bar
-from submerge.diagnostics.scale_out import check_workers
 from submerge.diagnostics.spectral import svd_dtype as _svd_dtype
 from submerge.diagnostics.store import UnitWriter
 from submerge.diagnostics.task_vectors import TaskVectorReader
 from submerge.diagnostics.tensors import TensorTable
 
-__all__ = ["GROUP", "MatrixJob", "interference", "measure_matrix", "summarize_interference"]
+__all__ = ["GROUP", "MatrixJob", "interference", "measure_matrix", "summarize_interference"]  # MatrixJob, measure_matrix: from jobs
 
 GROUP = "interference"
 
 
-@dataclass(frozen=True)
-class MatrixJob:
-    """The settings that measuring one matrix needs besides its tensors (picklable)."""
-
-    rank_fracs: tuple[float, ...]
-    sar_against: str
-    sar_options: dict | None
-    eps: float
-    svd_dtype: str | torch.dtype
-    transposed: frozenset[str]
-    kinds: dict[str, str] = field(default_factory=dict)  # matrix name -> TensorInfo.kind (merge fallbacks)
-
-
-def _merged_task_matrix(name: str, task_matrices: list[torch.Tensor], sar_against: str, sar_options: dict | None,
-                        kind: str | None = None):
-    """Δ_M for SAR: None for task arithmetic (the metrics' default), else a merge strategy's τ_M."""
-    if sar_against == "ta":
-        return None
-    # The one place diagnostics uses merge: imported here, lazily, so that importing
-    # diagnostics never imports merge (submerge.merge.strategies itself imports submerge.diagnostics.spectral).
-    from submerge.merge.strategies import merge_parameter
-
-    # merge_parameter: per-name seeds for random methods, the documented fallback for
-    # embeddings under matrix-only methods, the strategy's paper defaults.
-    return merge_parameter(name, task_matrices, sar_against, sar_options, kind=kind)
-
-
-def measure_matrix(name: str, task_readers: dict, job: MatrixJob, device) -> tuple[tuple[int, int], dict]:
-    """Read the T task matrices of matrix ``name`` and measure them: (shape as measured, metrics dict).
-
-    A Conv1D weight (``name in job.transposed``) is transposed to (out, in) first, so U is
-    always the output space and the row space V the input space, as CART's I(k) assumes.
-    """
-    dtype = _svd_dtype(job.svd_dtype)
-    task_matrices = []
-    for reader in task_readers.values():
-        delta = reader.get(name, dtype=dtype, device=device)
-        task_matrices.append(delta.T if name in job.transposed else delta)
-    merged = _merged_task_matrix(name, task_matrices, job.sar_against, job.sar_options, job.kinds.get(name))
-    result = task_matrix_interference(task_matrices, job.rank_fracs, merged, eps=job.eps, svd_dtype=job.svd_dtype)
-    return tuple(task_matrices[0].shape), result
-
-
-def _check_settings(svd_dtype, rank_fracs: Sequence[float], sar_against: str, sar_options: dict | None,
-                    ray: str | None, workers: int) -> None:
-    """Fail on a bad SVD dtype, rank fraction, SAR strategy or worker count before any work."""
-    check_workers(ray, workers)
+def _check_settings(svd_dtype, rank_fracs: Sequence[float]) -> None:
+    """Fail on a bad SVD dtype or rank fraction before any work."""
     _svd_dtype(svd_dtype)
     for frac in rank_fracs:
         rank_from_fraction(frac, 1)  # validates the fraction
-    _check_strategy(sar_against, sar_options)
 
 
-def _check_strategy(sar_against: str, sar_options: dict | None) -> None:
-    if sar_against == "ta":
-        if sar_options:
-            raise ValueError(f"sar_options {sar_options} given, but sar_against='ta' takes none")
-        return
-    from submerge.merge.strategies import STRATEGIES
-
-    if sar_against not in STRATEGIES:
-        raise ValueError(f"sar_against must be 'ta' or a merge strategy ({', '.join(STRATEGIES)}), got {sar_against!r}")
-    STRATEGIES[sar_against].resolve_options(sar_options)  # unknown options fail before any work
+def _sar_reference(sar_against) -> tuple[str, dict, object]:
+    """(label, options, Δ_M callable or None) of ``sar_against``: "ta" or a merge strategy's callable."""
+    if isinstance(sar_against, str):
+        if sar_against != "ta":
+            raise ValueError(f"sar_against={sar_against!r}: give 'ta' (task arithmetic) or a merge strategy as a "
+                             f"callable, e.g. submerge.merge.strategies.MergedTaskVector({sar_against!r})")
+        return "ta", {}, None
+    if not callable(sar_against):
+        raise TypeError(f"sar_against must be 'ta' or a callable (name, task_matrices, kind) → Δ_M, got "
+                        f"{type(sar_against).__name__}")
+    return (str(getattr(sar_against, "label", getattr(sar_against, "__name__", repr(sar_against)))),
+            dict(getattr(sar_against, "options", None) or {}), sar_against)
 
 
 def _plan_matrices(base, task_readers: dict, table, matrices, transposed):
@@ -249,7 +205,7 @@ def _notes(job: MatrixJob, device, duplicates: dict[str, str]) -> dict:
 
 
 def _open_writer(store, job: MatrixJob, base, task_readers: dict, matrices, *, force: bool, command: str | None,
-                 scale_out: dict | None = None):
+                 engine: dict):
     """The `UnitWriter` of group ``interference`` (store None: results are only gathered)."""
 
     if store is None:
@@ -262,8 +218,7 @@ def _open_writer(store, job: MatrixJob, base, task_readers: dict, matrices, *, f
     }
     inputs = {"base_model": base.fingerprint(),
               "finetuned": {task: reader.finetuned.fingerprint() for task, reader in task_readers.items()}}
-    if scale_out:
-        inputs["scale_out"] = scale_out  # provenance only: a run resumes across single-process and Ray
+    inputs["engine"] = engine  # provenance only: a run resumes across engines
     return UnitWriter(store, GROUP, settings, dim="matrix", force=force, inputs=inputs, command=command)
 
 
@@ -280,25 +235,11 @@ def _task_readers(base, finetuned: dict) -> dict:
             for task, reader in finetuned.items()}
 
 
-def _results(names: list[str], base, task_readers: dict, job: MatrixJob, device: str, scale_out: dict | None,
-             ray_options: dict | None, describe) -> Iterator:
-    """(name, shape, result) of every matrix in order, measured here or (``scale_out``) by Ray workers."""
-    if scale_out is not None:
-        from submerge.diagnostics.interference.scale_out import ray_results
-
-        describe(f"{scale_out['workers']} Ray worker(s)")
-        return ray_results(scale_out["ray"], names, base, task_readers, job, device=device,
-                           workers=scale_out["workers"], **(ray_options or {}))
-    return _local_results(names, task_readers, job, device, describe)
-
-
-def _local_results(names: list[str], task_readers: dict, job: MatrixJob, device: str, on_start) -> Iterator:
-    """(name, shape, result) of every matrix in order, measured in this process."""
-
-    target = pick_device(device)
-    for name in names:
-        on_start(name)
-        yield (name, *measure_matrix(name, task_readers, job, target))
+def _results(names: list[str], base, task_readers: dict, job: MatrixJob, device: str, engine) -> Iterator:
+    """(name, shape, result) of every matrix in order, measured on `engine` in the engine's groups."""
+    groups = engine.groups(names, [math.prod(base.shape(name)) for name in names])
+    for group in engine.map(InterferenceTask.of(base, task_readers, job, device), groups):
+        yield from group
 
 
 def _write_in_groups(writer, results: Iterator, flush_every: int, make_piece, on_done) -> None:
@@ -319,22 +260,16 @@ def interference(
     finetuned: dict,
     *,
     rank_fracs: Sequence[float] = DEFAULT_RANK_FRACS,
-    sar_against: str = "ta",
-    sar_options: dict | None = None,
+    sar_against: str | MergedMatrix = "ta",
     eps: float = SAR_EPS,
     svd_dtype: str = "float32",
     device: str = "auto",
-    progress: bool = True,
     matrices: Sequence[str] | None = None,
     transposed: Sequence[str] | None = None,
     table=None,
-    store=None,
-    force: bool = False,
-    command: str | None = None,
     flush_every: int = 8,
-    ray: str | None = None,
-    workers: int = 1,
-    ray_options: dict | None = None,
+    run: RunSettings | None = None,
+    **run_options,
 ):
     """Weight-space interference of every 2-D weight matrix, streamed one matrix at a time.
 
@@ -351,42 +286,41 @@ def interference(
     (``attrs["tied_duplicates"]``).  Weights stored (in, out) (``TensorInfo.transposed``: GPT-2 ``Conv1D``, or
     the names in ``transposed``) are transposed to (out, in) first.
 
-    SAR is taken against task arithmetic Σ_t Δ_t (``sar_against="ta"``) or
-    against the merged task vector of the merge strategy
-    ``submerge.merge.strategies.STRATEGIES[sar_against]`` (its paper defaults, updated by
-    ``sar_options``), computed per matrix by ``submerge.merge.strategies.merge_parameter``.
+    SAR is taken against task arithmetic Σ_t Δ_t (``sar_against="ta"``) or against the merged task vector of a
+    merge strategy, given as a callable ``(name, task_matrices, kind) → Δ_M``:
+    ``submerge.merge.strategies.MergedTaskVector("ties", {"top_k": 0.2})`` (its ``label`` and ``options`` are
+    recorded).
 
     Returns the ``xarray.Dataset`` described in this module's docstring.
 
-    With ``store`` (a :class:`submerge.diagnostics.store.Store`) the group ``interference`` is written
-    ``flush_every`` matrices at a time; a run that stopped resumes after the last group written
-    (same settings), other settings are an error unless ``force``.
-
-    ``ray="auto"`` (a local Ray instance) or ``ray=ADDRESS`` (a cluster) measures the matrices in
-    ``workers`` Ray worker processes (``ray_options``: max_retries, gpus_per_worker,
-    threads_per_worker, report; see ``submerge.diagnostics.interference.scale_out``); this process alone
-    writes the store, so results, resume and provenance are as in one process.
+    ``run`` (or its fields as keywords: ``store``, ``force``, ``progress``, ``command``, ``engine``;
+    `submerge.diagnostics.execution.RunSettings`): with a store the group ``interference`` is written
+    ``flush_every`` matrices at a time; a run that stopped resumes after the last group written (same settings),
+    other settings are an error unless ``force``. With a ``RayEngine`` the matrices are measured by its Ray
+    workers, in groups; this process alone writes the store, so results, resume and provenance are as in one
+    process.
     """
 
+    run = RunSettings.of(run, **run_options)
     task_readers = _task_readers(base, finetuned)
-    _check_settings(svd_dtype, rank_fracs, sar_against, sar_options, ray, workers)
+    _check_settings(svd_dtype, rank_fracs)
+    sar_label, sar_options, sar_merge = _sar_reference(sar_against)
     target = pick_device(device)
     table, names, duplicates, transposed = _plan_matrices(base, task_readers, table, matrices, transposed)
-    job = MatrixJob(tuple(rank_fracs), sar_against, sar_options, eps, svd_dtype, transposed,
-                    {name: table.get(name).kind for name in names})
+    job = MatrixJob(tuple(rank_fracs), sar_label, sar_options, eps, svd_dtype, transposed,
+                    {name: table.get(name).kind for name in names}, sar_merge)
 
     def make_piece(items: list[tuple]):
         return _matrices_dataset(table, [i[0] for i in items], [i[1] for i in items], [i[2] for i in items],
                                  list(task_readers), rank_fracs)
 
-    scale_out = {"ray": ray, "workers": workers} if ray is not None else None
-    writer = _open_writer(store, job, base, task_readers, matrices, force=force, command=command, scale_out=scale_out)
+    writer = _open_writer(run.store, job, base, task_readers, matrices, force=run.force, command=run.command,
+                          engine=run.engine.provenance())
     todo = [name for name in names if name not in writer.done]
-    with progress_bar(progress) as bar:
+    with progress_bar(run.progress) as bar, run.engine.running():
         bar_job = bar.add_task("interference", total=len(names))
         bar.advance(bar_job, len(names) - len(todo))
-        results = _results(todo, base, task_readers, job, device, scale_out, ray_options,
-                           lambda text: bar.update(bar_job, description=f"interference · {text}"))
+        results = _results(todo, base, task_readers, job, device, run.engine)
         with closing(results):
             _write_in_groups(writer, results, flush_every, make_piece, lambda name: bar.advance(bar_job))
     if not writer.pieces:  # nothing to measure and nothing resumed: an empty result, nothing appended

@@ -6,6 +6,7 @@
 - `nonlinearity`, `projection`, `alpha`: one driver per diagnostic.
 """
 
+from submerge.diagnostics.capture import DEFAULT_CAPTURE_BUDGET
 from submerge.diagnostics.linearity.alpha import alpha
 from submerge.diagnostics.linearity.equations import (
     AlphaSolution,
@@ -26,7 +27,6 @@ from submerge.diagnostics.linearity.equations import (
 )
 from submerge.diagnostics.linearity.nonlinearity import nonlinearity, summarize_nonlinearity
 from submerge.diagnostics.linearity.projection import projection
-from submerge.diagnostics.linearity.sweep import DEFAULT_CAPTURE_BUDGET
 from submerge.diagnostics.modules import GRANULARITIES
 
 __all__ = [

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import numpy as np
 import xarray as xr
 
+from submerge.diagnostics.execution import RunSettings
 from submerge.diagnostics.linearity.equations import (
     alpha_system,
     balance_denominator,
@@ -16,9 +16,9 @@ from submerge.diagnostics.linearity.equations import (
     solve_alpha,
     task_gram,
 )
-from submerge.diagnostics.linearity.sweep import DEFAULT_CAPTURE_BUDGET, Outputs, Sweep, Unit, module_coords
+from submerge.diagnostics.linearity.sweep import Sweep
 from submerge.diagnostics.modules import GRANULARITIES
-from submerge.diagnostics.store import Store
+from submerge.diagnostics.replay import Outputs, Unit, module_coords
 
 _RESULTS = {  # store variable → key of a module's result
     "condition_number": "cond", "least_squares": "lstsq", "objective_alpha": "obj_alpha",
@@ -57,17 +57,9 @@ def alpha(
     *,
     granularity: str = "layer",
     balance: bool = True,
-    store: Store | None = None,
-    force: bool = False,
-    progress: bool = True,
-    capture_budget: int = DEFAULT_CAPTURE_BUDGET,
     max_condition: float = 1e12,
-    command: str | None = None,
-    on_unit: Callable[[str], None] | None = None,
-    compute_dtype: str | None = None,
-    ray: str | None = None,
-    workers: int = 1,
-    ray_options: dict | None = None,
+    run: RunSettings | None = None,
+    **run_options,
 ) -> xr.Dataset:
     """Closed-form merge coefficients α per submodule (seed 002 Eq. 12–14; balanced Eq. 33–34).
 
@@ -76,18 +68,18 @@ def alpha(
     ill-conditioned (flagged, with the condition number). The Eq. 10 objective
     (true module outputs) is stored at the solved α and at uniform weights 1/T,
     and the linearised objective (Eq. 22 / 33) at both.
-    ``ray`` (``"auto"`` or an address), ``workers``, ``ray_options``: a pipeline of Ray workers over the
-    blocks (`submerge.diagnostics.linearity.scale_out`); this process alone writes the store.
+    ``run`` (or its fields as keywords: ``store``, ``force``, ``progress``, ``command``, ``on_unit``,
+    ``capture_budget``, ``compute_dtype``, ``engine``): `submerge.diagnostics.execution.RunSettings`; with a
+    ``RayEngine`` the layers are measured by a pipeline of Ray workers, and this process alone writes the store.
     """
     if granularity not in GRANULARITIES:
         raise ValueError(f"unknown granularity '{granularity}' (choose from {list(GRANULARITIES)})")
+    run = RunSettings.of(run, **run_options)
     tasks = experiment.tasks
     uniform = np.full(len(tasks), 1.0 / len(tasks))
     sweep = Sweep(experiment, GRANULARITIES[granularity], f"alpha/{granularity}",
                   {"granularity": granularity, "balance": balance, "max_condition": max_condition},
-                  store=store, force=force, command=command, on_unit=on_unit, capture_budget=capture_budget,
-                  compute_dtype=compute_dtype, ray=ray, workers=workers,
-                  ray_options=ray_options)
+                  run)
 
     def measure(unit: Unit) -> dict:
         replays = {task: unit.run(task, [{}] + [{t: 1.0} for t in tasks]) for task in tasks}
@@ -117,7 +109,7 @@ def alpha(
                     **module_coords(modules)},
         )
 
-    sweep.run(f"Closed-form α ({granularity})", measure, piece, progress)
+    sweep.run(f"Closed-form α ({granularity})", measure, piece)
     notes = {"equations": "seed 002 Eq. 12-14 (α = A⁻¹b), balanced Eq. 33-34" if balance else "seed 002 Eq. 12-14",
              "b_vector": "b_j = Σ_a B_aja (seed 002 Eq. 13)",
              "objective": "Eq. 10 on replayed module outputs (balanced by Eq. 33's denominator when balance)",

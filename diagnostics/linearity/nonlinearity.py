@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 import xarray as xr
 
+from submerge.diagnostics.execution import RunSettings
 from submerge.diagnostics.linearity.equations import mean_std, nonlinearity_score
-from submerge.diagnostics.linearity.sweep import DEFAULT_CAPTURE_BUDGET, Outputs, Sweep, Unit, module_coords
+from submerge.diagnostics.linearity.sweep import Sweep
 from submerge.diagnostics.modules import DEFAULT_LEVELS
-from submerge.diagnostics.store import Store
+from submerge.diagnostics.replay import Outputs, Unit, module_coords
 
 
 def trajectories(outputs: Outputs):
@@ -25,17 +26,9 @@ def nonlinearity(
     *,
     levels: Sequence[str] = DEFAULT_LEVELS,
     steps: int = 10,
-    store: Store | None = None,
-    force: bool = False,
-    progress: bool = True,
     model_output: str = "hidden",
-    capture_budget: int = DEFAULT_CAPTURE_BUDGET,
-    command: str | None = None,
-    on_unit: Callable[[str], None] | None = None,
-    compute_dtype: str | None = None,
-    ray: str | None = None,
-    workers: int = 1,
-    ray_options: dict | None = None,
+    run: RunSettings | None = None,
+    **run_options,
 ) -> xr.Dataset:
     """Non-linearity Score (seed 002 Eq. 19) of every fine-tune on its own task, per module and sample.
 
@@ -44,16 +37,16 @@ def nonlinearity(
     modules the fine-tune left untouched score NaN and are flagged. ``sample`` is
     the record index in the task's file; ``level``, ``layer`` (−1 for the model)
     and ``head`` label ``module``.
-    ``ray`` (``"auto"`` or an address), ``workers``, ``ray_options``: a pipeline of Ray workers over the
-    blocks (`submerge.diagnostics.linearity.scale_out`); this process alone writes the store.
+    ``run`` (or its fields as keywords: ``store``, ``force``, ``progress``, ``command``, ``on_unit``,
+    ``capture_budget``, ``compute_dtype``, ``engine``): `submerge.diagnostics.execution.RunSettings`; with a
+    ``RayEngine`` the layers are measured by a pipeline of Ray workers, and this process alone writes the store.
     """
     if steps < 1:
         raise ValueError("steps must be at least 1")
+    run = RunSettings.of(run, **run_options)
     tasks = experiment.tasks
     settings = {"levels": list(levels), "steps": steps, "model_output": model_output}
-    sweep = Sweep(experiment, levels, "linearity", settings, store=store, force=force, command=command,
-                  on_unit=on_unit, capture_budget=capture_budget, compute_dtype=compute_dtype, ray=ray, workers=workers,
-                  ray_options=ray_options,
+    sweep = Sweep(experiment, levels, "linearity", settings, run,
                   model_output=model_output)
     positions = np.arange(experiment.settings["skip"], experiment.settings["skip"] + experiment.max_samples)
     position_of = {int(index): j for j, index in enumerate(positions)}
@@ -82,7 +75,7 @@ def nonlinearity(
             coords={"task": np.array(tasks, dtype=object), "sample": positions, **module_coords(modules)},
         )
 
-    sweep.run("Non-linearity Score", measure, piece, progress)
+    sweep.run("Non-linearity Score", measure, piece)
     return sweep.writer.finish({"equation": "seed 002 Eq. 19", "summary": "mean ± std over modules and samples"},
                                result_attrs={"equation": "seed 002 Eq. 19", "steps": steps,
                                              "model_output": model_output,

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import xarray as xr
 
+from submerge.diagnostics.execution import RunSettings
 from submerge.diagnostics.linearity.equations import cosine_base, cosine_merge, projection_distance, projection_terms
-from submerge.diagnostics.linearity.sweep import DEFAULT_CAPTURE_BUDGET, Outputs, Sweep, Unit, module_coords
+from submerge.diagnostics.linearity.sweep import Sweep
 from submerge.diagnostics.modules import DEFAULT_LEVELS
-from submerge.diagnostics.store import Store
+from submerge.diagnostics.replay import Outputs, Unit, module_coords
 
 COMBOS_PER_REPLAY = 8  # merged variants replayed together (the model level runs them block by block together)
 
@@ -51,25 +52,19 @@ def projection(
     *,
     levels: Sequence[str] = DEFAULT_LEVELS,
     alphas: Sequence[float] | None = None,
-    store: Store | None = None,
-    force: bool = False,
-    progress: bool = True,
-    capture_budget: int = DEFAULT_CAPTURE_BUDGET,
-    command: str | None = None,
-    on_unit: Callable[[str], None] | None = None,
-    compute_dtype: str | None = None,
-    ray: str | None = None,
-    workers: int = 1,
-    ray_options: dict | None = None,
+    run: RunSettings | None = None,
+    **run_options,
 ) -> xr.Dataset:
     """Projection Distance (Eq. 8), cosine_merge (Eq. 16) and cosine_base (Eq. 17) per module.
 
     For every subset S of two or more fine-tunes and every α in its grid (seed 002
     Fig. 3 unless `alphas`), over x in the union of S's task data:
     Δ_merge = f(x; θ0 + Σ α_t τ_t) − f(x; θ0), Δ_lin = Σ α_t Δf_t(x).
-    ``ray`` (``"auto"`` or an address), ``workers``, ``ray_options``: a pipeline of Ray workers over the
-    blocks (`submerge.diagnostics.linearity.scale_out`); this process alone writes the store.
+    ``run`` (or its fields as keywords: ``store``, ``force``, ``progress``, ``command``, ``on_unit``,
+    ``capture_budget``, ``compute_dtype``, ``engine``): `submerge.diagnostics.execution.RunSettings`; with a
+    ``RayEngine`` the layers are measured by a pipeline of Ray workers, and this process alone writes the store.
     """
+    run = RunSettings.of(run, **run_options)
     tasks = experiment.tasks
     if len(tasks) < 2:
         raise ValueError("the Projection Distance needs at least two fine-tunes")
@@ -83,9 +78,7 @@ def projection(
             combo_alpha[c, tasks.index(task)] = value
     sweep = Sweep(experiment, levels, "projection", {"levels": list(levels),
                                                      "alphas": None if alphas is None else list(alphas)},
-                  store=store, force=force, command=command, on_unit=on_unit, capture_budget=capture_budget,
-                  compute_dtype=compute_dtype, ray=ray, workers=workers,
-                  ray_options=ray_options)
+                  run)
 
     def measure(unit: Unit) -> dict:
         results = {}
@@ -122,7 +115,7 @@ def projection(
             },
         )
 
-    sweep.run("Projection Distance", measure, piece, progress)
+    sweep.run("Projection Distance", measure, piece)
     return sweep.writer.finish({"equations": "seed 002 Eq. 8 (PD), Eq. 16 (cosine_merge), Eq. 17 (cosine_base)",
                                 "cosine_base": "mean over pairs t<t' (Eq. 17 prints 1/(T(T-1)) over t<t', half a mean)",
                                 "data": "x ranges over the union of the subset's task data"})

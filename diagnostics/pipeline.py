@@ -1,7 +1,7 @@
-"""The linearity sweep on Ray: a pipeline over blocks, results written by the driver alone.
+"""A sweep's layers on Ray: a pipeline of workers over contiguous block ranges, results written by the driver alone.
 
-Used by `diag linearity`, `projection` and `alpha` (`Sweep` with ``ray=``); Ray is the optional extra
-``pip install "submerge[ray]"``, joined as `submerge.diagnostics.scale_out.connect` says.
+`submerge.diagnostics.execution.RayEngine.sweep` runs it for `diag linearity`, `projection` and `alpha` (and any
+driver on `submerge.diagnostics.linearity.sweep.Sweep`); Ray is the optional extra ``pip install "submerge[ray]"``.
 
 Work split.  The blocks are cut into ``workers`` contiguous ranges (`split_layers`).  Worker k (a Ray actor,
 `BlockWorker`) builds the base on the meta device and reads from the checkpoint only the tensors of its
@@ -25,9 +25,8 @@ raised by the measurement itself is not retried and reaches the caller as it wou
 Memory per worker: its blocks (about 1/workers of the blocks' weights) plus the embedding stage, the
 recorded inputs of one chunk of its layers, and one unit's variants; the driver holds the results only.
 
-Bitwise equality with one process: the same code runs on the same tensors; the arrays are equal bit
-for bit when the workers run the same torch build with as many threads as the single process
-(``threads_per_worker``; Ray gives a 1-CPU actor one thread).
+Bitwise equality with one process: the same code (`submerge.diagnostics.replay`) runs on the same tensors with the
+engine's thread count; the arrays are equal bit for bit on the same torch build.
 """
 
 from __future__ import annotations
@@ -38,7 +37,6 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from submerge.diagnostics import scale_out as common
 from submerge.diagnostics.base_model import BaseModel, checkpoint_name_map, meta_model
 from submerge.diagnostics.capture import (
     CaptureState,
@@ -48,9 +46,11 @@ from submerge.diagnostics.capture import (
     no_tf32,
     record_inputs,
 )
-from submerge.diagnostics.linearity.sweep import Unit, measure_layer, model_replayed, units_of
+from submerge.diagnostics.checkpoints import checkpoint_spec, reopen_checkpoint
 from submerge.diagnostics.modules import Submodule, find_architecture
-from submerge.diagnostics.placement import offload_to, offloads, pick_device
+from submerge.diagnostics.placement import offload_to, offloads, pick_device, process_stats
+from submerge.diagnostics.replay import Unit, measure_layer, model_replayed, units_of
+from submerge.diagnostics.task_vectors import reopen_task_vectors, task_vector_specs
 
 __all__ = ["BlockWorker", "Pipeline", "load_blocks", "split_layers"]
 
@@ -85,7 +85,7 @@ def load_blocks(spec: dict, layers: range, *, head: bool, device, offload: bool 
     if offloads(offload, device):
         offload_to(model, device)
         device = "cpu"  # where the weights are read to; they compute on the offload device
-    reader = common.reopen_checkpoint(spec["reader"])
+    reader = reopen_checkpoint(spec["reader"])
     names, arch = checkpoint_name_map(model, reader), find_architecture(model)
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     skipped = {f"{name}." for name, module in model.named_modules() if output is not None and module is output}
@@ -118,15 +118,14 @@ class BlockWorker:
     """
 
     def __init__(self, job: dict, layers: list[int], modules: dict[int, list[Submodule]], incoming: list):
-        if job["threads"]:
-            torch.set_num_threads(job["threads"])
+        torch.set_num_threads(job["threads"])
         self.device = pick_device(job["device"])
         self.layers = range(layers[0], layers[-1] + 1)
         last = self.layers[-1] == job["num_layers"] - 1
         self.base = load_blocks(job["base"], self.layers, head=last and job["model_output"] == "logits",
                                 device=self.device, offload=job.get("offload", False))
         self.arch = find_architecture(self.base.model)
-        self.source = ParameterSource(self.base, common.reopen_task_vectors(self.base.reader, job["task_vectors"]),
+        self.source = ParameterSource(self.base, reopen_task_vectors(self.base.reader, job["task_vectors"]),
                                       compute_dtype=job["compute_dtype"])
         self.batches, self.modules = job["batches"], modules
         self.pending, self.incoming = incoming, None
@@ -185,35 +184,29 @@ class BlockWorker:
     def stats(self) -> dict:
         """This worker process: pid, host, peak resident memory (MiB), the blocks it holds and their weights (MiB)."""
         held = sum(p.numel() * p.element_size() for p in self.base.model.parameters() if not p.is_meta)
-        return {**common.process_stats(), "layers": [self.layers[0], self.layers[-1]], "weights_mib": held / 2**20}
+        return {**process_stats(), "layers": [self.layers[0], self.layers[-1]], "weights_mib": held / 2**20}
 
 
 class Pipeline:
-    """The Ray actors of one `Sweep`, as a context manager: worker k holds the blocks ``ranges[k]``.
+    """The Ray actors of one `Sweep` on a `submerge.diagnostics.execution.RayEngine`, as a context manager: worker k
+    holds the blocks ``ranges[k]``. The engine is joined already (`RayEngine.running`); its ``report`` (a dict)
+    receives ``workers``: each worker's `BlockWorker.stats` at the end."""
 
-    Options (``ray_options`` of the drivers): ``max_retries`` (restarts of a lost worker), ``gpus_per_worker``
-    (the workers compute on CUDA when > 0), ``threads_per_worker``, ``report`` (a dict that receives
-    ``workers``: each worker's `BlockWorker.stats` at the end).
-    """
-
-    def __init__(self, sweep, *, ray: str, workers: int, max_retries: int = 3, gpus_per_worker: float = 0,
-                 threads_per_worker: int | None = None, report: dict | None = None):
+    def __init__(self, sweep, engine):
         import ray as ray_api
 
         experiment = sweep.experiment
-        self.sweep, self.report, self.ray = sweep, report, ray_api
-        self.ranges = split_layers(experiment.arch.num_layers, workers)
-        self.started = common.connect(ray, len(self.ranges), gpus_per_worker)
-        base = {"reader": common.checkpoint_spec(experiment.base.reader), "dtype": experiment.settings["dtype"],
+        self.sweep, self.report, self.ray = sweep, engine.report, ray_api
+        self.ranges = split_layers(experiment.arch.num_layers, engine.workers)
+        base = {"reader": checkpoint_spec(experiment.base.reader), "dtype": experiment.settings["dtype"],
                 "trust_remote_code": experiment.inputs.get("trust_remote_code", False)}
         job = {"base": base,
-               "task_vectors": common.task_vector_specs(experiment.task_vectors), "batches": experiment.batches,
-               "device": "cuda" if gpus_per_worker else "cpu", "threads": threads_per_worker,
+               "task_vectors": task_vector_specs(experiment.task_vectors), "batches": experiment.batches,
+               "device": engine.device, "threads": engine.threads,
                "compute_dtype": sweep.source.compute_dtype, "layer_bytes": sweep.layer_bytes(),
                "capture_budget": sweep.capture_budget, "model_output": sweep.model_output,
                "num_layers": experiment.arch.num_layers, "offload": bool(experiment.inputs.get("offload"))}
-        remote = ray_api.remote(BlockWorker).options(num_cpus=1, num_gpus=gpus_per_worker, max_restarts=max_retries,
-                                                     max_task_retries=max_retries)
+        remote = engine.actor_class(BlockWorker)
         self.by_layer = sweep.by_layer()
         self.actors, self.incoming = [], [[]]  # the references are kept: a restarted worker takes its own again
         for layers in self.ranges:
@@ -232,8 +225,6 @@ class Pipeline:
         finally:
             for actor in self.actors:
                 self.ray.kill(actor)
-            if self.started:
-                self.ray.shutdown()
 
     def submit(self, measure: Callable[[Unit], dict]) -> list[tuple[list[Submodule], object]]:
         """Every layer still to do, submitted to the worker that holds it: (its modules, a Ray reference)."""

@@ -1,0 +1,342 @@
+"""Execution: where a run's work runs — this process or Ray workers — with how many threads, and the settings
+every driver shares.
+
+One small interface, `Engine`, with two implementations in this module (the model: nnsight's swappable backends,
+mergekit's ``Executor`` / ``MultiGPUExecutor`` over one planned task graph):
+
+- ``map(task, groups)``: the results of ``task.open().<task.method>(group)`` for every group of items, **in group
+  order** — the matrices of ``diag interference``, the tensors of a merge, the models of ``diag eval``. `task` is a
+  small picklable description of the per-item work (`WorkerTask`); the per-item code lives in leaf modules
+  (`submerge.diagnostics.interference.jobs`, `submerge.merge.tensor_merge`, `submerge.diagnostics.evaluate`) that
+  both engines run.
+- ``sweep(sweep)``: the layers of a linearity sweep (capture, replay, measure per unit), as a context manager that
+  gives a *layer runner* (``layer_results``, ``model_unit``): `submerge.diagnostics.replay.LocalLayers` in this process, or a pipeline of Ray
+  workers over contiguous block ranges (`submerge.diagnostics.pipeline.Pipeline`).
+- ``running()``: the context every run executes in (the thread count fixed; Ray joined).
+
+Drivers never import Ray and never decide where they run: the caller (the CLI's ``--ray`` / ``--workers`` /
+``--threads``) builds the engine and passes it in `RunSettings`. The driver alone writes the store, in order, so
+resume, settings checks and provenance are the same on every engine, and a run resumes across engines.
+
+Threads. torch's multi-threaded float reductions sum in another order with another thread count. Every engine
+therefore fixes the intra-op thread count of every task (`threads`; default: this process's count when the engine
+is made) and records it in the store's provenance (``provenance.engine``): with the same `threads`, stores and
+merged checkpoints are bitwise equal whatever the engine and the worker count. A Ray worker holds 1 CPU of the
+cluster's accounting (``num_cpus=1``, so a run needs `workers` CPUs) and computes with `threads` threads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import platform
+import resource
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from submerge.diagnostics.capture import DEFAULT_CAPTURE_BUDGET
+from submerge.diagnostics.errors import SubmergeError
+from submerge.diagnostics.pipeline import Pipeline
+from submerge.diagnostics.replay import LocalLayers
+
+RAY_EXTRA = "pip install 'submerge[ray]' (or pip install 'ray>=2.9')"
+GROUP_ELEMENTS = 1 << 20  # a tensor this large is a group of its own; smaller ones are grouped up to it
+CONNECT_TIMEOUT = 60.0  # seconds to reach a Ray cluster before giving up with a message naming its address
+
+
+class EngineError(SubmergeError):
+    """The engine cannot run (Ray missing or unreachable, too few CPUs or GPUs in the cluster, a bad count)."""
+
+
+class WorkerTask(Protocol):
+    """A picklable description of per-item work: ``open()`` gives the worker, ``method`` names what a group gets."""
+
+    method: str
+
+    def open(self) -> object: ...
+
+
+class Engine(Protocol):
+    threads: int
+    workers: int
+
+    def running(self) -> contextlib.AbstractContextManager: ...
+
+    def groups(self, names: list[str], sizes: list[int]) -> list[list[str]]: ...
+
+    def map(self, task: WorkerTask, groups: Sequence[list]) -> Iterator: ...
+
+    def sweep(self, sweep) -> contextlib.AbstractContextManager: ...
+
+    def provenance(self) -> dict: ...
+
+
+def _check_count(value, what: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise EngineError(f"{what}={value!r}: give a whole number >= 1")
+    return value
+
+
+@contextlib.contextmanager
+def fixed_threads(threads: int):
+    """torch's intra-op thread count set to `threads` inside the block, restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def process_stats() -> dict:
+    """This process: its pid, host and peak resident memory (MiB)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"pid": os.getpid(), "host": platform.node(),
+            "peak_rss_mib": peak / (1 << 20) if sys.platform == "darwin" else peak / 1024}
+
+
+def group_items(names: list[str], sizes: list[int], workers: int) -> list[list[str]]:
+    """Contiguous groups of ``names`` (in order) of about min(2²⁰, total / (4·workers)) elements each: a large
+    item is a group of its own, small ones travel together, and every worker gets several groups."""
+    target = min(GROUP_ELEMENTS, max(1, math.ceil(sum(sizes) / (4 * max(1, workers)))))
+    groups: list[list[str]] = []
+    current: list[str] = []
+    filled = 0
+    for name, size in zip(names, sizes):
+        current.append(name)
+        filled += size
+        if filled >= target:
+            groups.append(current)
+            current, filled = [], 0
+    if current:
+        groups.append(current)
+    return groups
+
+
+# --------------------------------------------------------------------------------------------- this process
+
+
+@dataclass
+class LocalEngine:
+    """Everything in this process, with `threads` intra-op threads (default: this process's count now)."""
+
+    threads: int | None = None
+    workers: int = field(default=1, init=False)
+
+    def __post_init__(self):
+        self.threads = _check_count(torch.get_num_threads() if self.threads is None else self.threads, "threads")
+
+    def running(self):
+        return fixed_threads(self.threads)
+
+    def groups(self, names: list[str], sizes: list[int]) -> list[list[str]]:
+        """One item a group: here nothing is gained by grouping, and each item is written as soon as it is done."""
+        return [[name] for name in names]
+
+    def map(self, task: WorkerTask, groups: Sequence[list]) -> Iterator:
+        """``task.open().<method>(group)`` for each group in order, here (the worker is opened once)."""
+        with fixed_threads(self.threads):
+            worker = task.open()
+            method = getattr(worker, task.method)
+            for group in groups:
+                yield method(group)
+
+    def sweep(self, sweep):
+        return contextlib.nullcontext(LocalLayers(sweep))
+
+    def provenance(self) -> dict:
+        return {"engine": "local", "threads": self.threads}
+
+
+# --------------------------------------------------------------------------------------------- Ray
+
+
+@dataclass
+class RayEngine:
+    """`workers` Ray actors (``address``: ``"auto"`` starts a local instance, or a cluster's ``host:port``).
+
+    ``gpus_per_worker`` > 0: the workers compute on CUDA. ``max_retries``: restarts of a worker process that dies
+    (killed, out of memory, a lost node); its unfinished groups are redone. ``connect_timeout``: seconds to reach
+    the cluster. ``report`` (a dict), when given, receives ``workers``: each worker's stats at the end.
+    """
+
+    address: str = "auto"
+    workers: int = 1
+    threads: int | None = None
+    gpus_per_worker: float = 0
+    max_retries: int = 3
+    connect_timeout: float = CONNECT_TIMEOUT
+    report: dict | None = field(default=None, compare=False)
+
+    def __post_init__(self):
+        _check_count(self.workers, "workers")
+        self.threads = _check_count(torch.get_num_threads() if self.threads is None else self.threads, "threads")
+        if not self.gpus_per_worker >= 0:
+            raise EngineError(f"gpus_per_worker={self.gpus_per_worker!r}: give a number >= 0")
+
+    @property
+    def device(self) -> str:
+        """Where the workers compute."""
+        return "cuda" if self.gpus_per_worker else "cpu"
+
+    @contextlib.contextmanager
+    def running(self):
+        """This process joined to Ray for the block (a local instance it started is shut down after), threads fixed
+        (the driver computes the model level's measures and the store's summaries)."""
+        started = connect(self.address, self.workers, self.gpus_per_worker, self.connect_timeout)
+        try:
+            with fixed_threads(self.threads):
+                yield self
+        finally:
+            if started:
+                import ray
+
+                ray.shutdown()
+
+    def groups(self, names: list[str], sizes: list[int]) -> list[list[str]]:
+        """Contiguous groups of about min(2²⁰, total / (4·workers)) elements (`group_items`)."""
+        return group_items(names, sizes, self.workers)
+
+    def actor_class(self, worker: type):
+        """`worker` as a Ray actor class with this engine's resources and restarts."""
+        import ray
+
+        return ray.remote(worker).options(num_cpus=1, num_gpus=self.gpus_per_worker, max_restarts=self.max_retries,
+                                          max_task_retries=self.max_retries)
+
+    def map(self, task: WorkerTask, groups: Sequence[list]) -> Iterator:
+        """``task.open().<method>(group)`` for each group, computed by the actors, returned in group order."""
+        import ray
+
+        with self.running():
+            actors = [self.actor_class(TaskActor).remote(task, self.threads) for _ in range(self.workers)]
+            try:
+                yield from _pool(actors).map(lambda actor, group: actor.run.remote(group), list(groups))
+                if self.report is not None:
+                    self.report["workers"] = ray.get([actor.stats.remote() for actor in actors])
+            except ray.exceptions.RayTaskError as exc:
+                raise _unwrapped(exc) from None
+            finally:
+                for actor in actors:
+                    ray.kill(actor)
+
+    def sweep(self, sweep):
+        return Pipeline(sweep, self)
+
+    def provenance(self) -> dict:
+        return {"engine": "ray", "address": self.address, "workers": self.workers, "threads": self.threads,
+                "gpus_per_worker": self.gpus_per_worker}
+
+
+class TaskActor:
+    """A Ray actor that opens a `WorkerTask`'s worker once and runs its method on the groups it is given."""
+
+    def __init__(self, task: WorkerTask, threads: int):
+        torch.set_num_threads(threads)
+        self.worker = task.open()
+        self.method = getattr(self.worker, task.method)
+
+    def run(self, group: list):
+        return self.method(group)
+
+    def stats(self) -> dict:
+        stats = getattr(self.worker, "stats", None)
+        return stats() if callable(stats) else process_stats()
+
+
+def _pool(actors: list):
+    """The actors as a `ray.util.ActorPool`: ordered results, each actor given a new group when it is free."""
+    from ray.util import ActorPool
+
+    return ActorPool(actors)
+
+
+def _unwrapped(error: Exception) -> Exception:
+    """The project's own error inside a Ray task error (its message, not a remote traceback), else the error."""
+    cause = getattr(error, "cause", None)
+    return cause if isinstance(cause, SubmergeError) else error
+
+
+def connect(address: str, workers: int, gpus_per_worker: float = 0, timeout: float = CONNECT_TIMEOUT) -> bool:
+    """Start (``"auto"``) or join (an address) Ray unless this process is connected already; True if we did.
+
+    Every worker holds 1 CPU (and ``gpus_per_worker`` GPUs) for the whole run, so a cluster with fewer is an
+    error here rather than a run that waits forever; an address that does not answer within `timeout` seconds
+    is an error naming it.
+    """
+    try:
+        import ray
+    except ImportError:
+        raise EngineError(f"--ray needs Ray, which is not installed: {RAY_EXTRA}") from None
+    started = not ray.is_initialized()
+    if started and address == "auto":
+        ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False)
+    elif started:
+        _reachable(address, timeout)
+        try:
+            ray.init(address=address, log_to_driver=False)
+        except (ConnectionError, RuntimeError, TimeoutError) as exc:
+            raise EngineError(f"could not join the Ray cluster at {address}: {exc}") from None
+    have = ray.cluster_resources()
+    if have.get("CPU", 0) < workers or have.get("GPU", 0) < workers * gpus_per_worker:
+        if started:
+            ray.shutdown()
+        raise EngineError(f"{workers} Ray workers need {workers} CPUs and {workers * gpus_per_worker:g} GPUs; the "
+                          f"Ray cluster has {have.get('CPU', 0):g} CPUs and {have.get('GPU', 0):g} GPUs")
+    return started
+
+
+def _reachable(address: str, timeout: float) -> None:
+    """Refuse an address whose host:port does not accept a connection within `timeout` seconds (``ray.init``
+    itself retries for ever)."""
+    import socket
+
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        raise EngineError(f"--ray {address!r}: give 'auto' or a cluster's HOST:PORT (e.g. 10.0.0.5:6379)")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout):
+            pass
+    except OSError as exc:
+        raise EngineError(f"the Ray cluster at {address} did not answer within {timeout:g} s ({exc}); is "
+                          "`ray start --head` running there, and is the port open?") from None
+
+
+# --------------------------------------------------------------------------------------------- run settings
+
+
+@dataclass
+class RunSettings:
+    """What every driver takes besides its own options: where results go and how the run executes.
+
+    ``store`` (a `submerge.diagnostics.store.Store`; None: nothing written), ``force`` (replace an existing group),
+    ``progress`` (progress bars), ``command`` (recorded in provenance; default the process's argv), ``on_unit``
+    (called with each unit's name after it is written: tests kill runs there), ``capture_budget`` (bytes of
+    recorded inputs held at once), ``compute_dtype`` (None: float32, or float64), ``engine`` (where the work
+    runs: `LocalEngine`, the default, or `RayEngine`).
+    """
+
+    store: object = None
+    force: bool = False
+    progress: bool = True
+    command: str | None = None
+    on_unit: Callable[[str], None] | None = None
+    capture_budget: int = DEFAULT_CAPTURE_BUDGET
+    compute_dtype: str | None = None
+    engine: Engine = field(default_factory=LocalEngine)
+
+    @classmethod
+    def of(cls, run: RunSettings | None = None, **options) -> RunSettings:
+        """`run`, or the settings given as keywords (a driver's ``**options``); unknown names are a TypeError."""
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise TypeError(f"unknown run setting(s) {unknown}; known: {', '.join(sorted(known))}")
+        if run is not None and options:
+            raise TypeError(f"give run=RunSettings(...) or the settings {sorted(options)} as keywords, not both")
+        return run if run is not None else cls(**options)

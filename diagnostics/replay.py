@@ -1,0 +1,223 @@
+"""Replay: what a sweep does with one unit — replay a module (or the whole network) for variants of its
+parameters on recorded inputs, and turn the outputs into per-sample features — and `LocalLayers`, the sweep's
+layers in this process (capture a chunk of layers, then measure each layer's units).
+
+Both engines run this code (`submerge.diagnostics.execution`): `LocalLayers` here, and the Ray pipeline
+(`submerge.diagnostics.pipeline`) stage by stage. A *unit* is a replayed module path (an attention path also
+serves its heads); a driver's ``measure(unit)`` asks it for the variants it needs (`Unit.run`) and returns
+{module name: result}.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from submerge.diagnostics.capture import (
+    CaptureState,
+    Variant,
+    head_output,
+    layer_chunks,
+    model_outputs,
+    record_inputs,
+    replay,
+    replay_with_heads,
+    sample_features,
+)
+from submerge.diagnostics.modules import Submodule, find_submodules, get_module
+
+
+@dataclass
+class Outputs:
+    """One module's outputs for V variants on one task's batches: ``values[v][b]`` is (batch, seq, ...)."""
+
+    values: list[list[torch.Tensor]]
+    masks: list[torch.Tensor]  # per batch: (batch, seq) bool, real tokens
+    indices: list[list[int]]  # per batch: the record index of each row
+
+    def sample_indices(self) -> Iterator[int]:
+        for batch_indices in self.indices:
+            yield from batch_indices
+
+    def features(self, v: int) -> Iterator[torch.Tensor]:
+        """Variant v's features, one per sample in order: float64, real tokens only, flattened."""
+        for output, mask in zip(self.values[v], self.masks):
+            yield from sample_features(output, mask)
+
+    def per_sample(self) -> Iterator[tuple[torch.Tensor, ...]]:
+        """Per sample, the features of variants 0..V−1."""
+        return zip(*(self.features(v) for v in range(len(self.values))))
+
+    def minus(self, base: list[torch.Tensor]) -> Outputs:
+        """Every variant minus per-batch ``base`` outputs, in the outputs' own dtype (Δf = f(x; θ) − f(x; θ0))."""
+        values = [[o - b for o, b in zip(per_batch, base)] for per_batch in self.values]
+        return Outputs(values, self.masks, self.indices)
+
+
+@dataclass
+class Replayed:
+    """Raw replays of one unit for a list of variants on one task's batches; `of` gives a served module's outputs."""
+
+    outputs: list[list[torch.Tensor]]
+    masks: list[torch.Tensor]
+    indices: list[list[int]]
+    o_inputs: list[list[torch.Tensor]] = field(default_factory=list)  # heads: W_o's input per [v][b]
+    o_weights: list[torch.Tensor] = field(default_factory=list)  # heads: W_o per variant
+    arch: object = None
+
+    def of(self, module: Submodule) -> Outputs:
+        if module.head is None:
+            return Outputs(self.outputs, self.masks, self.indices)
+        values = [[head_output(x, weight, self.arch, module.head) for x in per_batch]
+                  for per_batch, weight in zip(self.o_inputs, self.o_weights)]
+        return Outputs(values, self.masks, self.indices)
+
+
+def replay_variants(source, arch, path: str, recorded, variants: Sequence[Variant], *, heads: bool = False) -> Replayed:
+    """The module at `path` replayed on every recorded batch for each variant (parameters built by `source`).
+
+    With `heads`, also keeps the output projection's input and weight of each variant for head outputs.
+    Inputs and parameters are upcast to the compute dtype (`source.dtype_for`) and the outputs stay in it.
+    """
+    module = get_module(source.base.model, path)
+    recorded = [rec.upcast(source.dtype_for(path)) for rec in recorded]  # the compute dtype, per unit
+    result = Replayed([], [rec.token_mask for rec in recorded], [rec.sample_index for rec in recorded], arch=arch)
+    for variant in variants:
+        params = source.variant(path, variant)
+        per_batch, per_batch_x = [], []
+        for rec in recorded:
+            if heads:
+                out, x, weight = replay_with_heads(module, arch, rec, params)
+                per_batch_x.append(x)
+            else:
+                out = replay(module, rec, params)
+            per_batch.append(out)
+        result.outputs.append(per_batch)
+        if heads:
+            result.o_inputs.append(per_batch_x)
+            result.o_weights.append(weight)
+    return result
+
+
+def replay_model(source, arch, batches, variants: Sequence[Variant], *, output: str = "hidden") -> Replayed:
+    """The whole network run block by block for each variant (`model_outputs`) on `batches`."""
+    device = source.device
+    return model_replayed(model_outputs(source, arch, batches, list(variants), output=output), batches, device)
+
+
+def model_replayed(outputs: list[list[torch.Tensor]], batches, device) -> Replayed:
+    """The model level's `Replayed`: `model_outputs`' outputs[variant][batch] with the batches' masks."""
+    return Replayed(outputs, [batch.attention_mask.to(device).bool() for batch in batches],
+                    [batch.sample_index for batch in batches])
+
+
+@dataclass
+class Unit:
+    """What one replay serves: a module path (or the whole model) and the modules measured on it."""
+
+    path: str
+    modules: list[Submodule]
+    run: Callable[[str, Sequence[Variant]], Replayed]  # (input task, variants) → replays on that task's inputs
+    changed: Callable[[str], bool]  # whether task's fine-tune changes this unit's parameters
+
+
+def module_coords(modules: Sequence[Submodule]) -> dict:
+    """The ``module`` coordinate with its ``level``, ``layer`` (−1: the model) and ``head`` (−1: none) labels."""
+    return {
+        "module": np.array([m.name for m in modules], dtype=object),
+        "level": ("module", np.array([m.level for m in modules], dtype=object)),
+        "layer": ("module", np.array([m.layer for m in modules])),
+        "head": ("module", np.array([-1 if m.head is None else m.head for m in modules])),
+    }
+
+
+def units_of(modules: Sequence[Submodule]) -> dict[str, list[Submodule]]:
+    """Modules grouped by the module path whose replay serves them (an attention serves its heads)."""
+    units: dict[str, list[Submodule]] = {}
+    for module in modules:
+        units.setdefault(module.path, []).append(module)
+    return units
+
+
+def modules_for(experiment, levels: Sequence[str]) -> list[Submodule]:
+    """Submodules of the requested levels, blocks first, the model level last."""
+    block_levels = tuple(level for level in levels if level != "model")
+    modules = find_submodules(experiment.base.model, block_levels, arch=experiment.arch) if block_levels else []
+    if "model" in levels:
+        modules.append(Submodule("model", "model", -1, experiment.arch.backbone_path))
+    return modules
+
+
+def block_unit(source, arch, path: str, served: list[Submodule], recorded: dict) -> Unit:
+    """The `Unit` of the module at `path` (serving `served`) replayed on `recorded` ({task: {path: inputs}})."""
+    heads = any(m.level == "head" for m in served)
+
+    def run(task, variants):
+        return replay_variants(source, arch, path, recorded[task][path], variants, heads=heads)
+
+    return Unit(path, served, run, lambda task: source.changed(path, task))
+
+
+def measure_layer(source, arch, modules: list[Submodule], recorded: dict, measure: Callable[[Unit], dict],
+                  describe: Callable[[str], None] = lambda text: None) -> dict:
+    """{module name: result} of one layer's `modules`: ``measure`` on each unit, replayed on `recorded`."""
+    results = {}
+    for path, served in units_of(modules).items():
+        describe(served[0].name)
+        results.update(measure(block_unit(source, arch, path, served, recorded)))
+        source.clear()
+    return results
+
+
+def bytes_per_layer(experiment, paths_per_layer: int, compute: torch.dtype) -> int:
+    """Bytes of one layer's recorded inputs (kept in the storage dtype promoted to `compute`)."""
+    hidden = experiment.base.model.config.get_text_config().hidden_size
+    element = torch.finfo(torch.promote_types(next(experiment.base.model.parameters()).dtype, compute)).bits // 8
+    padded = max(sum(b.input_ids.numel() for b in batches) for batches in experiment.batches.values())
+    return padded * hidden * element * max(1, paths_per_layer)
+
+
+class LocalLayers:
+    """The layers of a `submerge.diagnostics.linearity.sweep.Sweep` measured in this process: capture a chunk of
+    layers whose recorded inputs fit the capture budget (each chunk continuing from the hidden state where the
+    previous one stopped: one forward in all), then measure each layer's units on them."""
+
+    def __init__(self, sweep):
+        self.sweep, self.experiment, self.source = sweep, sweep.experiment, sweep.source
+
+    def layer_results(self, measure: Callable[[Unit], dict], describe) -> Iterator[tuple[list[Submodule], dict]]:
+        """(modules, {module name: result}) per layer still to do, in layer order, measured here."""
+        for layer_modules, recorded in self._layers(describe):
+            yield layer_modules, measure_layer(self.source, self.experiment.arch, layer_modules, recorded, measure,
+                                               describe)
+
+    def _layers(self, describe) -> Iterator[tuple[list[Submodule], dict]]:
+        """Per layer with modules not yet done: (those modules, recorded inputs by task and path)."""
+        experiment, by_layer = self.experiment, self.sweep.by_layer()
+        chunks = layer_chunks(experiment.arch.num_layers, self.sweep.layer_bytes(), self.sweep.capture_budget)
+        states = {task: CaptureState() for task in experiment.tasks}  # each chunk starts where the last stopped
+        for chunk in chunks:
+            chunk_modules = [m for layer in chunk for m in by_layer.get(layer, [])]
+            if not chunk_modules:
+                continue
+            describe(f"capturing layers {chunk[0]}–{chunk[-1]}")
+            recorded = {task: record_inputs(experiment.base.model, experiment.arch, list(units_of(chunk_modules)),
+                                            experiment.batches[task], device=experiment.device, state=states[task],
+                                            compute=self.source.compute_dtype)
+                        for task in experiment.tasks}
+            for layer in chunk:
+                if layer in by_layer:
+                    yield by_layer[layer], recorded
+            del recorded
+
+    def model_unit(self, modules: list[Submodule]) -> Unit:
+        """The model level: the whole network replayed here, block by block, for the variants asked."""
+        experiment, output = self.experiment, self.sweep.model_output
+
+        def run(task, variants):
+            return replay_model(self.source, experiment.arch, experiment.batches[task], variants, output=output)
+
+        return Unit(experiment.arch.backbone_path, modules, run, lambda task: True)
