@@ -401,8 +401,10 @@ def compare(
                                                              "store's interference group).")] = 3.0,
     sar_min: Annotated[float, typer.Option("--sar-min", help="Steer matrices with mean SAR below this.")] = 0.5,
     steer_method: Annotated[str, typer.Option("--steer", help="Rule for steered matrices: tsv-m or iso-c.")] = "tsv-m",
-    plan_out: Annotated[Optional[Path], typer.Option("--plan-out", help="Also save the plan used (YAML) for "
-                                                                        "diag merge.")] = None,
+    plan_out: Annotated[Optional[Path], typer.Option("--plan-out", help="Also save the plan used (YAML) for diag "
+                                                                        "merge; the evidence plan is chosen from the "
+                                                                        "store group evidence, its 'decision' gives "
+                                                                        "each layer's scores and reason.")] = None,
     keep: Annotated[Optional[Path], typer.Option("--keep", help="Keep every merged checkpoint under this "
                                                                 "directory (default: deleted after evaluation).")] = None,
     run: RunOptions = None,
@@ -410,7 +412,10 @@ def compare(
     """Every merge strategy at its paper's defaults, task arithmetic with λ tuned on the fit records, closed-form
     α per layer and per attn+MLP, and the plan, each evaluated on held-out records; one merge at a time.
 
-    Writes store group `compare` (loss and normalised gain per method × task) and prints the leaderboard."""
+    Writes store group `compare` (loss and normalised gain per method × task) and prints the leaderboard.
+
+    The evidence step of the plan and the closed forms writes group `evidence` first (per layer, candidate
+    granularity and fold: the held-out Eq. 10 objective; α per unit): a killed run resumes it, --force redoes it."""
 
     base, named_finetuned, named_data = run.inputs()
     grid = _numbers(lambdas, "--lambdas")

@@ -5,7 +5,10 @@ layers in this process (capture a chunk of layers, then measure each layer's uni
 Both engines run this code (`submerge.diagnostics.execution`): `LocalLayers` here, and the Ray pipeline
 (`submerge.diagnostics.pipeline`) stage by stage. A *unit* is a replayed module path (an attention path also
 serves its heads); a driver's ``measure(unit)`` asks it for the variants it needs (`Unit.run`) and returns
-{module name: result}.
+{module name: result}. A driver whose units need each other (the evidence step: α of the attention and the MLP,
+scored on the block's output) measures a whole layer at once instead: a `LayerMeasure`, given the layer's units
+(`Layer`). A variant is θ0 + Σ c_t τ_t (a `Variant`: task → c_t) or parameters built by the driver (`Given`:
+a merged block).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from submerge.diagnostics.capture import (
     replay_with_heads,
     sample_features,
 )
-from submerge.diagnostics.modules import Submodule, find_submodules, get_module
+from submerge.diagnostics.modules import Architecture, Submodule, find_submodules, get_module
 
 
 @dataclass
@@ -76,8 +79,18 @@ class Replayed:
         return Outputs(values, self.masks, self.indices)
 
 
-def replay_variants(source, arch, path: str, recorded, variants: Sequence[Variant], *, heads: bool = False) -> Replayed:
-    """The module at `path` replayed on every recorded batch for each variant (parameters built by `source`).
+@dataclass(frozen=True)
+class Given:
+    """A variant given by its parameters (local names → tensors, in the compute dtype, on the execution device),
+    built by the driver: e.g. a block merged by a plan's rules, which θ0 + Σ c_t τ_t cannot express."""
+
+    parameters: dict[str, torch.Tensor]
+
+
+def replay_variants(source, arch, path: str, recorded, variants: Sequence[Variant | Given], *,
+                    heads: bool = False) -> Replayed:
+    """The module at `path` replayed on every recorded batch for each variant (parameters built by `source`, or
+    `Given`).
 
     With `heads`, also keeps the output projection's input and weight of each variant for head outputs.
     Inputs and parameters are upcast to the compute dtype (`source.dtype_for`) and the outputs stay in it.
@@ -86,7 +99,7 @@ def replay_variants(source, arch, path: str, recorded, variants: Sequence[Varian
     recorded = [rec.upcast(source.dtype_for(path)) for rec in recorded]  # the compute dtype, per unit
     result = Replayed([], [rec.token_mask for rec in recorded], [rec.sample_index for rec in recorded], arch=arch)
     for variant in variants:
-        params = source.variant(path, variant)
+        params = variant.parameters if isinstance(variant, Given) else source.variant(path, variant)
         per_batch, per_batch_x = [], []
         for rec in recorded:
             if heads:
@@ -120,8 +133,27 @@ class Unit:
 
     path: str
     modules: list[Submodule]
-    run: Callable[[str, Sequence[Variant]], Replayed]  # (input task, variants) → replays on that task's inputs
+    run: Callable[[str, Sequence[Variant | Given]], Replayed]  # (input task, variants) → replays on its inputs
     changed: Callable[[str], bool]  # whether task's fine-tune changes this unit's parameters
+
+
+@dataclass
+class Layer:
+    """What a `LayerMeasure` gets: block `index`'s units (module path → `Unit`, in module order) and the
+    `ParameterSource` its variants are built from (its base, task vectors and compute dtype)."""
+
+    index: int
+    units: dict[str, Unit]
+    source: object
+    arch: Architecture
+
+
+@dataclass(frozen=True)
+class LayerMeasure:
+    """A driver's measure of a whole layer at once, for units that need each other: ``function(layer)`` with a
+    `Layer` → {module name: result}. The sweep hands it to every engine like a per-unit ``measure``."""
+
+    function: Callable[[Layer], dict]
 
 
 def module_coords(modules: Sequence[Submodule]) -> dict:
@@ -142,10 +174,12 @@ def units_of(modules: Sequence[Submodule]) -> dict[str, list[Submodule]]:
     return units
 
 
-def modules_for(experiment, levels: Sequence[str]) -> list[Submodule]:
-    """Submodules of the requested levels, blocks first, the model level last."""
+def modules_for(experiment, levels: Sequence[str], layers: Sequence[int] | None = None) -> list[Submodule]:
+    """Submodules of the requested levels (in `layers`, default all), blocks first, the model level last."""
     block_levels = tuple(level for level in levels if level != "model")
-    modules = find_submodules(experiment.base.model, block_levels, arch=experiment.arch) if block_levels else []
+    chosen = None if layers is None else list(layers)
+    modules = (find_submodules(experiment.base.model, block_levels, layers=chosen, arch=experiment.arch)
+               if block_levels else [])
     if "model" in levels:
         modules.append(Submodule("model", "model", -1, experiment.arch.backbone_path))
     return modules
@@ -161,9 +195,18 @@ def block_unit(source, arch, path: str, served: list[Submodule], recorded: dict)
     return Unit(path, served, run, lambda task: source.changed(path, task))
 
 
-def measure_layer(source, arch, modules: list[Submodule], recorded: dict, measure: Callable[[Unit], dict],
+def measure_layer(source, arch, modules: list[Submodule], recorded: dict,
+                  measure: Callable[[Unit], dict] | LayerMeasure,
                   describe: Callable[[str], None] = lambda text: None) -> dict:
-    """{module name: result} of one layer's `modules`: ``measure`` on each unit, replayed on `recorded`."""
+    """{module name: result} of one layer's `modules`: ``measure`` on each unit (a `LayerMeasure`: on the
+    layer's units together), replayed on `recorded`."""
+    if isinstance(measure, LayerMeasure):
+        describe(f"layer {modules[0].layer}")
+        units = {path: block_unit(source, arch, path, served, recorded) for path, served in units_of(modules).items()}
+        try:
+            return measure.function(Layer(modules[0].layer, units, source, arch))
+        finally:
+            source.clear()
     results = {}
     for path, served in units_of(modules).items():
         describe(served[0].name)

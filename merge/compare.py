@@ -9,9 +9,10 @@ Methods (labels along dimension ``method`` of the store group ``compare``):
   tasks on the fit records (one Σ τ checkpoint is written; each λ is loaded as θ0 + λ(Σ − θ0));
 - ``closed-form-layer`` and ``closed-form-attn-mlp``: α per block, or per attention and MLP,
   solved on the fit records (seed 002's comparison);
-- ``plan``: by default the evidence plan (`submerge.merge.plan.choose_by_evidence`: granularity per block by
+- ``plan``: by default the evidence plan (`submerge.merge.plan.evidence_plan`: granularity per block by
   cross-validated Eq. 10 objective, interference-steered matrices when the store has an
-  ``interference`` group); ``choose="thresholds"`` takes `diag plan`'s threshold choice from the
+  ``interference`` group; the evidence is written to the store's group ``evidence``, so a killed run
+  resumes it too); ``choose="thresholds"`` takes `diag plan`'s threshold choice from the
   store (needs its ``linearity`` and ``alpha`` groups); a `Plan` or plan file may be given instead.
 
 Records: the first `fit` records of each task fit α, λ, RegMean's Grams and the evidence choice; the
@@ -47,6 +48,7 @@ from submerge.diagnostics.checkpoints import open_checkpoint
 from submerge.diagnostics.data import read_task_file, tokenize
 from submerge.diagnostics.errors import SubmergeError
 from submerge.diagnostics.evaluate import checkpoint_source, scaled_source, streamed_losses
+from submerge.diagnostics.execution import RunSettings
 from submerge.diagnostics.experiment import Experiment
 from submerge.diagnostics.outputs import (
     MERGE_MARKER,
@@ -57,7 +59,7 @@ from submerge.diagnostics.outputs import (
 )
 from submerge.diagnostics.progress import progress_bar
 from submerge.diagnostics.store import Store, UnitWriter
-from submerge.merge.plan import Plan, PlanError, choose_by_evidence, is_plan_file, make_plan
+from submerge.merge.plan import Plan, PlanError, evidence_plan, is_plan_file, make_plan
 from submerge.merge.rules import regmean_rule
 from submerge.merge.strategies import STRATEGIES
 from submerge.merge.writer import ParameterRule, write_merge
@@ -167,10 +169,11 @@ def _plan_merge(plan, label: str) -> Merge:
 
 def prepare(experiment, finetuned: dict[str, str], methods: list[str], *, plan=None, choose: str = "evidence",
             store: Store | None = None, evidence_options: dict | None = None, progress: bool = True,
-            command: str | None = None) -> tuple[dict[str, Merge], object]:
+            command: str | None = None, force: bool = False) -> tuple[dict[str, Merge], object]:
     """The `Merge` of every method except the tuned task arithmetic, fitted on the experiment's records.
 
-    Runs before any merged weights are loaded: capture needs the base model's own weights.
+    Runs before any merged weights are loaded: capture needs the base model's own weights. The evidence step
+    writes (or, resumed, reads) the group ``evidence`` of `store` (recomputed with `force`).
     Returns (merges, the plan used or None).
     """
 
@@ -197,8 +200,10 @@ def prepare(experiment, finetuned: dict[str, str], methods: list[str], *, plan=N
         among = list(options.pop("candidates", None) or ("layer", "attn-mlp"))
         candidates = list(dict.fromkeys(among + [m.removeprefix("closed-form-") for m in wanted_closed]))
         interference = store.dataset("interference") if store is not None and store.is_complete("interference") else None
-        evidence = choose_by_evidence(experiment, finetuned, candidates=tuple(candidates), interference=interference,
-                                      progress=progress, **options)
+        run = RunSettings(store=store, force=force, progress=progress, command=command,
+                          **{key: options.pop(key) for key in ("capture_budget",) if key in options})
+        evidence = evidence_plan(experiment, finetuned, candidates=tuple(candidates), interference=interference,
+                                 run=run, **options)
         for name in wanted_closed:
             merges[name] = _plan_merge(evidence.single(name.removeprefix("closed-form-")), name)
         if PLAN in methods and plan is None:
@@ -348,7 +353,8 @@ def compare(
     pending = [m for m in methods if m not in writer.done]
     _check_outputs(pending, keep, plan_out, store, force)
     merges, used_plan = prepare(experiment, finetuned, [m for m in pending if m != TUNED], plan=plan, choose=choose,
-                                store=store, evidence_options=evidence_options, progress=progress, command=command)
+                                store=store, evidence_options=evidence_options, progress=progress, command=command,
+                                force=force)
     if plan_out is not None and used_plan is not None:
         used_plan.save(plan_out, force=True)  # checked by _check_outputs
     elif plan_out is not None and PLAN in methods:

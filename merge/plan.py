@@ -28,20 +28,14 @@ import numpy as np
 import torch
 import yaml
 
-from submerge.diagnostics.capture import (
-    head_output,
-    layer_chunks,
-    record_inputs,
-    replay,
-    replay_with_heads,
-    sample_features,
-)
 from submerge.diagnostics.checkpoints import local_path
 from submerge.diagnostics.errors import SubmergeError
-from submerge.diagnostics.linearity import alpha_system, balance_denominator, merge_objective, solve_alpha, task_gram
-from submerge.diagnostics.modules import GRANULARITIES, get_module, module_parameter_names
+from submerge.diagnostics.execution import RunSettings
+from submerge.diagnostics.linearity.evidence import DEFAULT_FOLDS, EVIDENCE_CANDIDATES, part_of, unit_names
+from submerge.diagnostics.linearity.evidence import block_objectives as measured_block_objectives
+from submerge.diagnostics.linearity.evidence import evidence as measure_evidence
+from submerge.diagnostics.modules import GRANULARITIES
 from submerge.diagnostics.outputs import check_output_file, file_starts_with, replace_file
-from submerge.diagnostics.progress import progress_bar
 from submerge.diagnostics.provenance import provenance
 from submerge.diagnostics.store import Store
 from submerge.diagnostics.tensors import TensorInfo, TensorTable
@@ -349,27 +343,23 @@ def _base_config(spec: str) -> dict:
 
 # ====================================================================== a plan chosen by evidence
 #
-# `choose_by_evidence` picks the granularity of every block by cross-validation instead of thresholds.
-# The fit records of each task are split into k folds by record position (record i → fold i mod k).
-# For each block j and each candidate granularity c (layer, attn-mlp; head-mlp only when asked):
-#   1. per-sample Grams G(x) of every unit of c (the block, or its attention and MLP, or heads + MLP)
-#      from replays of the base and of each fine-tune on inputs recorded on the base (Eq. 14);
-#   2. for each fold k, α of every unit solved on the other k−1 folds (Eq. 12–14 / 33–34);
-#   3. the block's parameters merged as the plan would merge them (`Plan.rule_for`, so norms, GQA
-#      groups and interference-steered matrices are treated exactly as `diag merge` will), the block
-#      replayed on fold k's recorded inputs, and the true Eq. 10 objective (balanced by Eq. 33's
-#      denominator) of the block output against each input task's own fine-tune;
-#   4. the candidate's score is the mean over folds; the block takes the candidate with the lower score.
-# Scoring every candidate on the same function (the block's output) makes the scores comparable;
-# the final α of the chosen units are solved on all fit records.
+# The evidence plan picks the granularity of every block by cross-validation instead of thresholds. The evidence
+# itself — per block and candidate granularity, the held-out Eq. 10 objective of the block merged as this plan
+# would merge it, fold by fold, and α per unit — is measured by the driver
+# `submerge.diagnostics.linearity.evidence.evidence` on the shared sweep and kept in the store group `evidence`
+# (see that module). This section turns it into a plan:
+#   - `CandidateMerge`: how a block merges at a candidate with given α (`Plan.rule_for`, so norms, GQA groups and
+#     interference-steered matrices are treated exactly as `diag merge` will); the driver calls it per block;
+#   - `choose_by_evidence`: reads the evidence dataset; each block's score per candidate is the mean over folds,
+#     and the block takes the coarsest candidate within `tolerance` standard errors of the best (`one_se_choice`);
+#     the final α of the chosen units are those solved on all fit records;
+#   - `evidence_plan`: both, from an experiment.
 #
 # Interference steering: a weight matrix whose task subspaces collide in the store's `interference`
 # group (STI/Σσ above `sti_max`, or the mean SAR over tasks below `sar_min`) is merged with
 # `steer_method` (TSV-M by default; Iso-C on request) at scaling = the mean α of the unit that holds
 # it, instead of θ0 + Σ α_t τ_t. Defaults: `DEFAULT_STI_MAX` and `DEFAULT_SAR_MIN` below.
 
-EVIDENCE_CANDIDATES = ("layer", "attn-mlp")
-DEFAULT_FOLDS = 4
 # STI/Σσ (TSV-M's Singular Task Interference divided by the kept singular values) is 0 for orthogonal
 # task subspaces; on the demo kit it averages 2.44 over attention matrices and 1.36 over MLP matrices
 # (README). 3.0 marks only the matrices where the collision is well above the typical attention level.
@@ -378,33 +368,6 @@ DEFAULT_STI_MAX = 3.0
 # below 0.5 a task keeps less than half its energy there (its subspace is crowded out).
 DEFAULT_SAR_MIN = 0.5
 STEER_METHODS = ("tsv-m", "iso-c")
-
-
-def unit_names(granularity: str, layer: int, num_heads: int = 0) -> list[str]:
-    """The α units of block `layer` at `granularity` (names as in the store and the plan)."""
-    if granularity == "layer":
-        return [f"layers.{layer}"]
-    if granularity == "attn-mlp":
-        return [f"layers.{layer}.attn", f"layers.{layer}.mlp"]
-    if granularity == "head-mlp":
-        return [f"layers.{layer}.attn.head.{h}" for h in range(num_heads)] + [f"layers.{layer}.mlp"]
-    raise PlanError(f"granularity '{granularity}' cannot be chosen per layer (layer, attn-mlp, head-mlp)")
-
-
-def fold_alphas(grams_by_task, folds_by_task, fold: int, *, balance: bool = True) -> np.ndarray:
-    """α (Eq. 12–14, balanced Eq. 33–34) solved on the samples outside `fold` of every task.
-
-    ``grams_by_task[a]`` is the (n_a, T, T) stack of per-sample Grams on task a's inputs and
-    ``folds_by_task[a]`` the (n_a,) fold of each sample; ``fold = -1`` uses every sample.
-    """
-
-    train = []
-    for a, (grams, folds) in enumerate(zip(grams_by_task, folds_by_task)):
-        kept = np.asarray(grams)[np.asarray(folds) != fold]
-        if kept.shape[0] == 0:
-            raise PlanError(f"fold {fold} leaves no fit record of task {a} to solve α on: use fewer folds")
-        train.append(kept)
-    return solve_alpha(*alpha_system(train, balance=balance)).alpha
 
 
 def interference_marks(interference, *, sti_max: float = DEFAULT_STI_MAX,
@@ -558,120 +521,91 @@ class Evidence:
         return plan
 
 
-class _BlockScorer:
-    """Replays the units of one block on recorded inputs and scores candidate merges of it."""
+@dataclass(frozen=True)
+class PlanDelta:
+    """The merged task vector of each tensor under `plan` (a picklable `TensorDelta`: the evidence driver and
+    `block_objectives` replay blocks merged by it)."""
 
-    def __init__(self, experiment, finetuned: dict[str, str], settings: dict, marks: dict[str, str],
-                 rest: dict | None = None):
-        self.experiment, self.settings, self.marks = experiment, settings, marks
-        self.rest = rest or {"method": "mean-task-vector"}
-        self.tasks = experiment.tasks
-        self.arch = experiment.arch
-        self.model = experiment.base.model
-        self.source = experiment.parameter_source()
-        self.finetuned = finetuned
-        self.table = TensorTable.from_model(self.model, experiment.base.checkpoint_names, self.arch)
-        self.attention = {"num_heads": self.arch.num_heads, "num_kv_heads": self.arch.num_kv_heads,
-                          "head_dim": self.arch.head_dim}
+    plan: Plan
 
-    def unit_paths(self, layer: int) -> dict[str, tuple[str, int | None]]:
-        """Every unit the candidates need in block `layer` → (module path, head or None)."""
-        units = {f"layers.{layer}": (self.arch.layer_path(layer), None)}
-        for candidate in self.settings["candidates"]:
-            for unit in unit_names(candidate, layer, self.arch.num_heads)[int(candidate == "layer"):]:
-                part = unit.split(".")[2]
-                head = int(unit.rsplit(".", 1)[1]) if ".head." in unit else None
-                units[unit] = ((self.arch.attn_path(layer) if part == "attn" else self.arch.mlp_path(layer)), head)
-        return units
-
-    def features(self, path: str, recs, params, head: int | None = None) -> list[torch.Tensor]:
-        """Per-sample float64 features of the module at `path` (or one of its heads) replayed with `params`."""
-
-        module = get_module(self.model, path)
-        out = []
-        for rec in recs:
-            if head is None:
-                output = replay(module, rec, params)
-            else:
-                _, x, weight = replay_with_heads(module, self.arch, rec, params)
-                output = head_output(x, weight, self.arch, head)
-            out += sample_features(output, rec.token_mask)
-        return out
-
-    def unit_grams(self, path: str, head, recorded) -> tuple[list[np.ndarray], list[list[list[torch.Tensor]]]]:
-        """Per-sample Grams (per input task) of one unit and its features [task][variant][sample]."""
-
-        variants = [self.source.variant(path, {})] + [self.source.variant(path, {t: 1.0}) for t in self.tasks]
-        grams, feats = [], []
-        for task in self.tasks:
-            per_variant = [self.features(path, recorded[task][path], params, head) for params in variants]
-            deltas = [[f[s] - per_variant[0][s] for f in per_variant[1:]] for s in range(len(per_variant[0]))]
-            grams.append(np.stack([task_gram(d).numpy() for d in deltas]))
-            feats.append(per_variant)
-        return grams, feats
-
-    def block_parameters(self, layer: int, plan: Plan) -> dict[str, torch.Tensor]:
-        """Block `layer`'s parameters merged by `plan` (local names), θ0 + δ in the compute dtype, never rounded
-        back to storage (plus the block's floating buffers, upcast, as `ParameterSource.variant` gives them)."""
-
-        path = self.arch.layer_path(layer)
-        params = self.source.upcast_buffers(path)
-        base = self.source.base_parameters(path)
-        deltas = {t: self.source.deltas(path, t) for t in self.tasks}
-        for local, full in module_parameter_names(self.model, path).items():
-            weight = base[local]
-            info = self.table.get(self.experiment.base.checkpoint_name(full), tuple(weight.shape))
-            delta = rule_delta(plan.rule_for(info), info, [deltas[t][local] for t in self.tasks], self.tasks)
-            compute = torch.promote_types(weight.dtype, self.source.compute_dtype)
-            params[local] = weight.to(device=self.source.device, dtype=compute) + delta.to(compute)
-        return params
-
-    def block_plan(self, layer: int, candidate: str, alpha: dict) -> Plan:
-        plan = Plan(base_model="", finetuned=dict(self.finetuned), granularity=PER_LAYER, alpha=alpha,
-                    rest=self.rest, attention=self.attention, layer_granularity={layer: candidate})
-        return steer(plan, [i for i in self.table if i.layer == layer], self.marks, self.settings["steer_method"])
-
-    def fold_objective(self, merged, layer_feats, layer_grams, folds_by_task, fold: int) -> float:
-        """Eq. 10 (balanced by Eq. 33 when `balance`) of the merged block on the samples of `fold`."""
-
-        chosen, targets, denominators = [], [], []
-        for a in range(len(self.tasks)):
-            keep = np.flatnonzero(folds_by_task[a] == fold)
-            chosen.append([merged[a][s] for s in keep])
-            targets.append([layer_feats[a][1 + a][s] for s in keep])
-            denominators.append([balance_denominator(layer_grams[a][s]) for s in keep])
-        return merge_objective(chosen, targets, denominators if self.settings["balance"] else None)
-
-    def layer_evidence(self, layer: int, recorded) -> LayerEvidence:
-        """Cross-validated Eq. 10 objective of every candidate granularity in block `layer`."""
-        folds, balance = self.settings["folds"], self.settings["balance"]
-        layer_path = self.arch.layer_path(layer)
-        folds_by_task = [np.array([i % folds for rec in recorded[t][layer_path] for i in rec.sample_index])
-                         for t in self.tasks]
-        grams, layer_feats = {}, None
-        for unit, (path, head) in self.unit_paths(layer).items():
-            grams[unit], feats = self.unit_grams(path, head, recorded)
-            if unit == f"layers.{layer}":
-                layer_feats = feats
-        cv, full = {}, {}
-        for candidate in self.settings["candidates"]:
-            units = unit_names(candidate, layer, self.arch.num_heads)
-
-            def solved(fold, units=units):
-                return {u: dict(zip(self.tasks, map(float, fold_alphas(grams[u], folds_by_task, fold,
-                                                                           balance=balance)))) for u in units}
-
-            scores = []
-            for fold in range(folds):
-                params = self.block_parameters(layer, self.block_plan(layer, candidate, solved(fold)))
-                merged = [self.features(layer_path, recorded[t][layer_path], params) for t in self.tasks]
-                scores.append(self.fold_objective(merged, layer_feats, grams[f"layers.{layer}"], folds_by_task, fold))
-            cv[candidate] = [float(v) for v in scores]
-            full[candidate] = solved(-1)
-        return LayerEvidence(layer, cv, full, self.settings["tolerance"])
+    def __call__(self, info: TensorInfo, vectors: list[torch.Tensor]) -> torch.Tensor:
+        return rule_delta(self.plan.rule_for(info), info, vectors, list(self.plan.finetuned))
 
 
-def choose_by_evidence(
+@dataclass(frozen=True)
+class CandidateMerge:
+    """How a block merges at a candidate granularity with given α — a per-layer plan of that block, steered — as
+    the evidence driver asks for it (`submerge.diagnostics.linearity.evidence.CandidateMerge`; picklable, Ray
+    workers call it). `marks` (matrix → reason) from `interference_marks`; `settings` go into the store group's
+    settings, so evidence measured under other rules is not reused."""
+
+    finetuned: dict[str, str]
+    attention: dict  # num_heads, num_kv_heads, head_dim
+    rest: dict = field(default_factory=lambda: {"method": "mean-task-vector"})
+    marks: dict = field(default_factory=dict)
+    steer_method: str = "tsv-m"
+    sti_max: float = DEFAULT_STI_MAX
+    sar_min: float = DEFAULT_SAR_MIN
+
+    def __post_init__(self):
+        if self.steer_method not in STEER_METHODS:
+            raise PlanError(f"unknown steering method '{self.steer_method}' (choose from {', '.join(STEER_METHODS)})")
+
+    @property
+    def settings(self) -> dict:
+        return {"rest": self.rest, "steer_method": self.steer_method, "sti_max": self.sti_max,
+                "sar_min": self.sar_min, "steered": sorted(self.marks)}
+
+    def plan(self, layer: int, granularity: str, alpha: dict) -> Plan:
+        """Block `layer` at `granularity` with α per unit, as a per-layer plan (unsteered)."""
+        return Plan(base_model="", finetuned=dict(self.finetuned), granularity=PER_LAYER, alpha=alpha,
+                    rest=self.rest, attention=self.attention, layer_granularity={layer: granularity})
+
+    def __call__(self, layer: int, granularity: str, alpha: dict, infos: list[TensorInfo]) -> PlanDelta:
+        return PlanDelta(steer(self.plan(layer, granularity, alpha), infos, self.marks, self.steer_method))
+
+
+def choose_by_evidence(dataset, merge: CandidateMerge, *, base_model: str, infos: list[TensorInfo],
+                       tolerance: float = 1.0) -> Evidence:
+    """The evidence plan's choices from an `evidence` dataset (the driver's result or the store group) measured
+    with `merge`; `infos`: every tensor of the model (for steering the final plan)."""
+    tasks = [str(t) for t in dataset.task.values]
+    if tasks != list(merge.finetuned):
+        raise PlanError(f"the evidence was measured for tasks {tasks}, the plan merges {list(merge.finetuned)}")
+    candidates = [str(c) for c in dataset.candidate.values]
+    parts = [str(p) for p in dataset.part.values]
+    heads = merge.attention.get("num_heads") or 0
+    fold_objective, alpha = dataset.fold_objective.values, dataset.alpha.values
+    layers = []
+    for i, layer in enumerate(int(j) for j in dataset.layer.values):
+        scores = {c: [float(v) for v in fold_objective[i, n]] for n, c in enumerate(candidates)}
+        solved = {c: {u: dict(zip(tasks, map(float, alpha[i, parts.index(part_of(u))])))
+                      for u in unit_names(c, layer, heads)} for c in candidates}
+        layers.append(LayerEvidence(layer, scores, solved, tolerance))
+    settings = {"candidates": candidates, "folds": int(dataset.sizes["fold"]),
+                "balance": bool(dataset.attrs.get("balance", True)), "sti_max": merge.sti_max,
+                "sar_min": merge.sar_min, "steer_method": merge.steer_method, "tolerance": tolerance,
+                "fit_records": int(dataset.attrs["fit_records"])}
+    return Evidence(base_model=base_model, finetuned=dict(merge.finetuned), layers=layers, infos=list(infos),
+                    marks=dict(merge.marks), settings=settings, attention=dict(merge.attention), rest=merge.rest)
+
+
+def candidate_merge(experiment, finetuned: dict[str, str], *, interference=None, sti_max: float = DEFAULT_STI_MAX,
+                    sar_min: float = DEFAULT_SAR_MIN, steer_method: str = "tsv-m",
+                    rest: dict | None = None) -> CandidateMerge:
+    """The `CandidateMerge` of an experiment's base: its attention shape, the matrices `interference` (the store's
+    ``interference`` dataset, or None: no steering) marks."""
+    if list(finetuned) != list(experiment.tasks):
+        raise PlanError(f"finetuned {list(finetuned)} must name the experiment's tasks {experiment.tasks} in order")
+    arch = experiment.arch
+    return CandidateMerge(finetuned=dict(finetuned), rest=rest or {"method": "mean-task-vector"},
+                          attention={"num_heads": arch.num_heads, "num_kv_heads": arch.num_kv_heads,
+                                     "head_dim": arch.head_dim},
+                          marks=interference_marks(interference, sti_max=sti_max, sar_min=sar_min),
+                          steer_method=steer_method, sti_max=sti_max, sar_min=sar_min)
+
+
+def evidence_plan(
     experiment,
     finetuned: dict[str, str],
     *,
@@ -684,77 +618,27 @@ def choose_by_evidence(
     steer_method: str = "tsv-m",
     tolerance: float = 1.0,
     rest: dict | None = None,
-    capture_budget: int = 2**30,
-    progress: bool = True,
+    run: RunSettings | None = None,
+    **run_options,
 ) -> Evidence:
-    """Cross-validate the granularity of every block on the experiment's (fit) records; see the section comment.
+    """The evidence step on the experiment's (fit) records (`evidence`: with ``store``, group ``evidence``,
+    resumable), read by `choose_by_evidence`; see the section comment.
 
-    `interference`: the store's `interference` dataset (or None: no steering). `finetuned`: the specs
-    written into the plan (task → spec, the experiment's tasks).
+    `finetuned`: the specs written into the plan (task → spec, the experiment's tasks in order). `interference`:
+    the store's ``interference`` dataset (or None: no steering). ``run`` or its fields as keywords (``store``,
+    ``force``, ``progress``, ``capture_budget``, ``engine`` …): `submerge.diagnostics.execution.RunSettings`.
     """
-
-    candidates = tuple(dict.fromkeys(candidates))
-    for candidate in candidates:
-        unit_names(candidate, 0, 1)
-    if folds < 2:
-        raise PlanError(f"--folds must be at least 2 (got {folds})")
-    fewest = min(len(data.texts) for data in experiment.data.values())
-    if fewest < folds:
-        raise PlanError(f"{folds}-fold cross-validation needs at least {folds} fit records per task; "
-                        f"one task has {fewest} (raise --fit or lower --folds)")
-    if steer_method not in STEER_METHODS:
-        raise PlanError(f"unknown steering method '{steer_method}' (choose from {', '.join(STEER_METHODS)})")
-    marks = interference_marks(interference, sti_max=sti_max, sar_min=sar_min)
-    settings = {"candidates": list(candidates), "folds": folds, "balance": balance, "sti_max": sti_max,
-                "sar_min": sar_min, "steer_method": steer_method, "tolerance": tolerance, "fit_records": fewest}
-    scorer = _BlockScorer(experiment, finetuned, settings, marks, rest)
-    arch = experiment.arch
-    padded = max(sum(b.input_ids.numel() for b in batches) for batches in experiment.batches.values())
-    element = next(experiment.base.model.parameters()).element_size()
-    per_layer = padded * scorer.model.config.get_text_config().hidden_size * element * 3 * len(experiment.tasks)
-    layers = []
-    with progress_bar(progress) as bar:
-        job = bar.add_task("Choosing granularity per layer", total=arch.num_layers)
-        for chunk in layer_chunks(arch.num_layers, per_layer, capture_budget):
-            paths = [p for j in chunk for p in (arch.layer_path(j), arch.attn_path(j), arch.mlp_path(j))]
-            recorded = {t: record_inputs(scorer.model, arch, paths, experiment.batches[t], device=experiment.device,
-                                         compute=scorer.source.compute_dtype)
-                        for t in experiment.tasks}
-            for layer in chunk:
-                bar.update(job, description=f"Choosing granularity · layer {layer}")
-                layers.append(scorer.layer_evidence(layer, recorded))
-                scorer.source.clear()
-                bar.advance(job)
-            del recorded
-    return Evidence(base_model=experiment.base.spec, finetuned=dict(finetuned), layers=layers,
-                    infos=list(scorer.table), marks=marks, settings=settings, attention=scorer.attention, rest=rest)
+    merge = candidate_merge(experiment, finetuned, interference=interference, sti_max=sti_max, sar_min=sar_min,
+                            steer_method=steer_method, rest=rest)
+    dataset = measure_evidence(experiment, merge, candidates=candidates, folds=folds, balance=balance, run=run,
+                               **run_options)
+    infos = list(TensorTable.from_model(experiment.base.model, experiment.base.checkpoint_names, experiment.arch))
+    return choose_by_evidence(dataset, merge, base_model=experiment.base.spec, infos=infos, tolerance=tolerance)
 
 
 def block_objectives(experiment, plan: Plan, *, balance: bool = True, layers: list[int] | None = None,
                      progress: bool = False) -> dict[int, float]:
-    """Eq. 10 objective (Eq. 33 balanced) of every block merged by `plan`, on all of the experiment's records.
-
-    The block's inputs are recorded on the base; its merged output is compared with each input task's own
-    fine-tune. Use an experiment on held-out records (``skip``) to check a plan out of sample.
-    """
-
-    settings = {"candidates": [], "folds": 1, "balance": balance, "steer_method": "tsv-m", "tolerance": 0.0}
-    scorer = _BlockScorer(experiment, dict(plan.finetuned), settings, {}, plan.rest)
-    arch = experiment.arch
-    chosen = list(range(arch.num_layers)) if layers is None else list(layers)
-    objectives = {}
-    with progress_bar(progress) as bar:
-        job = bar.add_task("Block objectives", total=len(chosen))
-        for layer in chosen:
-            path = arch.layer_path(layer)
-            recorded = {t: record_inputs(scorer.model, arch, [path], experiment.batches[t], device=experiment.device,
-                                         compute=scorer.source.compute_dtype)
-                        for t in experiment.tasks}
-            grams, feats = scorer.unit_grams(path, None, recorded)
-            params = scorer.block_parameters(layer, plan)
-            merged = [scorer.features(path, recorded[t][path], params) for t in experiment.tasks]
-            zeros = [np.zeros(len(g), dtype=int) for g in grams]
-            objectives[layer] = scorer.fold_objective(merged, feats, grams, zeros, 0)
-            scorer.source.clear()
-            bar.advance(job)
-    return objectives
+    """Eq. 10 objective (Eq. 33 balanced) of every block merged by `plan`, on all of the experiment's records
+    (`submerge.diagnostics.linearity.evidence.block_objectives`). Use an experiment on held-out records (``skip``)
+    to check a plan out of sample."""
+    return measured_block_objectives(experiment, PlanDelta(plan), balance=balance, layers=layers, progress=progress)

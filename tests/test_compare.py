@@ -19,9 +19,10 @@ import torch
 import xarray as xr
 
 from submerge.diagnostics.linearity import task_gram
+from submerge.diagnostics.linearity.evidence import EvidenceError, fold_alphas
 from submerge.diagnostics.tensors import TensorInfo
 from submerge.merge.compare import normalised_gain
-from submerge.merge.plan import PER_LAYER, Plan, PlanError, fold_alphas, interference_marks, one_se_choice, steer
+from submerge.merge.plan import PER_LAYER, Plan, PlanError, interference_marks, one_se_choice, steer
 
 # ----------------------------------------------------------------------- normalised gain
 
@@ -151,7 +152,7 @@ def test_fold_alphas_known_answer_and_empty_fold():
     folds = [np.array([0, 1, 0, 1]), np.array([0, 1, 0, 1])]
     for fold in (0, 1, -1):
         np.testing.assert_allclose(fold_alphas(grams, folds, fold), [1.0, 1.0])
-    with pytest.raises(PlanError, match="fold 0 leaves no fit record"):
+    with pytest.raises(EvidenceError, match="fold 0 leaves no fit record"):
         fold_alphas(grams, [np.zeros(4, dtype=int), folds[1]], 0)
 
 
@@ -313,10 +314,10 @@ def _hand_experiment(hand_kit, skip: int):
 
 
 def test_evidence_chooses_attn_mlp_only_where_attention_and_mlp_want_different_alpha(hand_kit, tmp_path):
-    from submerge.merge.plan import block_objectives, choose_by_evidence
+    from submerge.merge.plan import block_objectives, evidence_plan
 
     fit = _hand_experiment(hand_kit, skip=0)
-    evidence = choose_by_evidence(fit, hand_kit[1], progress=False)
+    evidence = evidence_plan(fit, hand_kit[1], progress=False)
     plan = evidence.plan()
     assert plan.granularity == PER_LAYER
     assert plan.layer_granularity == {0: "attn-mlp", 1: "layer"}
@@ -497,7 +498,7 @@ def _counting(monkeypatch) -> dict[str, list]:
     from submerge.merge import compare as module
 
     calls: dict[str, list] = {"written": [], "evidence": [], "loaded": []}
-    write_merge, choose, load = module.write_merge, module.choose_by_evidence, module._Evaluator.load
+    write_merge, choose, load = module.write_merge, module.evidence_plan, module._Evaluator.load
 
     def counted_write(base, finetuned, directory, *args, **kwargs):
         calls["written"].append(Path(directory).name)
@@ -512,7 +513,7 @@ def _counting(monkeypatch) -> dict[str, list]:
         return load(self, spec)
 
     monkeypatch.setattr(module, "write_merge", counted_write)  # the names compare calls
-    monkeypatch.setattr(module, "choose_by_evidence", counted_choose)
+    monkeypatch.setattr(module, "evidence_plan", counted_choose)
     monkeypatch.setattr(module._Evaluator, "load", counted_load)
     return calls
 
@@ -754,11 +755,11 @@ def test_compare_plan_steers_the_matrices_the_store_interference_marks(trained_k
 
 
 def test_evidence_with_heads_ties_attn_mlp_and_keeps_the_coarser(hand_kit):
-    from submerge.merge.plan import block_objectives, choose_by_evidence
+    from submerge.merge.plan import block_objectives, evidence_plan
 
     fit = _hand_experiment(hand_kit, skip=0)
-    evidence = choose_by_evidence(fit, hand_kit[1], candidates=("layer", "attn-mlp", "head-mlp"), folds=2,
-                                  progress=False)
+    evidence = evidence_plan(fit, hand_kit[1], candidates=("layer", "attn-mlp", "head-mlp"), folds=2,
+                             progress=False)
     # every head of block 0 carries its task's update on that task's records only: α = 1 per head, exact too
     cv = evidence.layers[0].cv_objective
     assert cv["head-mlp"] < 1e-6 * cv["layer"] and cv["attn-mlp"] < 1e-6 * cv["layer"]

@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from submerge.diagnostics import toy
 from submerge.diagnostics.experiment import Experiment
 from submerge.diagnostics.linearity import alpha, nonlinearity, projection
-from submerge.merge.plan import block_objectives, choose_by_evidence
+from submerge.merge.plan import block_objectives, evidence_plan
 from submerge.merge.run import run_merge
 
 ARCHITECTURES = toy.ARCHITECTURES
@@ -72,7 +72,7 @@ def _measure(folder: Path, base: Path, tuned: dict, data: dict, dtype: str, save
     scores = nonlinearity(experiment, levels=("model", "layer", "attn", "mlp"), steps=4, progress=False)
     solved = alpha(experiment, granularity="attn-mlp", progress=False)
     distances = projection(experiment, levels=("model", "layer"), alphas=(0.5, 1.0), progress=False)
-    evidence = choose_by_evidence(experiment, finetuned, folds=2, progress=False)  # `diag compare`'s plan
+    evidence = evidence_plan(experiment, finetuned, folds=2, progress=False)  # `diag compare`'s plan
     plan = evidence.plan()
     cross_validated = [e.cv_objective[c] for e in evidence.layers for c in sorted(e.cv_objective)]
     plan_alpha = [plan.alpha[unit][task] for unit in sorted(plan.alpha) for task in sorted(plan.alpha[unit])]

@@ -7,8 +7,10 @@ and the toolkit once (a fresh interpreter per run would spend most of this file'
 write point is picked with $SUBMERGE_FAULT_AT (see `submerge.diagnostics.store._fault_point`); the number of write
 points of each driver is counted from the reference run's $SUBMERGE_WRITE_LOG.
 
-The full matrix (every write point × kill / interrupt / no space × linearity, alpha, interference) runs with
-SUBMERGE_FAULT_MATRIX=1; by default a few points spread over each driver's writes run.
+The full matrix (every write point × kill / interrupt / no space × linearity, alpha, interference, evidence) runs
+with SUBMERGE_FAULT_MATRIX=1; by default a few points spread over each driver's writes run. The evidence group is
+written by `diag compare` (its plan's evidence step) before the group ``compare``: its write points are the writes
+into ``evidence/``, and a run faulted at one of them must resume to the uninterrupted run's evidence.
 """
 
 from __future__ import annotations
@@ -143,7 +145,19 @@ DRIVERS = {
                                                   "-f", f"math={kit['tuned']['math']}",
                                                   "-f", f"code={kit['tuned']['code']}", "--rank-fracs", "0.25,1",
                                                   *COMMON]),
+    "evidence": ("evidence", lambda kit: ["compare", *_inputs(kit), "--methods", "plan", "--fit", "4", "--samples", "2",
+                                          "--folds", "2", "--candidates", "layer,attn-mlp,head-mlp", "--max-tokens",
+                                          "32", *COMMON]),
 }
+
+
+SHARED = {"evidence"}  # drivers whose command writes other groups too: their write points are those into the group
+
+
+def _group_of(path: str, store: Path) -> str | None:
+    """The top-level group a written file belongs to (None: the store's root)."""
+    parts = Path(path).relative_to(store).parts
+    return parts[0] if len(parts) > 1 else None
 
 
 def _assert_same_store(path: Path, reference: Path, group: str) -> None:
@@ -163,7 +177,8 @@ def _assert_same_store(path: Path, reference: Path, group: str) -> None:
 
 @pytest.fixture(scope="module")
 def references(kit, diag, tmp_path_factory):
-    """Per driver: (reference store, number of file writes of an uninterrupted run)."""
+    """Per driver: (reference store, the write points of its group in an uninterrupted run: 1-based numbers among
+    all the run's file writes — every write, or for a command that writes several groups those into its group)."""
     found = {}
     for driver, (group, argv) in DRIVERS.items():
         out = tmp_path_factory.mktemp(f"ref_{driver}") / "ref.zarr"
@@ -172,7 +187,12 @@ def references(kit, diag, tmp_path_factory):
         assert code == 0, output
         writes = [line for line in log.read_text().splitlines() if line.startswith("write")]
         assert Store(out).is_complete(group)
-        found[driver] = (out, len(writes))
+        if driver in SHARED:
+            points = [n for n, line in enumerate(writes, 1) if _group_of(line.split(" ", 1)[1], out) == group]
+        else:
+            points = list(range(1, len(writes) + 1))
+        assert points, f"{driver}: no write into {group}"
+        found[driver] = (out, points)
     return found
 
 
@@ -181,23 +201,24 @@ EXIT = {"kill": -signal.SIGKILL, "interrupt": 130, "nospace": 2}
 
 def _fault_then_resume(kit, diag, references, tmp_path, driver: str, action: str, fraction: float) -> None:
     group, argv = DRIVERS[driver]
-    reference, writes = references[driver]
-    point = max(1, min(writes, round(fraction * writes)))
+    reference, points = references[driver]
+    index = max(1, min(len(points), round(fraction * len(points))))
+    point = points[index - 1]
     out = tmp_path / f"{driver}-{action}-{point}.zarr"
     code, output = diag(*argv(kit), "--out", out, env={"SUBMERGE_FAULT_AT": f"write:{point}:{action}"})
-    assert code == EXIT[action], f"write {point}/{writes}: exit {code}\n{output}"
+    assert code == EXIT[action], f"write {point} ({group}'s write point {index}/{len(points)}): exit {code}\n{output}"
     if action == "interrupt":
         assert "run the same command to resume" in output and "Traceback" not in output and "never retrieved" not in output
         assert not (out / ".submerge.lock").exists()  # released on the way out
     if action == "nospace":
         assert "could not write the store" in output and "File too large" in output and "Traceback" not in output
     code, output = diag(*argv(kit), "--out", out)
-    assert code == 0, f"resume after {action} at write {point}/{writes}:\n{output}"
+    assert code == 0, f"resume after {action} at write {point} ({group}'s {index}/{len(points)}):\n{output}"
     _assert_same_store(out, reference, group)
 
 
 QUICK = [("linearity", "interrupt", 0.75), ("linearity", "nospace", 0.3), ("alpha", "kill", 0.6),
-         ("interference", "kill", 0.4)]
+         ("interference", "kill", 0.4), ("evidence", "kill", 0.5), ("evidence", "interrupt", 0.9)]
 
 
 @pytest.mark.parametrize(("driver", "action", "fraction"), QUICK, ids=[f"{d}-{a}-{f}" for d, a, f in QUICK])
@@ -210,11 +231,11 @@ def test_fault_then_resume_equals_uninterrupted_run(kit, diag, references, tmp_p
 @pytest.mark.parametrize("driver", list(DRIVERS))
 @pytest.mark.parametrize("action", ["kill", "interrupt", "nospace"])
 def test_every_write_point(kit, diag, references, tmp_path, driver, action):
-    _, writes = references[driver]
+    _, points = references[driver]
     stride = int(os.environ["SUBMERGE_FAULT_MATRIX"])
     offset = {"kill": 0, "interrupt": 1, "nospace": 2}[action] % stride
-    for point in range(1 + offset, writes + 1, stride):
-        _fault_then_resume(kit, diag, references, tmp_path, driver, action, point / writes)
+    for index in range(1 + offset, len(points) + 1, stride):
+        _fault_then_resume(kit, diag, references, tmp_path, driver, action, index / len(points))
 
 
 def test_killed_run_leaves_a_stale_lock_that_is_taken_over(kit, diag, references, tmp_path):

@@ -3,7 +3,8 @@
 - `equations`: the pure equations (Non-linearity Score, Projection Distance and cosines, closed-form α,
   objectives), each citing its seed 002 equation;
 - `sweep`: the capture → replay → per-sample features → store loop every driver runs on;
-- `nonlinearity`, `projection`, `alpha`: one driver per diagnostic.
+- `nonlinearity`, `projection`, `alpha`: one driver per diagnostic; `evidence`: the evidence plan's
+  cross-validated block objectives (read by `submerge.merge.plan.choose_by_evidence`).
 """
 
 from submerge.diagnostics.capture import DEFAULT_CAPTURE_BUDGET
@@ -25,13 +26,14 @@ from submerge.diagnostics.linearity.equations import (
     solve_alpha,
     task_gram,
 )
+from submerge.diagnostics.linearity.evidence import evidence
 from submerge.diagnostics.linearity.nonlinearity import nonlinearity, summarize_nonlinearity
 from submerge.diagnostics.linearity.projection import projection
 from submerge.diagnostics.modules import GRANULARITIES
 
 __all__ = [
     "DEFAULT_CAPTURE_BUDGET", "GRANULARITIES", "AlphaSolution", "alpha", "alpha_system", "balance_denominator",
-    "cosine_base", "cosine_merge", "linearized_objective", "mean_std", "merge_objective", "nonlinearity",
+    "cosine_base", "cosine_merge", "evidence", "linearized_objective", "mean_std", "merge_objective", "nonlinearity",
     "nonlinearity_score", "nonlinearity_scores", "pairwise_task_cosine", "projection", "projection_distance",
     "projection_terms", "solve_alpha", "summarize_nonlinearity", "task_gram",
 ]

@@ -4,8 +4,9 @@ per layer.
 For each chunk of layers whose recorded inputs fit the capture budget, the inputs of the chunk's modules are
 recorded on the base θ0; then, layer by layer, each *unit* (a replayed module path: an attention path also serves
 its heads) is handed to the driver's `measure`, which replays the variants it needs (`Unit.run`) and turns them
-into per-sample features (`Outputs`). The layer's results become one store unit through `UnitWriter`, so a killed
-run resumes after the last finished layer. The model level is one more unit whose replays run the whole network
+into per-sample features (`Outputs`); a driver whose units need each other measures the whole layer at once
+(`LayerMeasure`). The layer's results become one store unit through `UnitWriter` (labelled by its modules, or by
+the layer: ``unit_dim="layer"``), so a killed run resumes after the last finished layer. The model level is one more unit whose replays run the whole network
 block by block. Where the layers are measured — this process, or a pipeline of Ray workers — is the run's engine
 (`submerge.diagnostics.execution`); the per-unit code is `submerge.diagnostics.replay`.
 """
@@ -21,7 +22,7 @@ from submerge.diagnostics.execution import LocalEngine, RunSettings
 from submerge.diagnostics.modules import Submodule
 from submerge.diagnostics.progress import progress_bar
 from submerge.diagnostics.provenance import run_attrs
-from submerge.diagnostics.replay import Unit, bytes_per_layer, modules_for, units_of
+from submerge.diagnostics.replay import LayerMeasure, Unit, bytes_per_layer, modules_for, units_of
 from submerge.diagnostics.store import UnitWriter
 
 PRECISION_NOTE = {
@@ -36,10 +37,17 @@ PRECISION_NOTE = {
 class Sweep:
     """One driver's pass over the modules of `levels`, writing store group `group` one layer at a time, on the
     engine of `run` (`submerge.diagnostics.execution.RunSettings`): this process alone writes the store, in layer
-    order, whatever the engine."""
+    order, whatever the engine.
+
+    ``unit_dim``: the store dimension a layer's piece is appended along — ``"module"`` (a row per module, labelled
+    by its name) or ``"layer"`` (one row per layer, labelled by its index: for results of the layer as a whole).
+    ``layers``: only these blocks (default all).
+    """
 
     def __init__(self, experiment, levels: Sequence[str], group: str, settings: dict, run: RunSettings, *,
-                 model_output: str = "hidden"):
+                 model_output: str = "hidden", unit_dim: str = "module", layers: Sequence[int] | None = None):
+        if unit_dim not in ("module", "layer"):
+            raise ValueError(f"unit_dim must be 'module' or 'layer', got {unit_dim!r}")
         if isinstance(run.engine, LocalEngine) and experiment.device.type == "meta":
             raise ValueError("this experiment's base was loaded without weights (weights=False): only Ray workers, "
                              "which read their own blocks, can measure it; run it with a RayEngine")
@@ -47,42 +55,50 @@ class Sweep:
         self.tasks = experiment.tasks
         self.source = experiment.parameter_source(run.compute_dtype)
         compute = {"compute_dtype": str(self.source.compute_dtype).removeprefix("torch.")}
-        self.modules = modules_for(experiment, levels)
+        self.modules = modules_for(experiment, levels, layers)
         self.capture_budget = run.capture_budget
-        self.model_output = model_output
+        self.model_output, self.unit_dim = model_output, unit_dim
         # the engine is provenance only: a run resumes across engines
         root, attrs = run_attrs(run.command, {**experiment.inputs, "engine": run.engine.provenance()})
-        self.writer = UnitWriter(run.store, group, {**experiment.settings, **compute, **settings}, force=run.force,
-                                 root=root, attrs={**attrs, "precision": PRECISION_NOTE}, on_unit=run.on_unit)
+        self.writer = UnitWriter(run.store, group, {**experiment.settings, **compute, **settings}, dim=unit_dim,
+                                 force=run.force, root=root, attrs={**attrs, "precision": PRECISION_NOTE},
+                                 on_unit=run.on_unit)
 
-    def run(self, title: str, measure: Callable[[Unit], dict], piece: Callable[[list[Submodule], dict], xr.Dataset],
-            progress: bool | None = None) -> None:
-        """``measure(unit)`` → {module name: result}; ``piece(modules, results)`` → one store unit."""
+    def label(self, module: Submodule) -> str:
+        """The store label of the unit that holds `module` (its name, or its layer's index)."""
+        return str(module.layer) if self.unit_dim == "layer" else module.name
+
+    def run(self, title: str, measure: Callable[[Unit], dict] | LayerMeasure,
+            piece: Callable[[list[Submodule], dict], xr.Dataset], progress: bool | None = None) -> None:
+        """``measure(unit)`` (or a `LayerMeasure`'s function of a layer) → {module name: result};
+        ``piece(modules, results)`` → one store unit."""
         done, engine = self.writer.done, self.run_settings.engine
         progress = self.run_settings.progress if progress is None else progress
-        if all(m.name in done for m in self.modules):
+        if all(self.label(m) in done for m in self.modules):
             return
+        model = [m for m in self.modules if m.level == "model" and self.label(m) not in done]
+        if model and isinstance(measure, LayerMeasure):
+            raise ValueError("a LayerMeasure measures blocks; the model level needs a per-unit measure")
         with progress_bar(progress) as bar, engine.running(), no_tf32(), engine.sweep(self) as layers:
             job = bar.add_task(title, total=len(self.modules))
-            bar.advance(job, sum(1 for m in self.modules if m.name in done))
+            bar.advance(job, sum(1 for m in self.modules if self.label(m) in done))
 
             def describe(text):
                 bar.update(job, description=f"{title} · {text}")
 
             for layer_modules, results in layers.layer_results(measure, describe):
-                self.writer.add(piece(layer_modules, results), layer_modules[-1].name)
+                self.writer.add(piece(layer_modules, results), self.label(layer_modules[-1]))
                 bar.advance(job, len(layer_modules))
-            model = [m for m in self.modules if m.level == "model" and m.name not in done]
             if model:
                 describe("model")
-                self.writer.add(piece(model, measure(layers.model_unit(model))), model[-1].name)
+                self.writer.add(piece(model, measure(layers.model_unit(model))), self.label(model[-1]))
                 bar.advance(job)
 
     def by_layer(self) -> dict[int, list[Submodule]]:
         """The block modules not yet in the store, by layer."""
         by_layer: dict[int, list[Submodule]] = {}
         for module in self.modules:
-            if module.level != "model" and module.name not in self.writer.done:
+            if module.level != "model" and self.label(module) not in self.writer.done:
                 by_layer.setdefault(module.layer, []).append(module)
         return by_layer
 

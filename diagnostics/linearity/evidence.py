@@ -1,0 +1,342 @@
+"""The evidence step: per block and candidate granularity, the cross-validated Eq. 10 objective of the block merged
+as the plan would merge it (seed 002 Eq. 10–14; balanced Eq. 33–34) — a driver on the shared sweep, store group
+``evidence``. `submerge.merge.plan.choose_by_evidence` reads it to choose each block's granularity.
+
+The fit records of each task are split into k folds by record position (record i → fold i mod k). For each block j
+(one store unit per layer, so a killed run resumes after the last finished block):
+
+1. per-sample Grams G(x) (Eq. 14) of every unit the candidates need — the block, its attention and MLP, its heads —
+   from replays of the base and of each fine-tune on inputs recorded on the base;
+2. per unit and fold k, α solved on the other k−1 folds (`fold_alphas`: Eq. 12–14, balanced Eq. 33–34), and α on
+   all fit records;
+3. per candidate c and fold k, the block's parameters merged with fold k's α of c's units by the layer above's rules
+   (`merge`: `submerge.merge.plan.CandidateMerge` merges as `diag merge` will — norms, GQA groups, interference-
+   steered matrices), the block replayed on fold k's recorded inputs, and the true Eq. 10 objective (divided by
+   Eq. 33's denominator when balanced) of its output against each input task's own fine-tune.
+
+Scoring every candidate on the same function (the block's output) makes the scores comparable. What the choice
+does with them (the mean over folds, the one-standard-error rule) is the plan's, at read time.
+
+The group (dims ``layer`` — the unit dimension —, ``candidate``, ``fold``, ``part``, ``task``):
+
+| variable | dims | what |
+|---|---|---|
+| ``fold_objective`` | layer, candidate, fold | Eq. 10 of the block merged at the candidate, on held-out fold k |
+| ``alpha`` | layer, part, task | α of each unit, solved on all fit records |
+| ``fold_alpha`` | layer, part, fold, task | α of each unit, solved without fold k (what fold k's score used) |
+
+``part`` names a unit within its block: ``block`` is unit ``layers.<j>``, any other part p is ``layers.<j>.<p>``
+(``attn``, ``mlp``, ``attn.head.<h>``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+import xarray as xr
+
+from submerge.diagnostics.capture import DEFAULT_CAPTURE_BUDGET
+from submerge.diagnostics.errors import SubmergeError
+from submerge.diagnostics.execution import LocalEngine, RunSettings
+from submerge.diagnostics.linearity.equations import (
+    alpha_system,
+    balance_denominator,
+    merge_objective,
+    solve_alpha,
+    task_gram,
+)
+from submerge.diagnostics.linearity.sweep import Sweep
+from submerge.diagnostics.modules import GRANULARITIES, module_parameter_names
+from submerge.diagnostics.replay import Given, Layer, LayerMeasure, Outputs
+from submerge.diagnostics.tensors import TensorInfo, TensorTable
+
+GROUP = "evidence"
+EVIDENCE_CANDIDATES = ("layer", "attn-mlp")  # head-mlp only when asked: seed 002 Table 3 finds head level unstable
+DEFAULT_FOLDS = 4
+BLOCK = "block"  # the part that is the whole block (unit layers.<j>)
+
+#: A merged tensor's task vector: (its `TensorInfo`, the task vectors [τ_t] in task order) → δ (θ = θ0 + δ).
+TensorDelta = Callable[[TensorInfo, list[torch.Tensor]], torch.Tensor]
+
+
+class EvidenceError(SubmergeError):
+    """The evidence step cannot run as asked (a granularity it cannot choose per block, too few fit records)."""
+
+
+class CandidateMerge(Protocol):
+    """How a block is merged at a candidate granularity (the layer above gives it: `submerge.merge.plan`)."""
+
+    settings: dict  # what the merge depends on (recorded in the group's settings: a change recomputes)
+
+    def __call__(self, layer: int, granularity: str, alpha: dict[str, dict[str, float]],
+                 infos: list[TensorInfo]) -> TensorDelta:
+        """The merged δ of each tensor of block `layer` (`infos`) with α per unit → task."""
+
+
+def unit_names(granularity: str, layer: int, num_heads: int = 0) -> list[str]:
+    """The α units of block `layer` at `granularity` (names as in the store and the plan)."""
+    if granularity == "layer":
+        return [f"layers.{layer}"]
+    if granularity == "attn-mlp":
+        return [f"layers.{layer}.attn", f"layers.{layer}.mlp"]
+    if granularity == "head-mlp":
+        return [f"layers.{layer}.attn.head.{h}" for h in range(num_heads)] + [f"layers.{layer}.mlp"]
+    raise EvidenceError(f"granularity '{granularity}' cannot be chosen per layer (layer, attn-mlp, head-mlp)")
+
+
+def part_of(unit: str) -> str:
+    """The part of a unit name within its block (``layers.3`` → ``block``, ``layers.3.attn.head.1`` →
+    ``attn.head.1``)."""
+    rest = unit.split(".", 2)[2:]
+    return rest[0] if rest else BLOCK
+
+
+def unit_of(layer: int, part: str) -> str:
+    """The unit name of `part` of block `layer` (inverse of `part_of`)."""
+    return f"layers.{layer}" if part == BLOCK else f"layers.{layer}.{part}"
+
+
+def parts_of(candidates: Sequence[str], num_heads: int) -> list[str]:
+    """The parts whose α the candidates need, block first (its Grams are always measured: the objective's)."""
+    units = [unit for c in candidates for unit in unit_names(c, 0, num_heads)]
+    return list(dict.fromkeys([BLOCK] + [part_of(u) for u in units]))
+
+
+def fold_alphas(grams_by_task, folds_by_task, fold: int, *, balance: bool = True) -> np.ndarray:
+    """α (Eq. 12–14, balanced Eq. 33–34) solved on the samples outside `fold` of every task.
+
+    ``grams_by_task[a]`` is the (n_a, T, T) stack of per-sample Grams on task a's inputs and
+    ``folds_by_task[a]`` the (n_a,) fold of each sample; ``fold = -1`` uses every sample.
+    """
+    train = []
+    for a, (grams, folds) in enumerate(zip(grams_by_task, folds_by_task)):
+        kept = np.asarray(grams)[np.asarray(folds) != fold]
+        if kept.shape[0] == 0:
+            raise EvidenceError(f"fold {fold} leaves no fit record of task {a} to solve α on: use fewer folds")
+        train.append(kept)
+    return solve_alpha(*alpha_system(train, balance=balance)).alpha
+
+
+def fold_objective(merged, targets, denominators, folds_by_task, fold: int, balance: bool) -> float:
+    """Eq. 10 (divided by Eq. 33's denominator when `balance`) on the samples of `fold`: ``merged[a][s]`` the merged
+    block's features, ``targets[a][s]`` task a's own fine-tune's, on task a's sample s."""
+    chosen, tuned, weights = [], [], []
+    for a in range(len(merged)):
+        keep = np.flatnonzero(folds_by_task[a] == fold)
+        chosen.append([merged[a][s] for s in keep])
+        tuned.append([targets[a][s] for s in keep])
+        weights.append([denominators[a][s] for s in keep])
+    return merge_objective(chosen, tuned, weights if balance else None)
+
+
+def merged_block(source, path: str, delta: TensorDelta, table: TensorTable, tasks: list[str]) -> dict:
+    """Block `path`'s parameters θ0 + δ (local names) in the compute dtype, never rounded back to storage, plus
+    the block's floating buffers upcast (as `ParameterSource.variant` gives them)."""
+    params = source.upcast_buffers(path)
+    base = source.base_parameters(path)
+    deltas = {t: source.deltas(path, t) for t in tasks}
+    for local, full in module_parameter_names(source.base.model, path).items():
+        weight = base[local]
+        info = table.get(source.base.checkpoint_name(full), tuple(weight.shape))
+        merged = delta(info, [deltas[t][local] for t in tasks])
+        compute = torch.promote_types(weight.dtype, source.compute_dtype)
+        params[local] = weight.to(device=source.device, dtype=compute) + merged.to(compute)
+    return params
+
+
+def _grams(outputs: Outputs) -> np.ndarray:
+    """The (n, T, T) per-sample Grams (Eq. 14) of outputs of variants [base, fine-tune 1 … T]."""
+    return np.stack([task_gram([tuned - sample[0] for tuned in sample[1:]]).numpy()
+                     for sample in outputs.per_sample()])
+
+
+@dataclass
+class _BlockData:
+    """One block's replays on the fit records: Grams per module name (per input task), and on the block itself each
+    task's own fine-tune's features, the record indices and Eq. 33's denominators."""
+
+    grams: dict[str, list[np.ndarray]]
+    targets: list[list[torch.Tensor]]
+    indices: list[np.ndarray]
+    denominators: list[list[float]]
+
+
+def _block_data(layer: Layer, tasks: list[str]) -> _BlockData:
+    block_path = layer.arch.layer_path(layer.index)
+    grams: dict[str, list[np.ndarray]] = {}
+    targets, indices = [], []
+    for path, unit in layer.units.items():
+        for a, task in enumerate(tasks):
+            replayed = unit.run(task, [{}] + [{t: 1.0} for t in tasks])
+            for module in unit.modules:
+                outputs = replayed.of(module)
+                grams.setdefault(module.name, []).append(_grams(outputs))
+                if path == block_path:
+                    targets.append(list(outputs.features(1 + a)))
+                    indices.append(np.fromiter(outputs.sample_indices(), dtype=np.int64))
+            del replayed
+    block = grams[f"layers.{layer.index}"]
+    return _BlockData(grams, targets, indices, [[balance_denominator(g) for g in stack] for stack in block])
+
+
+def _table(layer: Layer) -> TensorTable:
+    """The tensor table of the model the layer's source replays (a Ray worker's: its blocks, the rest on meta)."""
+    return TensorTable.from_model(layer.source.base.model, layer.source.base.checkpoint_names, layer.arch)
+
+
+def _merged_features(layer: Layer, delta: TensorDelta, table: TensorTable,
+                     tasks: list[str]) -> list[list[torch.Tensor]]:
+    """Per input task, the features of the block merged by `delta`, replayed on that task's recorded inputs."""
+    source, path = layer.source, layer.arch.layer_path(layer.index)
+    unit = layer.units[path]
+    variant = Given(merged_block(source, path, delta, table, tasks))
+    return [list(unit.run(task, [variant]).of(unit.modules[0]).features(0)) for task in tasks]
+
+
+@dataclass(frozen=True)
+class _EvidenceOfLayer:
+    """The evidence of one block (a `LayerMeasure`'s function; picklable, so Ray workers run it)."""
+
+    tasks: list[str]
+    candidates: list[str]
+    parts: list[str]
+    folds: int
+    balance: bool
+    merge: CandidateMerge
+
+    def __call__(self, layer: Layer) -> dict:
+        j, tasks, folds = layer.index, self.tasks, self.folds
+        data = _block_data(layer, tasks)
+        folds_by_task = [index % folds for index in data.indices]
+        fold_alpha = np.array([[fold_alphas(data.grams[unit_of(j, p)], folds_by_task, k, balance=self.balance)
+                                for k in range(folds)] for p in self.parts])  # (part, fold, task)
+        alpha = np.array([fold_alphas(data.grams[unit_of(j, p)], folds_by_task, -1, balance=self.balance)
+                          for p in self.parts])
+        table = _table(layer)
+        infos = [info for info in table if info.layer == j]
+        scores = np.full((len(self.candidates), folds), np.nan)
+        for c, candidate in enumerate(self.candidates):
+            units = unit_names(candidate, j, layer.arch.num_heads)
+            for k in range(folds):
+                solved = {u: dict(zip(tasks, map(float, fold_alpha[self.parts.index(part_of(u)), k])))
+                          for u in units}
+                merged = _merged_features(layer, self.merge(j, candidate, solved, infos), table, tasks)
+                scores[c, k] = fold_objective(merged, data.targets, data.denominators, folds_by_task, k,
+                                              self.balance)
+        return {f"layers.{j}": {"fold_objective": scores, "alpha": alpha, "fold_alpha": fold_alpha}}
+
+
+def _levels(candidates: Sequence[str]) -> tuple[str, ...]:
+    """The sweep levels whose replays the candidates need (the block always: the objective is on its output)."""
+    wanted = {"layer", *(level for candidate in candidates for level in GRANULARITIES[candidate])}
+    return tuple(level for level in ("layer", "attn", "head", "mlp") if level in wanted)
+
+
+def _checked_candidates(experiment, candidates: Sequence[str], folds: int) -> tuple[str, ...]:
+    """The candidates without repeats; an `EvidenceError` for a granularity not choosable per block, fewer than 2
+    folds, or fewer fit records than folds."""
+    candidates = tuple(dict.fromkeys(candidates))
+    if not candidates:
+        raise EvidenceError("the evidence step needs at least one candidate granularity (layer, attn-mlp, head-mlp)")
+    for candidate in candidates:
+        unit_names(candidate, 0, 1)
+    if folds < 2:
+        raise EvidenceError(f"--folds must be at least 2 (got {folds})")
+    fewest = min(len(data.texts) for data in experiment.data.values())
+    if fewest < folds:
+        raise EvidenceError(f"{folds}-fold cross-validation needs at least {folds} fit records per task; "
+                            f"one task has {fewest} (raise --fit or lower --folds)")
+    return candidates
+
+
+def evidence(
+    experiment,
+    merge: CandidateMerge,
+    *,
+    candidates: Sequence[str] = EVIDENCE_CANDIDATES,
+    folds: int = DEFAULT_FOLDS,
+    balance: bool = True,
+    run: RunSettings | None = None,
+    **run_options,
+) -> xr.Dataset:
+    """The cross-validated Eq. 10 objective of every block at every candidate granularity (see the module
+    docstring); with ``store``, written as group ``evidence`` one block at a time (resumable).
+
+    `merge` merges a block at a candidate with given α exactly as the plan will
+    (`submerge.merge.plan.CandidateMerge`; diagnostics never import merge). ``run`` (or its fields as keywords:
+    ``store``, ``force``, ``progress``, ``command``, ``on_unit``, ``capture_budget``, ``compute_dtype``,
+    ``engine``): `submerge.diagnostics.execution.RunSettings`; with a ``RayEngine`` the blocks are measured by a
+    pipeline of Ray workers, and this process alone writes the store.
+    """
+    candidates = _checked_candidates(experiment, candidates, folds)
+    run = RunSettings.of(run, **run_options)
+    tasks, heads = experiment.tasks, experiment.arch.num_heads
+    parts = parts_of(candidates, heads)
+    settings = {"candidates": list(candidates), "folds": folds, "balance": balance, "merge": merge.settings}
+    sweep = Sweep(experiment, _levels(candidates), GROUP, settings, run, unit_dim="layer")
+    scorer = _EvidenceOfLayer(list(tasks), list(candidates), parts, folds, balance, merge)
+
+    def piece(modules, results) -> xr.Dataset:
+        layer = modules[0].layer
+        found = results[f"layers.{layer}"]
+        return xr.Dataset(
+            {"fold_objective": (("layer", "candidate", "fold"), found["fold_objective"][None]),
+             "alpha": (("layer", "part", "task"), found["alpha"][None]),
+             "fold_alpha": (("layer", "part", "fold", "task"), found["fold_alpha"][None])},
+            coords={"layer": np.array([layer]), "candidate": np.array(list(candidates), dtype=object),
+                    "fold": np.arange(folds), "part": np.array(parts, dtype=object),
+                    "task": np.array(tasks, dtype=object)})
+
+    sweep.run("Evidence: granularity per layer", LayerMeasure(scorer), piece)
+    fewest = min(len(data.texts) for data in experiment.data.values())
+    return sweep.writer.finish({
+        "equations": "seed 002 Eq. 10 (objective of the merged block's output against each input task's own "
+                     "fine-tune), α by Eq. 12-14" + (", balanced by Eq. 33-34" if balance else ""),
+        "folds": f"record i of each task's fit records is in fold i mod {folds}; fold_alpha[k] and "
+                 "fold_objective[k] use α solved on the other folds, scored on fold k",
+        "part": "block: unit layers.<layer>; any other part p: unit layers.<layer>.<p>",
+        "fit_records": fewest, "balance": balance})
+
+
+# ------------------------------------------------------------------------------------ a plan's block objectives
+
+
+@dataclass(frozen=True)
+class _ObjectiveOfLayer:
+    """Eq. 10 of one block merged by a fixed rule (a `LayerMeasure`'s function; picklable)."""
+
+    tasks: list[str]
+    balance: bool
+    delta: TensorDelta
+
+    def __call__(self, layer: Layer) -> dict:
+        data = _block_data(layer, self.tasks)
+        merged = _merged_features(layer, self.delta, _table(layer), self.tasks)
+        every = [np.zeros(len(index), dtype=np.int64) for index in data.indices]
+        name = f"layers.{layer.index}"
+        return {name: fold_objective(merged, data.targets, data.denominators, every, 0, self.balance)}
+
+
+def block_objectives(experiment, delta: TensorDelta, *, balance: bool = True, layers: Sequence[int] | None = None,
+                     progress: bool = False, capture_budget: int = DEFAULT_CAPTURE_BUDGET,
+                     engine=None) -> dict[int, float]:
+    """Eq. 10 objective (Eq. 33 balanced) of every block (or of `layers`) merged by `delta`, on all of the
+    experiment's records; nothing is written. The block's inputs are recorded on the base, chunk after chunk (each
+    continuing where the last stopped); its merged output is compared with each input task's own fine-tune. Use an
+    experiment on held-out records (``skip``) to check a plan out of sample (`submerge.merge.plan.block_objectives`).
+    """
+    run = RunSettings(progress=progress, capture_budget=capture_budget, engine=engine or LocalEngine())
+    sweep = Sweep(experiment, ("layer",), "block_objectives", {"balance": balance}, run, unit_dim="layer",
+                  layers=layers)
+
+    def piece(modules, results) -> xr.Dataset:
+        return xr.Dataset({"objective": (("layer",), np.array([results[modules[0].name]]))},
+                          coords={"layer": np.array([modules[0].layer])})
+
+    sweep.run("Block objectives", LayerMeasure(_ObjectiveOfLayer(list(experiment.tasks), balance, delta)), piece)
+    result = sweep.writer.finish({})
+    return {int(layer): float(value) for layer, value in zip(result.layer.values, result.objective.values)}

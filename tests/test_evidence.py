@@ -1,0 +1,301 @@
+"""Issue 22 item 2: the evidence step as a driver on the shared sweep (`submerge.diagnostics.linearity.evidence`).
+
+Known answers on the hand-made kit of tests/test_compare.py (attention and MLP want different α by construction),
+the store group ``evidence`` (dims, resume after a kill, settings checks, provenance, --force), its α against
+`diag alpha`'s and its objectives against the block objectives, the block forwards counted for L and 2L blocks
+(linear in depth: each chunk continues where the last stopped), Ray equal to one process bit for bit, and
+`diag compare` resuming its evidence step.
+"""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from submerge.diagnostics import replay as replay_module
+from submerge.diagnostics import toy
+from submerge.diagnostics.errors import StoreError
+from submerge.diagnostics.execution import RayEngine
+from submerge.diagnostics.experiment import Experiment
+from submerge.diagnostics.linearity import alpha
+from submerge.diagnostics.linearity.evidence import EvidenceError, evidence, parts_of, unit_of
+from submerge.diagnostics.store import Store
+from submerge.merge.plan import PlanDelta, block_objectives, candidate_merge, choose_by_evidence, evidence_plan
+from tests.test_compare import HAND_FIT, _hand_experiment, hand_kit  # noqa: F401 (the hand-made kit, a fixture)
+
+# the module (`submerge.diagnostics.linearity.evidence` as an attribute is the driver function)
+evidence_module = importlib.import_module("submerge.diagnostics.linearity.evidence")
+
+
+class Killed(RuntimeError):
+    pass
+
+
+@pytest.fixture(scope="module")
+def hand_fit(hand_kit):  # noqa: F811
+    return _hand_experiment(hand_kit, skip=0)
+
+
+def _merge(experiment, **options):
+    return candidate_merge(experiment, {t: t for t in experiment.tasks}, **options)
+
+
+def assert_same(dataset, reference) -> None:
+    assert dict(dataset.sizes) == dict(reference.sizes)
+    for name in ("layer", "candidate", "fold", "part", "task"):
+        assert list(dataset[name].values) == list(reference[name].values), name
+    for name, variable in reference.data_vars.items():
+        assert variable.dims == dataset[name].dims, name
+        assert np.array_equal(variable.values, dataset[name].values, equal_nan=True), name
+
+
+# ------------------------------------------------------------------ known answers, by construction
+
+
+def test_evidence_group_holds_the_known_answer_of_the_hand_kit(hand_fit, tmp_path):
+    store = Store(tmp_path / "store.zarr")
+    merge = _merge(hand_fit)
+    result = evidence(hand_fit, merge, candidates=("layer", "attn-mlp", "head-mlp"), folds=2, store=store,
+                      progress=False)
+    stored = store.dataset("evidence")
+    assert store.is_complete("evidence") and stored.attrs["unit_dim"] == "layer"
+    assert_same(stored, result)
+    assert result.fold_objective.dims == ("layer", "candidate", "fold")
+    assert result.alpha.dims == ("layer", "part", "task") and result.fold_alpha.dims == ("layer", "part", "fold", "task")
+    assert list(result.layer.values) == [0, 1] and list(result.fold.values) == [0, 1]
+    assert list(result.part.values) == ["block", "attn", "mlp"] + [f"attn.head.{h}" for h in range(4)]
+    # attention: each task's update acts on its own records only → α = (1, 1) on every fold and on all records;
+    # MLP: the same update in both → α_A + α_B = 1, minimum norm (0.5, 0.5); every head carries its task's update
+    for part, expected in (("attn", [1.0, 1.0]), ("mlp", [0.5, 0.5]), ("attn.head.2", [1.0, 1.0])):
+        np.testing.assert_allclose(result.alpha.sel(layer=0, part=part).values, expected, atol=1e-6)
+        np.testing.assert_allclose(result.fold_alpha.sel(layer=0, part=part).values, [expected] * 2, atol=1e-6)
+    scores = result.fold_objective.sel(layer=0)
+    assert (scores.sel(candidate="layer") > 1e-3).all()
+    assert (scores.sel(candidate="attn-mlp") < 1e-6 * scores.sel(candidate="layer")).all()
+    assert (scores.sel(candidate="head-mlp") < 1e-6 * scores.sel(candidate="layer")).all()
+    assert (result.fold_objective.sel(layer=1).values == 0.0).all()  # no fine-tune changed block 1
+    # provenance, settings and notes on the group
+    attrs = store.group_attrs("evidence")
+    assert attrs["settings"]["candidates"] == ["layer", "attn-mlp", "head-mlp"] and attrs["settings"]["folds"] == 2
+    assert attrs["settings"]["merge"] == merge.settings and attrs["provenance"]["engine"]["engine"] == "local"
+    assert attrs["fit_records"] == HAND_FIT and "fold i mod 2" in attrs["folds"]
+    # the plan is read from the store group alone, and it is the hand kit's answer
+    evidence_read = choose_by_evidence(stored, merge, base_model="base", infos=[])
+    assert evidence_read.plan().layer_granularity == {0: "attn-mlp", 1: "layer"}
+    assert evidence_read.layers[0].alpha["head-mlp"]["layers.0.attn.head.3"] == pytest.approx({"left": 1.0,
+                                                                                              "right": 1.0})
+
+
+def test_alpha_equals_diag_alpha_and_objectives_equal_block_objectives(hand_kit, tmp_path):  # noqa: F811
+    """Property: α on all fit records is `diag alpha`'s (same Grams, same solve); the layer candidate's plan
+    scored on every record is `diag alpha`'s Eq. 10 objective at its α (balanced) — up to float32 rounding: the
+    plan merges θ0 + (Σ_t α_t τ_t), `diag alpha` replays (θ0 + α_1 τ_1) + α_2 τ_2."""
+    experiment = _hand_experiment(hand_kit, skip=0)
+    result = evidence(experiment, _merge(experiment), candidates=("layer", "attn-mlp", "head-mlp"), folds=2,
+                      progress=False)
+    solved = {g: alpha(experiment, granularity=g, progress=False) for g in ("layer", "attn-mlp", "head-mlp")}
+    for layer in (0, 1):
+        for part in parts_of(("layer", "attn-mlp", "head-mlp"), 4):
+            unit = unit_of(layer, part)
+            granularity = "layer" if part == "block" else "head-mlp" if "head" in part else "attn-mlp"
+            expected = solved[granularity].alpha.sel(module=unit).isel(granularity=0).values
+            np.testing.assert_allclose(result.alpha.sel(layer=layer, part=part).values, expected, rtol=1e-12,
+                                       atol=1e-15, err_msg=unit)
+    plan = evidence_plan(experiment, hand_kit[1], folds=2, progress=False).single("layer")
+    objectives = block_objectives(experiment, plan)
+    expected = solved["layer"].objective_alpha.isel(granularity=0).values
+    np.testing.assert_allclose([objectives[0], objectives[1]], expected, rtol=1e-6, atol=1e-15)
+    assert objectives[0] > 1e-3
+
+
+def test_bad_options_are_clear_errors(hand_fit):
+    merge = _merge(hand_fit)
+    with pytest.raises(EvidenceError, match="--folds must be at least 2"):
+        evidence(hand_fit, merge, folds=1, progress=False)
+    with pytest.raises(EvidenceError, match="9-fold cross-validation needs at least 9 fit records per task"):
+        evidence(hand_fit, merge, folds=9, progress=False)
+    with pytest.raises(EvidenceError, match="granularity 'model' cannot be chosen per layer"):
+        evidence(hand_fit, merge, candidates=("layer", "model"), progress=False)
+
+
+# ------------------------------------------------------------------ store: resume, settings, force
+
+
+def test_killed_evidence_resumes_to_the_same_values_and_settings_are_checked(hand_fit, tmp_path):
+    merge = _merge(hand_fit)
+    fresh = evidence(hand_fit, merge, folds=2, progress=False)
+    store = Store(tmp_path / "store.zarr")
+
+    def kill(label):
+        raise Killed(label)
+
+    with pytest.raises(Killed, match="0"):
+        evidence(hand_fit, merge, folds=2, store=store, progress=False, on_unit=kill)
+    assert not store.is_complete("evidence") and store.group_attrs("evidence")["units_done"] == 1
+    measured = []
+    original = evidence_module._EvidenceOfLayer.__call__
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(evidence_module._EvidenceOfLayer, "__call__",
+                      lambda self, layer: measured.append(layer.index) or original(self, layer))
+        resumed = evidence(hand_fit, merge, folds=2, store=store, progress=False, capture_budget=1)
+    assert measured == [1]  # only the block not in the store
+    assert_same(resumed, fresh)
+    assert_same(store.dataset("evidence"), fresh)
+    # other settings (folds, the merge's steering rules) are refused, the group kept; --force recomputes
+    for options, changed in (({"folds": 3}, "folds"), ({"merge": _merge(hand_fit, steer_method="iso-c")},
+                                                       "steer_method")):
+        with pytest.raises(StoreError, match=changed):
+            evidence(hand_fit, options.get("merge", merge), folds=options.get("folds", 2), store=store,
+                     progress=False)
+    assert_same(store.dataset("evidence"), fresh)
+    recomputed = evidence(hand_fit, merge, folds=3, store=store, force=True, progress=False)
+    assert recomputed.sizes["fold"] == 3 and store.group_attrs("evidence")["settings"]["folds"] == 3
+
+
+# ------------------------------------------------------------------ linear in depth
+
+
+@pytest.fixture(scope="module")
+def depth_kits(tmp_path_factory):
+    """The same toy Llama at L = 2 and 2L = 4 blocks, two perturbed fine-tunes each, shared task data."""
+    root = tmp_path_factory.mktemp("depth")
+    data = {task: str(toy.write_task_data(root / f"{task}.jsonl", task, count=4)) for task in ("math", "code")}
+    kits = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for layers in (2, 4):
+            base = toy.build_model(root / f"L{layers}" / "base", "llama", layers=layers, hidden=32)
+            tuned = toy.perturbed_finetunes(base, ["math", "code"])
+            kits[layers] = Experiment.load(str(base), {t: str(p) for t, p in tuned.items()}, data, samples=4,
+                                           max_tokens=32, batch_size=2, dtype="float32", device="cpu")
+    return kits
+
+
+def _count_block_forwards(monkeypatch, experiment) -> tuple[Counter, Counter]:
+    """Counters of the computed forwards of each block (the block class's `forward`: a block a capture skips
+    returns its saved output without computing, and is not counted): all of them, and those of captures."""
+    blocks = {id(experiment.base.model.get_submodule(experiment.arch.layer_path(j))): j
+              for j in range(experiment.arch.num_layers)}
+    block_class = type(experiment.base.model.get_submodule(experiment.arch.layer_path(0)))
+    forward, record = block_class.forward, replay_module.record_inputs
+    every, captured, capturing = Counter(), Counter(), []
+
+    def counted_forward(self, *args, **kwargs):
+        if id(self) in blocks:
+            every[blocks[id(self)]] += 1
+            captured[blocks[id(self)]] += bool(capturing)
+        return forward(self, *args, **kwargs)
+
+    def counted_record(*args, **kwargs):
+        capturing.append(1)
+        try:
+            return record(*args, **kwargs)
+        finally:
+            capturing.pop()
+
+    monkeypatch.setattr(block_class, "forward", counted_forward)
+    monkeypatch.setattr(replay_module, "record_inputs", counted_record)
+    return every, captured
+
+
+@pytest.mark.parametrize("step", ["evidence", "block_objectives"])
+def test_block_forwards_grow_linearly_with_depth(depth_kits, monkeypatch, step):
+    """One layer per chunk (capture budget 1 byte): each block is captured once per batch in all, and every
+    block costs the same replays, so 2L blocks cost exactly twice the forwards of L. (Before, capture re-ran
+    blocks 0..j for every chunk and for every layer of `block_objectives`: block j ran L − j times, O(L²).)"""
+    totals = {}
+    for layers, experiment in depth_kits.items():
+        batches = sum(len(experiment.batches[t]) for t in experiment.tasks)
+        with monkeypatch.context() as patch:
+            every, captured = _count_block_forwards(patch, experiment)
+            if step == "evidence":
+                evidence(experiment, _merge(experiment), folds=2, progress=False, capture_budget=1)
+            else:
+                plan = evidence_plan(experiment, {t: t for t in experiment.tasks}, folds=2,
+                                     progress=False).single("attn-mlp")
+                every.clear(), captured.clear()
+                block_objectives(experiment, plan)
+        assert sorted(every) == list(range(layers))
+        assert set(captured.values()) == {batches}, captured  # every block captured once per batch, no re-runs
+        assert len(set(every.values())) == 1, every  # the same work for every block
+        totals[layers] = sum(every.values())
+    assert totals[4] == 2 * totals[2]
+
+
+# ------------------------------------------------------------------ Ray
+
+
+def test_evidence_on_ray_equals_one_process(depth_kits, tmp_path):
+    """2 Ray workers (blocks 0–1 and 2–3) give bitwise the single-process evidence, in the store too, though the
+    driver is killed after its first block and the run resumed on Ray."""
+    ray = pytest.importorskip("ray")
+    experiment = depth_kits[4]
+    merge = _merge(experiment)
+    fresh = evidence(experiment, merge, candidates=("layer", "attn-mlp", "head-mlp"), folds=2, progress=False)
+    store, report = Store(tmp_path / "ray.zarr"), {}
+
+    def kill(label):
+        raise Killed(label)
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        options = {"candidates": ("layer", "attn-mlp", "head-mlp"), "folds": 2, "progress": False, "store": store}
+        with pytest.raises(Killed):
+            evidence(experiment, merge, **options, engine=RayEngine(workers=2), on_unit=kill)
+        resumed = evidence(experiment, merge, **options, engine=RayEngine(workers=2, report=report))
+    finally:
+        ray.shutdown()
+    assert [worker["layers"] for worker in report["workers"]] == [[0, 1], [2, 3]]
+    assert_same(resumed, fresh)
+    assert_same(store.dataset("evidence"), fresh)
+    assert store.group_attrs("evidence")["provenance"]["engine"]["workers"] == 2
+
+
+# ------------------------------------------------------------------ diag compare resumes its evidence step
+
+
+def test_killed_compare_resumes_its_evidence_step(hand_kit, tmp_path):  # noqa: F811
+    from submerge.merge.compare import compare
+
+    base, finetuned, data = hand_kit
+    options = {"methods": ["plan"], "fit": HAND_FIT, "samples": 4, "max_tokens": 48, "batch_size": 4,
+               "evidence_options": {"folds": 2}, "dtype": "float32", "device": "cpu", "progress": False}
+    original = evidence_module._EvidenceOfLayer.__call__
+    measured = []
+
+    def dies_at_block_1(self, layer):
+        measured.append(layer.index)
+        if layer.index == 1 and len(measured) == 2:
+            raise Killed("block 1")
+        return original(self, layer)
+
+    store = Store(tmp_path / "store.zarr")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(evidence_module._EvidenceOfLayer, "__call__", dies_at_block_1)
+        with pytest.raises(Killed):
+            compare(base, finetuned, data, store=store, **options)
+        assert store.group_attrs("evidence")["units_done"] == 1
+        result = compare(base, finetuned, data, store=Store(tmp_path / "store.zarr"), plan_out=tmp_path / "plan.yaml",
+                         **options)
+    assert measured == [0, 1, 1]  # the resumed compare measured block 1 only
+    uninterrupted = compare(base, finetuned, data, store=Store(tmp_path / "other.zarr"), **options)
+    assert_same(Store(tmp_path / "store.zarr").dataset("evidence"), Store(tmp_path / "other.zarr").dataset("evidence"))
+    np.testing.assert_array_equal(result.loss.values, uninterrupted.loss.values)
+    assert "plan" in [str(m) for m in result.method.values]
+
+
+def test_plan_delta_is_the_plans_rule(hand_fit):
+    """`PlanDelta` (what the driver replays) merges each tensor with the plan's own rule."""
+    import torch
+
+    evidence_found = evidence_plan(hand_fit, {t: t for t in hand_fit.tasks}, folds=2, progress=False)
+    plan = evidence_found.plan()
+    info = next(i for i in evidence_found.infos if i.name.endswith("layers.0.mlp.down_proj.weight"))
+    vectors = [torch.ones(info.shape), 2 * torch.ones(info.shape)]
+    weights = plan.rule_for(info).weights
+    expected = weights["left"] * vectors[0] + weights["right"] * vectors[1]
+    torch.testing.assert_close(PlanDelta(plan)(info, vectors), expected)
