@@ -18,22 +18,22 @@ from submerge.cli.options import (
     load_experiment,
     run_options,
 )
+from submerge.cli.report import report as draw
 from submerge.diagnostics import demo
 from submerge.diagnostics.checkpoints import local_path, open_checkpoint
 from submerge.diagnostics.data import parse_named
-from submerge.diagnostics.evaluate import evaluate
+from submerge.diagnostics.evaluate import EVAL, evaluate
+from submerge.diagnostics.interference import INTERFERENCE
 from submerge.diagnostics.interference import interference as run_interference
-from submerge.diagnostics.interference import summarize_interference
-from submerge.diagnostics.linearity import GRANULARITIES, nonlinearity, summarize_nonlinearity
+from submerge.diagnostics.linearity import ALPHA, GRANULARITIES, LINEARITY, PROJECTION, nonlinearity
 from submerge.diagnostics.linearity import alpha as run_alpha
 from submerge.diagnostics.linearity import projection as run_projection
 from submerge.diagnostics.modules import LEVELS
 from submerge.diagnostics.outputs import check_output_file, file_starts_with, replace_file
-from submerge.diagnostics.plot import report as draw
 from submerge.diagnostics.store import Store
 from submerge.diagnostics.task_vectors import open_finetunes
+from submerge.merge.compare import COMPARE
 from submerge.merge.compare import compare as run_compare
-from submerge.merge.compare import leaderboard
 from submerge.merge.plan import MERGEKIT_HEADER, is_plan_file, make_plan
 from submerge.merge.run import DataSettings, needs_data, run_merge
 from submerge.merge.strategies import MergedTaskVector, resolve_method
@@ -69,24 +69,6 @@ def _numbers(value: str, option: str) -> list[float]:
         raise typer.BadParameter(f"{option} expects numbers separated by commas, got '{value}'") from None
 
 
-def _print_frame(frame, title: str) -> None:
-    table = Table(title=title, title_justify="left")
-    table.add_column(frame.index.name or "")
-    for column in frame.columns:
-        table.add_column(str(column), justify="right")
-    for index, row in frame.iterrows():
-        table.add_row(str(index), *[_cell(v) for v in row.tolist()])
-    out.print(table)
-
-
-def _cell(value) -> str:
-    if isinstance(value, tuple) and len(value) == 2:
-        return f"{value[0]:.4g} ± {value[1]:.2g}"
-    if isinstance(value, float):
-        return f"{value:.3g}"
-    return str(value)
-
-
 @app.command()
 @user_errors
 @run_options(*DATA_RUN)
@@ -107,7 +89,7 @@ def linearity(
         raise typer.BadParameter("--model-output must be hidden or logits")
     chosen = _levels(levels)
     dataset = nonlinearity(run.experiment(), levels=chosen, steps=steps, model_output=model_output, run=run.run_settings())
-    _print_frame(summarize_nonlinearity(dataset), "Non-linearity Score (mean ± std over modules and samples)")
+    LINEARITY.print_summary(dataset, out)
     out.print(f"Wrote group [bold]linearity[/] of {run.out}")
 
 
@@ -129,9 +111,7 @@ def projection(
         raise typer.BadParameter(f"diag projection compares merges of two or more fine-tunes; got "
                                  f"{len(run.finetuned or [])} (give --finetuned NAME=PATH at least twice)")
     dataset = run_projection(run.experiment(), levels=chosen, alphas=alphas, run=run.run_settings())
-    frame = dataset.projection_distance.mean("combo").to_dataframe().groupby("level")["projection_distance"].agg(
-        ["mean", "std"])
-    _print_frame(frame, "Projection Distance (mean over the α grid; mean and std over modules)")
+    PROJECTION.print_summary(dataset, out)
     out.print(f"Wrote group [bold]projection[/] of {run.out}")
 
 
@@ -152,11 +132,7 @@ def alpha(
     if granularity not in GRANULARITIES:
         raise typer.BadParameter(f"--granularity must be one of {', '.join(GRANULARITIES)}")
     dataset = run_alpha(run.experiment(), granularity=granularity, balance=balance, run=run.run_settings())
-    frame = dataset.alpha.isel(granularity=0).to_pandas()
-    frame["objective α"] = dataset.objective_alpha.isel(granularity=0).to_pandas()
-    frame["objective 1/T"] = dataset.objective_uniform.isel(granularity=0).to_pandas()
-    frame["lstsq"] = dataset.least_squares.isel(granularity=0).to_pandas()
-    _print_frame(frame, f"Closed-form α ({granularity}, {'balanced' if balance else 'unbalanced'})")
+    ALPHA.print_summary(dataset, out)
     out.print(f"Wrote group [bold]alpha/{granularity}[/] of {run.out}")
 
 
@@ -194,11 +170,7 @@ def interference(
     reference = "ta" if sar_against == "ta" else MergedTaskVector(sar_against)
     dataset = run_interference(base, task_vectors, rank_fracs=fractions, sar_against=reference,
                                svd_dtype=svd_dtype, device=run.device, matrices=selected, run=run.run_settings())
-    short = {"matrices": "n", "task_vector_norm": "‖τ‖", "effective_rank": "eff.rank", "cosine": "cos",
-             "sign_conflict": "sign≠", "sti_normalized": "STI/Σσ", "sar": "SAR"}
-    for by, title in (("level", "Interference per level"), ("layer", "Interference per layer")):
-        frame = summarize_interference(dataset, by=(by,)).rename(columns=lambda c: short.get(c, c))
-        _print_frame(frame, f"{title} (means over matrices; cos, sign≠ over task pairs; I at k = 8 % of rank)")
+    INTERFERENCE.print_summary(dataset, out)
     out.print(f"Wrote group [bold]interference[/] of {run.out}")
 
 
@@ -345,11 +317,7 @@ def evaluate_command(
                        offload=run.offload,
                        allow_pickle=run.allow_pickle,
                        trust_remote_code=run.trust_remote_code, run=run.run_settings())
-    frame = dataset.loss.to_pandas()
-    frame.columns = [f"loss {c}" for c in frame.columns]
-    for task in dataset.task.values:
-        frame[f"ppl {task}"] = dataset.perplexity.sel(task=task).to_pandas()
-    _print_frame(frame, "Held-out mean token loss (nats) and perplexity")
+    EVAL.print_summary(dataset, out)
     out.print(f"Wrote group [bold]eval[/] of {run.out}")
 
 
@@ -429,8 +397,7 @@ def compare(
                           offload=run.offload,
                           allow_pickle=run.allow_pickle, vocab=run.vocab, progress=run.progress,
                           command=command_line())
-    _print_frame(leaderboard(dataset), "Held-out loss and normalised gain (0 = base, 1 = the task's own fine-tune), "
-                                       "best mean gain first")
+    COMPARE.print_summary(dataset, out)
     out.print(f"Wrote group [bold]compare[/] of {run.out}" + (f"; plan → {plan_out}" if plan_out else ""))
 
 

@@ -7,6 +7,8 @@ linearity` (`capture.model_outputs`): the batches of every task go through one
 block before the next, whose weights are then read from the checkpoint in the
 compute dtype. The base stays as stored (memory-mapped), and memory is one
 block's weights plus the hidden states of the batches, never a second model.
+
+Owner of the store group ``eval`` (`EVAL`): its layout, its summary table and its figure.
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 import numpy as np
+import pandas as pd
 import torch
 import xarray as xr
 from torch.func import functional_call
 
+from submerge.diagnostics import plot
 from submerge.diagnostics.base_model import BaseModel, load_base_model
 from submerge.diagnostics.capture import ParameterSource, model_outputs, no_tf32, output_head_path, upcast
 from submerge.diagnostics.checkpoints import open_checkpoint
@@ -28,10 +32,12 @@ from submerge.diagnostics.data import read_task_file, tokenize
 from submerge.diagnostics.errors import ModelInputError
 from submerge.diagnostics.execution import LocalEngine, RunSettings
 from submerge.diagnostics.experiment import check_device, pick_compute_dtype
+from submerge.diagnostics.groups import StoreGroup
 from submerge.diagnostics.modules import find_architecture
 from submerge.diagnostics.placement import process_stats
 from submerge.diagnostics.progress import progress_bar
 from submerge.diagnostics.store import UnitWriter
+from submerge.diagnostics.tables import long_frame, strings
 from submerge.diagnostics.task_vectors import TaskVectorReader
 
 
@@ -211,8 +217,8 @@ def evaluate(
         "data": {t: d.provenance() for t, d in task_data.items()},
         "engine": run.engine.provenance(),  # provenance only: a run resumes across engines
     }
-    writer = UnitWriter(run.store, "eval", settings, dim="model", force=run.force, on_unit=run.on_unit, inputs=inputs,
-                        command=run.command)
+    writer = UnitWriter(run.store, EVAL.name, settings, dim=EVAL.dim, force=run.force, on_unit=run.on_unit,
+                        inputs=inputs, command=run.command)
     todo = [label for label in labels if label not in writer.done]
     specs = {label: None if label == "base" else models[label] for label in labels}
     task = EvalTask(base_spec, load, tasks, batches, compute, opened=base if local else None)
@@ -233,3 +239,55 @@ def evaluate(
         "records": f"records after the first {skip} of each task file",
     }
     return writer.finish(notes)
+
+
+_SHOWN = ("loss", "perplexity")  # the variables of the table and the figure (tokens: the count behind each loss)
+
+
+def summary(dataset: xr.Dataset) -> pd.DataFrame:
+    """One row per model: its held-out loss on each task, then its perplexity on each task."""
+    frame = pd.DataFrame(index=pd.Index(strings(dataset.model.values), name="model"))
+    for name in _SHOWN:
+        for task in strings(dataset.task.values):
+            frame[f"{name} {task}"] = dataset[name].sel(task=task).values
+    return frame
+
+
+def eval_bars(evaluation: xr.Dataset, about: str = ""):
+    """Loss and perplexity per model (grouped bars, hue = task), one row each.
+
+    The value axis is zoomed to the data (it need not start at 0) so that merges that differ
+    by a few percent can be told apart; each bar is labelled with its value when few.
+    """
+    if not evaluation.sizes.get("model"):
+        return None
+    models, tasks = strings(evaluation.model.values), strings(evaluation.task.values)
+    with plot.styled() as (plt, sns):
+        fig, axes = plt.subplots(len(_SHOWN), 1, figsize=(max(7.5, 0.42 * len(models) * len(tasks) + 3.0),
+                                                          3.6 * len(_SHOWN) + 1.6), squeeze=False, layout="constrained")
+        for row, (ax, name) in enumerate(zip(axes[:, 0], _SHOWN)):
+            frame = long_frame(evaluation[name]).dropna(subset=[name])
+            sns.barplot(frame, x="model", y=name, hue="task", order=models, hue_order=tasks, palette="colorblind",
+                        ax=ax, legend=row == 0)
+            low, high = float(frame[name].min()), float(frame[name].max())
+            margin = 0.15 * (high - low) or 0.05 * abs(high) or 1.0
+            ax.set_ylim(max(0.0, low - margin) if low >= 0 else low - margin, high + margin)
+            if len(models) * len(tasks) <= 30:
+                for container in ax.containers:
+                    ax.bar_label(container, fmt="%.3g", fontsize=8, padding=2)
+            ax.set_xlabel("")
+            ax.set_ylabel(name + ("" if ax.get_ylim()[0] == 0 else "\n(axis not from 0)"))
+            plot.tilt_labels(ax, 25 if len(models) > 5 else 0)
+        plot.legend_outside(axes[0][0], "task")
+        plot.title(fig, "Evaluation of the base, the fine-tunes and the merges (group eval)", about)
+    return fig
+
+
+EVAL = StoreGroup(
+    name="eval",
+    dim="model",
+    variables={"loss": ("model", "task"), "perplexity": ("model", "task"), "tokens": ("model", "task")},
+    title="Held-out mean token loss (nats) and perplexity, per model and task",
+    summary=summary,
+    figures={"eval": eval_bars},
+)

@@ -26,6 +26,9 @@ Streaming: one merged checkpoint at a time is written to a temporary directory, 
 block over the base (one block's weights at a time, as `diag eval`) and deleted (kept under
 ``keep/<method>`` when `keep` is given). The group is written one method at a time, so a killed run
 resumes after the last finished method.
+
+This module owns the store group ``compare`` (`COMPARE`): its layout, its summary table (the leaderboard) and its
+figure.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ import numpy as np
 import pandas as pd
 import xarray as xr
 
+from submerge.diagnostics import plot
 from submerge.diagnostics.capture import GramsByLayer
 from submerge.diagnostics.checkpoints import open_checkpoint
 from submerge.diagnostics.data import read_task_file, tokenize
@@ -50,6 +54,7 @@ from submerge.diagnostics.errors import SubmergeError
 from submerge.diagnostics.evaluate import checkpoint_source, scaled_source, streamed_losses
 from submerge.diagnostics.execution import RunSettings
 from submerge.diagnostics.experiment import Experiment
+from submerge.diagnostics.groups import StoreGroup
 from submerge.diagnostics.outputs import (
     MERGE_MARKER,
     OutputError,
@@ -59,6 +64,7 @@ from submerge.diagnostics.outputs import (
 )
 from submerge.diagnostics.progress import progress_bar
 from submerge.diagnostics.store import Store, UnitWriter
+from submerge.diagnostics.tables import long_frame, strings
 from submerge.merge.plan import Plan, PlanError, evidence_plan, is_plan_file, make_plan
 from submerge.merge.rules import regmean_rule
 from submerge.merge.strategies import STRATEGIES
@@ -68,7 +74,6 @@ DEFAULT_LAMBDAS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 TUNED = "task-arithmetic-tuned"
 CLOSED_FORM = ("closed-form-layer", "closed-form-attn-mlp")
 PLAN = "plan"
-GROUP = "compare"
 
 
 class CompareError(SubmergeError):
@@ -111,18 +116,6 @@ def check_methods(methods: list[str]) -> list[str]:
     if len(set(methods)) != len(methods):
         raise CompareError(f"--methods lists a method twice: {methods}")
     return list(methods)
-
-
-def leaderboard(dataset: xr.Dataset) -> pd.DataFrame:
-    """One row per method: loss and normalised gain per task and the mean gain, best mean gain first."""
-    tasks = [str(t) for t in dataset.task.values]
-    frame = pd.DataFrame(index=pd.Index([str(m) for m in dataset.method.values], name="method"))
-    for task in tasks:
-        frame[f"loss {task}"] = dataset.loss.sel(task=task).values
-    for task in tasks:
-        frame[f"gain {task}"] = dataset.gain.sel(task=task).values
-    frame["mean gain"] = dataset.mean_gain.values
-    return frame.sort_values("mean gain", ascending=False, na_position="last")
 
 
 # ------------------------------------------------------------------ what each method merges with
@@ -347,7 +340,7 @@ def compare(
                 "methods": methods, "lambdas": [float(v) for v in lambdas], "choose": choose,
                 "plan": str(plan) if isinstance(plan, (str, Path)) else None,
                 "evidence": {k: (list(v) if isinstance(v, tuple) else v) for k, v in (evidence_options or {}).items()}}
-    writer = UnitWriter(store, GROUP, settings, dim="method", force=force, on_unit=on_unit,
+    writer = UnitWriter(store, COMPARE.name, settings, dim=COMPARE.dim, force=force, on_unit=on_unit,
                         root=experiment.root_attrs(command),
                         attrs=experiment.group_attrs(command, held_out={t: d.provenance() for t, d in held_data.items()}))
     pending = [m for m in methods if m not in writer.done]
@@ -375,7 +368,7 @@ def compare(
     result.attrs.update({"base_loss": dict(zip(tasks, map(float, references["base"]))),
                          "finetuned_loss": {t: float(references[f"finetuned:{t}"][i]) for i, t in enumerate(tasks)}})
     if store is not None:
-        store.finish(GROUP, {"base_loss": result.attrs["base_loss"], "finetuned_loss": result.attrs["finetuned_loss"]})
+        store.finish(COMPARE.name, {key: result.attrs[key] for key in ("base_loss", "finetuned_loss")})
     return result
 
 
@@ -456,3 +449,62 @@ def _run_methods(pending, merges, evaluator, writer, references, base_spec, fine
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return notes
+
+
+# ------------------------------------------------------------------ the store group
+
+
+def summary(dataset: xr.Dataset) -> pd.DataFrame:
+    """The leaderboard: one row per method, its loss and normalised gain per task and the mean gain, best mean
+    gain first (NaN last)."""
+    tasks = strings(dataset.task.values)
+    frame = pd.DataFrame(index=pd.Index(strings(dataset.method.values), name="method"))
+    for task in tasks:
+        frame[f"loss {task}"] = dataset.loss.sel(task=task).values
+    for task in tasks:
+        frame[f"gain {task}"] = dataset.gain.sel(task=task).values
+    frame["mean gain"] = dataset.mean_gain.values
+    return frame.sort_values("mean gain", ascending=False, na_position="last")
+
+
+_KIND_COLOURS = {"plan": "#c0392b", "closed-form": "#e67e22", "strategy": "#7f8c8d", "base": "#34495e",
+                 "finetune": "#2980b9"}
+
+
+def compare_leaderboard(comparison: xr.Dataset, about: str = ""):
+    """The leaderboard as a figure: mean normalised gain per method (bars, best on top) and each task's gain
+    (dots). 0 is the base, 1 the task's own fine-tune (dashed lines)."""
+    if comparison.sizes.get("method", 0) == 0:
+        return None
+    methods = strings(comparison.method.values)
+    mean = pd.Series(comparison.mean_gain.values, index=methods).sort_values(ascending=True, na_position="first")
+    frame = long_frame(comparison.gain)
+    kinds = dict(zip(methods, strings(comparison.kind.values))) if "kind" in comparison.coords else {}
+    with plot.styled() as (plt, _):
+        fig, ax = plt.subplots(figsize=(8.5, 0.38 * len(methods) + 1.8), layout="constrained")
+        positions = np.arange(len(mean))
+        ax.barh(positions, mean.fillna(0).values, alpha=0.85,
+                color=[_KIND_COLOURS.get(kinds.get(m, "strategy"), "#7f8c8d") for m in mean.index])
+        order = {m: i for i, m in enumerate(mean.index)}
+        for task, marker in zip(strings(comparison.task.values), ("o", "s", "^", "D", "v", "P")):
+            rows = frame[frame.task == task]
+            ax.scatter(rows.gain, [order[m] for m in rows.method], marker=marker, s=22, color="black",
+                       zorder=3, label=task)
+        for value in (0.0, 1.0):
+            ax.axvline(value, color="black", linestyle="--", linewidth=0.8)
+        ax.set_yticks(positions, mean.index)
+        ax.set_xlabel("normalised gain (base − model) / (base − fine-tune); bars: mean over tasks")
+        ax.legend(title="task", loc="lower right", frameon=True, fontsize=8)
+        plot.title(fig, "Held-out leaderboard of merges (group compare)", about)
+    return fig
+
+
+COMPARE = StoreGroup(
+    name="compare",
+    dim="method",
+    variables={"loss": ("method", "task"), "gain": ("method", "task"), "mean_gain": ("method",),
+               "seconds": ("method",)},
+    title="Held-out loss and normalised gain (0 = base, 1 = the task's own fine-tune), best mean gain first",
+    summary=summary,
+    figures={"compare": compare_leaderboard},
+)

@@ -16,7 +16,9 @@ import xarray as xr
 import seaborn as sns
 import matplotlib.pyplot as plt
 
-from submerge.diagnostics import plot
+from submerge.diagnostics import plot  # the "base · fine-tunes" line of the figures' titles
+from submerge.diagnostics.groups import check_store
+from submerge.diagnostics.tables import long_frame, ordered
 
 pd.set_option("display.precision", 4)
 STORE = Path(os.environ.get("SUBMERGE_STORE", "runs/demo.zarr"))
@@ -33,7 +35,7 @@ except Exception:  # older xarray: go through the toolkit's reader
     tree = Store(STORE).open()
 groups = sorted(node.path for node in tree.subtree if node.has_data)
 print(f"store {STORE}\\nbase model: {(tree.attrs.get('base_model') or {}).get('spec')}\\ngroups: {groups}")
-for note in plot.check_store(STORE):  # groups of a run that stopped half-way, absent chunks
+for note in check_store(STORE):  # groups of a run that stopped half-way, absent chunks
     print("partial data:", note)'''
 
 
@@ -60,19 +62,23 @@ linearity = notebook([
        "score NaN and are left out (flag `unchanged`). The reference column is the paper's Llama-2-7B "
        "result; the claim to check on any model is **model ≫ layer ≥ MLP > attention**."),
     code('''\
+# each store group's owner has its layout, its summary table (what `diag linearity` and `diag report` print)
+# and its figures
+from submerge.diagnostics.linearity.nonlinearity import LINEARITY, nonlinearity_by_level, nonlinearity_per_layer
+from submerge.diagnostics.linearity.projection import (PROJECTION, projection_multi, projection_pairs,
+                                                      projection_per_layer)
+
 linearity = tree["linearity"].to_dataset()
 about = plot.describe(dict(tree.attrs), linearity)
-scores = plot.long_frame(linearity.nonlinearity_score).dropna(subset=["nonlinearity_score"])
-levels = plot.ordered_levels(scores.level)
-stats = scores.groupby(["level", "task"]).nonlinearity_score.agg(["mean", lambda v: v.std(ddof=0)])
-stats.columns = ["mean", "std"]
-table = (stats["mean"].map("{:.3g}".format) + " ± " + stats["std"].map("{:.2g}".format)).unstack("task")
-table = table.reindex(index=levels, columns=[str(t) for t in linearity.task.values])
+scores = long_frame(linearity.nonlinearity_score).dropna(subset=["nonlinearity_score"])
+summary = LINEARITY.summary(linearity)  # mean and std per level (rows) and task
+table = pd.DataFrame({task: summary[(task, "mean")].map("{:.3g}".format) + " ± "
+                      + summary[(task, "std")].map("{:.2g}".format) for task in map(str, linearity.task.values)})
 table["Llama-2-7B (Table 17)"] = pd.Series({"model": "2.76 ± 0.34", "layer": "0.16", "attn": "0.023", "mlp": "0.20"})
 print(f"{int(linearity.unchanged.sum())} (task, module) pairs were unchanged by their fine-tune")
 table'''),
     code('''\
-level_means = scores.groupby("level").nonlinearity_score.mean().reindex(levels)
+level_means = scores.groupby("level").nonlinearity_score.mean().reindex(ordered(scores.level))
 order = [level for level in ("model", "layer", "mlp", "attn") if level in level_means.index]
 print("mean score per level:", ", ".join(f"{level} {level_means[level]:.3g}" for level in order))
 holds = all(level_means[a] >= level_means[b] for a, b in zip(order, order[1:]))
@@ -81,11 +87,11 @@ print("model ≥ layer ≥ MLP ≥ attention holds here:", holds)'''),
        "Each panel is one kind of submodule; a line is one fine-tune (median over samples, band = "
        "interquartile range; heads pool every head of the layer). Dashed lines are the whole model's "
        "score: the gap between them and the submodule lines is why merging submodule by submodule works."),
-    code('fig = plot.nonlinearity_per_layer(linearity, about)'),
+    code('fig = nonlinearity_per_layer(linearity, about)'),
     md("## Attention vs MLP\n\n"
        "The distributions over all modules and samples, then a per-layer comparison: in how many layers is "
        "the MLP less linear than the attention block of the same layer?"),
-    code('fig = plot.nonlinearity_by_level(linearity, about)'),
+    code('fig = nonlinearity_by_level(linearity, about)'),
     code('''\
 per_layer = (scores[scores.level.isin(["attn", "mlp"])]
              .groupby(["task", "layer", "level"]).nonlinearity_score.mean().unstack("level"))
@@ -101,17 +107,15 @@ per_layer'''),
     code('''\
 if "projection" in tree.children:
     projection = tree["projection"].to_dataset()
-    pd_frame = plot.long_frame(projection.projection_distance)
-    display(pd_frame.groupby("level").projection_distance.describe()[["mean", "std", "min", "max"]]
-            .reindex(plot.ordered_levels(pd_frame.level)))
-    fig = plot.projection_pairs(projection, plot.describe(dict(tree.attrs), projection))
+    display(PROJECTION.summary(projection))  # the table of `diag projection`
+    fig = projection_pairs(projection, plot.describe(dict(tree.attrs), projection))
 else:
     projection = None
     print("no group 'projection' in this store: run `diag projection ... --out STORE` to add it")'''),
     code('''\
 if projection is not None:
-    fig = plot.projection_per_layer(projection, plot.describe(dict(tree.attrs), projection))
-    multi = plot.projection_multi(projection, plot.describe(dict(tree.attrs), projection))
+    fig = projection_per_layer(projection, plot.describe(dict(tree.attrs), projection))
+    multi = projection_multi(projection, plot.describe(dict(tree.attrs), projection))
     if multi is None:
         print("no subset of three or more fine-tunes in this store")'''),
     md("**Reading.** Submodule scores far below the model's, and small Projection Distances at the "
@@ -129,6 +133,10 @@ interference = notebook([
        "Written by `diag interference`."),
     code(SETUP),
     code('''\
+# the group's owner: its summary table (what `diag interference` and `diag report` print) and its figures
+from submerge.diagnostics.interference.driver import (INTERFERENCE, interference_per_layer, interference_rank,
+                                                      matrix_table)
+
 HAVE_INTERFERENCE = "interference" in tree.children
 if HAVE_INTERFERENCE:
     interference = tree["interference"].to_dataset().load()
@@ -139,20 +147,18 @@ else:
           f"Add it with: diag interference --model ... --finetuned ... --out {STORE}")'''),
     md("## One row per matrix, and the means per kind of matrix\n\n"
        "`I(k=0.08)` is taken at CART's reported optimum rank fraction; task metrics are averaged over "
-       "tasks and pair metrics over the pairs t < t'."),
+       "tasks and pair metrics over the pairs t < t'; STI/Σσ is TSV-M's STI divided by the kept singular values."),
     code('''\
 if HAVE_INTERFERENCE:
-    per_matrix = plot.interference_table(interference)
-    by_level = per_matrix.groupby("level").mean(numeric_only=True).drop(columns="layer")
-    by_level.insert(0, "matrices", per_matrix.groupby("level").size())
-    display(by_level)
+    per_matrix = matrix_table(interference)
+    display(INTERFERENCE.summary(interference))  # the means per level
     display(per_matrix.head(10))'''),
     md("## Per layer: attention vs MLP\n\n"
        "Colour places each cell between the lowest and highest value of its metric (the numbers are "
        "the values). High STI, I(k) or sign conflict and low SAR mark interference."),
     code('''\
 if HAVE_INTERFERENCE:
-    fig = plot.interference_per_layer(interference, about)'''),
+    fig = interference_per_layer(interference, about)'''),
     code('''\
 if HAVE_INTERFERENCE:
     blocks = per_matrix[per_matrix.level.isin(["attn", "mlp"])]
@@ -167,8 +173,8 @@ if HAVE_INTERFERENCE:
     code('''\
 if HAVE_INTERFERENCE:
     i_column = [c for c in per_matrix.columns if c.startswith("I(k=") and "centred" not in c][0]
-    display(per_matrix.nlargest(8, "STI (normalised)")[["level", "layer", "STI (normalised)", i_column, "SAR"]])
-    layers = per_matrix[per_matrix.layer >= 0].groupby("layer")["STI (normalised)"].sum().sort_values(ascending=False)
+    display(per_matrix.nlargest(8, "STI/Σσ")[["level", "layer", "STI/Σσ", i_column, "SAR"]])
+    layers = per_matrix[per_matrix.layer >= 0].groupby("layer")["STI/Σσ"].sum().sort_values(ascending=False)
     top = max(1, len(layers) // 5)
     print(f"top {top} of {len(layers)} layers by STI: {list(layers.index[:top])}; "
           f"they hold {layers.iloc[:top].sum() / layers.sum():.0%} of the total normalised STI")'''),
@@ -177,7 +183,7 @@ if HAVE_INTERFERENCE:
        "while the reconstruction error R(k) falls too; the knee is where low-rank merging pays."),
     code('''\
 if HAVE_INTERFERENCE:
-    fig = plot.interference_rank(interference, about)'''),
+    fig = interference_rank(interference, about)'''),
     md("## Which pairs of fine-tunes collide?\n\nMean cosine and sign-conflict rate over all matrices."),
     code('''\
 if HAVE_INTERFERENCE and interference.sizes["task"] > 1:
@@ -199,6 +205,9 @@ choose = notebook([
        "and compares the closed-form α (Eq. 12–14) of each granularity."),
     code(SETUP),
     code('''\
+from submerge.diagnostics.evaluate import EVAL, eval_bars
+from submerge.diagnostics.linearity.alpha import ALPHA, alpha_heatmap, alpha_objective
+
 NL_MAX = 0.5   # mean Non-linearity Score allowed per level (Table 17: attn 0.023, MLP 0.20, model 2.76)
 PD_MAX = 0.2   # mean Projection Distance allowed per level
 ORDER = ["attn-mlp", "layer", "model"]            # finest first; "head-mlp" only on request
@@ -229,10 +238,10 @@ print("(without --model the commands run on the demo kit; add the --model/--fine
     code('''\
 stats = pd.DataFrame(index=pd.Index(["model", "layer", "attn", "mlp", "head"], name="level"))
 if "linearity" in tree.children:
-    nl = plot.long_frame(tree["linearity"].to_dataset().nonlinearity_score)
+    nl = long_frame(tree["linearity"].to_dataset().nonlinearity_score)
     stats["nonlinearity_score"] = nl.groupby("level").nonlinearity_score.mean()
 if "projection" in tree.children:
-    pdist = plot.long_frame(tree["projection"].to_dataset().projection_distance)
+    pdist = long_frame(tree["projection"].to_dataset().projection_distance)
     stats["projection_distance"] = pdist.groupby("level").projection_distance.mean()
 stats = stats.dropna(how="all")
 stats'''),
@@ -289,17 +298,14 @@ except PlanError as error:  # the store lacks what the planner needs (see "What 
     md("## α per granularity\n\nWhite is uniform weighting 1/T; red gives a fine-tune more weight in that "
        "submodule, blue less. Least-squares fallbacks (ill-conditioned systems) are counted in the table."),
     code('''\
-rows = {}
-for name, data in alphas.items():
-    data = data.isel(granularity=0, drop=True)
-    row = {f"α {t}": float(data.alpha.sel(task=t).mean()) for t in map(str, data.task.values)}
-    row.update({"modules": data.sizes["module"], "least squares": int(data.least_squares.sum()),
-                "max condition": float(data.condition_number.max())})
-    rows[name] = row
-pd.DataFrame.from_dict(rows, orient="index") if rows else print("no α in this store yet (see above)")'''),
+# the table `diag alpha` printed for each granularity (per level: mean α, objectives, fallbacks)
+if alphas:
+    display(pd.concat({name: ALPHA.summary(data) for name, data in alphas.items()}, names=["granularity"]))
+else:
+    print("no α in this store yet (see above)")'''),
     code('''\
 for name, data in alphas.items():
-    fig = plot.alpha_heatmap(data, plot.describe(dict(tree.attrs), data))'''),
+    fig = alpha_heatmap(data, plot.describe(dict(tree.attrs), data))'''),
     code('''\
 # Same layer, two granularities: do attention and MLP want different weights than the whole layer?
 if {"layer", "attn-mlp"} <= set(alphas):
@@ -328,15 +334,15 @@ if alphas:
     objectives = pd.DataFrame.from_dict(rows, orient="index")
     objectives["reduction"] = 1 - objectives["objective α"] / objectives["objective 1/T"]
     display(objectives)
-    fig = plot.alpha_objective(alphas, plot.describe(dict(tree.attrs), next(iter(alphas.values()))))
+    fig = alpha_objective(alphas, plot.describe(dict(tree.attrs), next(iter(alphas.values()))))
 else:
     print("no alpha group: nothing to compare yet (diag alpha --granularity ... adds one)")'''),
     md("## Evaluation (when the store has an `eval` group)"),
     code('''\
 if "eval" in tree.children:
     evaluation = tree["eval"].to_dataset()
-    display(evaluation.loss.to_pandas() if "loss" in evaluation else evaluation)
-    fig = plot.eval_bars(evaluation, plot.describe(dict(tree.attrs), evaluation))
+    display(EVAL.summary(evaluation))  # the table `diag eval` printed
+    fig = eval_bars(evaluation, plot.describe(dict(tree.attrs), evaluation))
 else:
     print("no 'eval' group: evaluate merged checkpoints with `diag eval` to compare them here")'''),
     md("## Plan and merge\n\nThe commands that turn this store into a merged Hugging Face checkpoint "

@@ -65,18 +65,22 @@ def _eval_group(base_dir: Path, finetuned: dict[str, Path], store, *, texts_per_
         variants[f"closed-form-{granularity}"] = merged(weights_of)
 
     loss = np.full((len(variants), len(tasks)), np.nan)
+    tokens = np.zeros((len(variants), len(tasks)), dtype=np.int64)
     for t, task in enumerate(tasks):
         texts = toy.task_texts(task, texts_per_task, seed=1000)  # held out: the fine-tunes saw seeds 1..3
         batch = tokenizer(texts, return_tensors="pt", padding=True)
         labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+        tokens[:, t] = int((labels[:, 1:] != -100).sum())  # the predicted tokens behind each mean loss
         for m, weights in enumerate(variants.values()):
             model.load_state_dict(weights)
             with torch.no_grad():
                 loss[m, t] = float(model(**batch, labels=labels).loss)
     dataset = xr.Dataset(
-        {"loss": (("model", "task"), loss), "perplexity": (("model", "task"), np.exp(loss))},
+        {"loss": (("model", "task"), loss), "perplexity": (("model", "task"), np.exp(loss)),
+         "tokens": (("model", "task"), tokens)},
         coords={"model": np.array(list(variants), dtype=object), "task": np.array(tasks, dtype=object)},
-        attrs={"loss": "mean token cross-entropy on held-out task text (nats)", "perplexity": "exp(loss)"},
+        attrs={"loss": "mean token cross-entropy on held-out task text (nats)", "perplexity": "exp(loss)",
+               "tokens": "predicted tokens per task"},
     )
     store.write("eval", dataset, {"texts_per_task": texts_per_task, "models": list(variants)},
                 attrs={"provenance": provenance("notebooks/make_example_store.py",

@@ -687,6 +687,7 @@ def test_cli_compare_prints_the_leaderboard_and_report_draws_it(trained_kit, tmp
     assert result.exit_code == 0, result.output
     output = " ".join(result.output.split())
     assert "Held-out loss and normalised gain" in output and "Wrote group compare" in output
+    printed = result.stdout.split("Wrote group")[0].strip("\n")
     for label in ("base", "finetuned:math", "ties", "closed-form-attn-mlp", "plan", "mean gain"):
         assert label in output, label
     plan = Plan.load(plan_out)
@@ -695,6 +696,7 @@ def test_cli_compare_prints_the_leaderboard_and_report_draws_it(trained_kit, tmp
     # the report draws the leaderboard from the store
     report = runner.invoke(app, ["report", str(store), "--out", str(tmp_path / "figures")], env={"COLUMNS": "400"})
     assert report.exit_code == 0, report.output
+    assert printed.count("\n") > len(TASKS) + 4 and printed in report.stdout  # the command's table is the report's
     figure = tmp_path / "figures" / "compare.png"
     assert figure.exists() and figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # an unknown method is a user error (exit 2, no traceback)
@@ -705,8 +707,7 @@ def test_cli_compare_prints_the_leaderboard_and_report_draws_it(trained_kit, tmp
 
 
 def test_leaderboard_sorts_by_mean_gain_nan_last_and_the_figure_handles_it():
-    from submerge.diagnostics import plot
-    from submerge.merge.compare import leaderboard
+    from submerge.merge.compare import COMPARE, compare_leaderboard
 
     gain = np.array([[0.0, 0.0], [1.0, math.nan], [0.2, 0.4], [math.nan, math.nan], [0.9, 0.7]])
     methods = ["base", "finetuned:a", "ties", "broken", "plan"]
@@ -715,14 +716,14 @@ def test_leaderboard_sorts_by_mean_gain_nan_last_and_the_figure_handles_it():
          "mean_gain": (("method",), np.array([0.0, 1.0, 0.3, math.nan, 0.8]))},
         coords={"method": methods, "task": ["a", "b"],
                 "kind": ("method", ["base", "finetune", "strategy", "strategy", "plan"])})
-    frame = leaderboard(dataset)
+    frame = COMPARE.summary(dataset)
     assert list(frame.index) == ["finetuned:a", "plan", "ties", "base", "broken"]
     assert list(frame.columns) == ["loss a", "loss b", "gain a", "gain b", "mean gain"]
     assert frame.loc["ties", "loss b"] == 5.0 and frame.loc["plan", "gain a"] == 0.9
-    figure = plot.compare_leaderboard(dataset)
+    figure = compare_leaderboard(dataset)
     assert figure is not None and [t.get_text() for t in figure.axes[0].get_yticklabels()] == [
         "broken", "base", "ties", "plan", "finetuned:a"]  # best on top
-    assert plot.compare_leaderboard(dataset.isel(method=slice(0, 0))) is None
+    assert compare_leaderboard(dataset.isel(method=slice(0, 0))) is None
 
 
 def test_compare_plan_steers_the_matrices_the_store_interference_marks(trained_kit, tmp_path):

@@ -15,6 +15,7 @@ from submerge.diagnostics.interference import (
     DEFAULT_RANK_FRACS,
     centered,
     cosine_similarity,
+    driver,
     effective_rank,
     effective_rank_cutoff,
     effective_rank_from_singular_values,
@@ -419,7 +420,7 @@ def tiny_checkpoints(tmp_path):
 
 
 def test_interference_driver_dataset(tiny_checkpoints):
-    from submerge.diagnostics.interference import interference, summarize_interference
+    from submerge.diagnostics.interference import INTERFERENCE, interference
 
     base, finetuned, base_tensors, finetuned_tensors = tiny_checkpoints
     ds = interference(base, finetuned, rank_fracs=(0.25, 1.0), progress=False, device="cpu")
@@ -437,12 +438,16 @@ def test_interference_driver_dataset(tiny_checkpoints):
     np.testing.assert_allclose(row["sar"].values, expected["sar"], rtol=1e-6)
     np.testing.assert_allclose(row["row_space_interference"].values, expected["row_space_interference"], rtol=1e-5)
     np.testing.assert_allclose(row["reconstruction_error"].sel(rank_frac=1.0).values, 0.0, atol=1e-10)
-    summary = summarize_interference(ds, by=("level",))
-    assert set(summary.index) == {"attn", "mlp", "embed"}
+    summary = INTERFERENCE.summary(ds)
+    assert list(summary.index) == ["attn", "mlp", "embed"]
     assert summary.loc["attn", "matrices"] == 8 and summary.loc["mlp", "matrices"] == 6
-    per_layer = summarize_interference(ds)
-    assert per_layer.loc[("attn", 0), "sti_normalized"] == pytest.approx(
+    assert summary.loc["embed", "matrices"] == 1
+    per_layer = driver.summary(ds, by=("level", "layer"))
+    assert list(per_layer.index) == [("attn", 0), ("attn", 1), ("mlp", 0), ("mlp", 1), ("embed", -1)]
+    assert per_layer.loc[("attn", 0), "STI/Σσ"] == pytest.approx(
         float(ds["sti_normalized"].where(ds["level"] == "attn").where(ds["layer"] == 0).mean()))
+    assert per_layer.loc[("mlp", 1), "SAR"] == pytest.approx(
+        float(ds["sar"].mean("task").where(ds["level"] == "mlp").where(ds["layer"] == 1).mean()))
 
 
 def test_interference_driver_lora_and_strategies(tiny_checkpoints, tmp_path):

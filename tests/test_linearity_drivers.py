@@ -29,11 +29,11 @@ from submerge.diagnostics.checkpoints import StateDictReader
 from submerge.diagnostics.execution import EngineError, LocalEngine, RayEngine, RunSettings
 from submerge.diagnostics.experiment import Experiment
 from submerge.diagnostics.linearity import (
+    LINEARITY,
     alpha,
     nonlinearity,
     nonlinearity_score,
     projection,
-    summarize_nonlinearity,
 )
 from submerge.diagnostics.linearity.nonlinearity import trajectories
 from submerge.diagnostics.modules import Submodule, find_submodules, get_module
@@ -467,20 +467,21 @@ def test_model_level_matches_full_forwards_of_interpolated_models(kit, math_only
 
 
 def test_toy_table(every_level):
-    table = summarize_nonlinearity(every_level)
+    table = LINEARITY.summary(every_level)
     print("\nNon-linearity Score, mean ± std over modules and samples (toy Llama, float64, N = 10)")
     for level, row in table.iterrows():
-        print(f"  {level:7s}" + "".join(f"  {task}: {mean:.3e} ± {std:.1e}" for task, (mean, std) in row.items()))
-    assert list(table.columns) == list(TASKS)
-    assert set(table.index) == {"model", "layer", "attn", "mlp", "head", "linear"}
+        print(f"  {level:7s}" + "".join(f"  {task}: {row[(task, 'mean')]:.3e} ± {row[(task, 'std')]:.1e}"
+                                        for task in TASKS))
+    assert list(table.columns) == [(task, stat) for task in TASKS for stat in ("mean", "std")]
+    assert list(table.index) == ["model", "layer", "attn", "mlp", "head", "linear"]
     scores = every_level.nonlinearity_score.values
     assert np.isfinite(scores).all() and (scores >= 0).all()
     assert not bool(every_level.unchanged.any())
     # the one ordering that is exact: linear maps are linear in their weights, nothing else is
     for task in TASKS:
-        assert table.loc["linear", task][0] <= 1e-9
+        assert table.loc["linear", (task, "mean")] <= 1e-9
         for level in ("model", "layer", "attn", "mlp", "head"):
-            assert table.loc[level, task][0] > 1e-6, (level, task)
+            assert table.loc[level, (task, "mean")] > 1e-6, (level, task)
 
 
 # ------------------------------------------------------------------ scale-out: the pipeline over blocks on Ray

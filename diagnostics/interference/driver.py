@@ -5,8 +5,8 @@
 :func:`submerge.diagnostics.interference.metrics.task_matrix_interference`, builds an
 ``xarray.Dataset`` over (matrix, task, task_other, rank_frac, centered) and
 writes the store group ``interference`` through ``submerge.diagnostics.store.UnitWriter``
-(resume, provenance); :func:`summarize_interference` gives the per-level /
-per-layer means.
+(resume, provenance). It owns the group (`INTERFERENCE`: layout, summary table, figures): :func:`matrix_table`
+gives one row per matrix and :func:`summary` the means per level (or per level and layer).
 
 The dataset has dims matrix, task, task_other, rank_frac, centered (False:
 plain Δ_t, True: centred Δ̄_t) and variables task_vector_norm, effective_rank,
@@ -35,11 +35,15 @@ from collections.abc import Iterator, Sequence
 from contextlib import closing
 
 import numpy as np
+import pandas as pd
 import torch
+import xarray as xr
 
+from submerge.diagnostics import plot
 from submerge.diagnostics.checkpoints import CheckpointReader
 from submerge.diagnostics.errors import SelectionError
 from submerge.diagnostics.execution import RunSettings
+from submerge.diagnostics.groups import StoreGroup
 from submerge.diagnostics.interference.jobs import InterferenceTask, MatrixJob, MergedMatrix, measure_matrix
 from submerge.diagnostics.interference.metrics import (
     DEFAULT_RANK_FRACS,
@@ -50,12 +54,14 @@ from submerge.diagnostics.placement import pick_device
 from submerge.diagnostics.progress import progress_bar
 from submerge.diagnostics.spectral import svd_dtype as _svd_dtype
 from submerge.diagnostics.store import UnitWriter
+from submerge.diagnostics.tables import long_frame, ordered, strings
 from submerge.diagnostics.task_vectors import TaskVectorReader
 from submerge.diagnostics.tensors import TensorTable
 
-__all__ = ["GROUP", "MatrixJob", "interference", "measure_matrix", "summarize_interference"]  # MatrixJob, measure_matrix: from jobs
+# MatrixJob, measure_matrix: from jobs
+__all__ = ["INTERFERENCE", "MatrixJob", "interference", "matrix_table", "measure_matrix"]
 
-GROUP = "interference"
+INTERFERENCE_RANK_FRAC = 0.08  # CART's reported optimum: the I(k) of the tables and the per-layer figure
 
 
 def _check_settings(svd_dtype, rank_fracs: Sequence[float]) -> None:
@@ -136,8 +142,6 @@ def _tied_duplicates(base, table, readers: dict, names: list[str]) -> dict[str, 
 
 def _matrices_dataset(table, names, shapes, results, task_names, rank_fracs):
     """One Dataset (no attrs) for the given matrices; see :func:`interference`."""
-    import xarray as xr
-
     locations = [table.get(name) for name in names]
     num_tasks, num_fracs = len(task_names), len(rank_fracs)
 
@@ -209,7 +213,7 @@ def _open_writer(store, job: MatrixJob, base, task_readers: dict, matrices, *, f
     """The `UnitWriter` of group ``interference`` (store None: results are only gathered)."""
 
     if store is None:
-        return UnitWriter(None, GROUP, {}, dim="matrix")
+        return UnitWriter(None, INTERFERENCE.name, {}, dim=INTERFERENCE.dim)
     settings = {
         "tasks": list(task_readers), "rank_fracs": [float(f) for f in job.rank_fracs],
         "sar_against": job.sar_against, "sar_options": dict(job.sar_options or {}), "eps": float(job.eps),
@@ -219,7 +223,8 @@ def _open_writer(store, job: MatrixJob, base, task_readers: dict, matrices, *, f
     inputs = {"base_model": base.fingerprint(),
               "finetuned": {task: reader.finetuned.fingerprint() for task, reader in task_readers.items()}}
     inputs["engine"] = engine  # provenance only: a run resumes across engines
-    return UnitWriter(store, GROUP, settings, dim="matrix", force=force, inputs=inputs, command=command)
+    return UnitWriter(store, INTERFERENCE.name, settings, dim=INTERFERENCE.dim, force=force, inputs=inputs,
+                      command=command)
 
 
 def _task_readers(base, finetuned: dict) -> dict:
@@ -328,38 +333,114 @@ def interference(
     return writer.finish(_notes(job, target, duplicates))
 
 
-def summarize_interference(dataset, *, rank_frac: float = 0.08, by: Sequence[str] = ("level", "layer")):
-    """Means of the per-matrix figures grouped by ``by`` (default per level and layer), as a pandas table.
+def matrix_table(dataset: xr.Dataset, rank_frac: float = INTERFERENCE_RANK_FRAC) -> pd.DataFrame:
+    """One row per matrix: its level and layer and the headline figures, the columns of every interference table.
 
-    Per matrix: task_vector_norm, effective_rank and sar are averaged over tasks,
-    cosine and sign_conflict over the pairs t < t', and I(k) (plain and centred)
-    is taken at the grid's rank fraction nearest ``rank_frac`` (default 8 %,
-    CART's reported optimum).  NaNs (matrices a task did not change) are skipped.
-    Pass ``by=("level",)`` for one row per level (attn, mlp, embed, ...).
+    ‖τ‖, effective rank and SAR are averaged over tasks, cosine and sign conflict over the pairs t < t' (NaN with
+    one task), and I(k) (plain and centred) is taken at the grid's rank fraction nearest ``rank_frac`` (default
+    8 %, CART's reported optimum); STI/Σσ is ``sti_normalized``.
     """
-    import pandas as pd
-    import xarray as xr
-
     num_tasks = dataset.sizes["task"]
     upper = xr.DataArray(np.triu(np.ones((num_tasks, num_tasks), dtype=bool), k=1), dims=("task", "task_other"))
     pairs = dataset[["cosine", "sign_conflict"]].where(upper)
     nearest = dataset.sel(rank_frac=rank_frac, method="nearest")
-    chosen = float(nearest["rank_frac"])
-    table = pd.DataFrame(
-        {
-            "level": dataset["level"].values,
-            "layer": dataset["layer"].values,
-            "task_vector_norm": dataset["task_vector_norm"].mean("task").values,
-            "effective_rank": dataset["effective_rank"].mean("task").values,
-            "cosine": pairs["cosine"].mean(("task", "task_other")).values if num_tasks > 1 else np.nan,
-            "sign_conflict": pairs["sign_conflict"].mean(("task", "task_other")).values if num_tasks > 1 else np.nan,
-            "sti_normalized": dataset["sti_normalized"].values,
-            "sar": dataset["sar"].mean("task").values,
-            f"I({chosen:g})": nearest["row_space_interference"].sel(centered=False).values,
-            f"I_centered({chosen:g})": nearest["row_space_interference"].sel(centered=True).values,
-        }
-    )
-    table = table.drop(columns=[column for column in ("level", "layer") if column not in by])
+    chosen = f"I(k={float(nearest.rank_frac):g})"
+    columns = {
+        "level": strings(dataset.level.values),
+        "layer": dataset.layer.values,
+        "‖τ‖": dataset.task_vector_norm.mean("task").values,
+        "effective rank": dataset.effective_rank.mean("task").values,
+        "STI/Σσ": dataset.sti_normalized.values,
+        "SAR": dataset.sar.mean("task").values,
+        chosen: nearest.row_space_interference.sel(centered=False).values,
+        f"{chosen} centred": nearest.row_space_interference.sel(centered=True).values,
+        "cosine": pairs.cosine.mean(("task", "task_other")).values if num_tasks > 1 else np.nan,
+        "sign conflict": pairs.sign_conflict.mean(("task", "task_other")).values if num_tasks > 1 else np.nan,
+    }
+    return pd.DataFrame(columns, index=pd.Index(strings(dataset.matrix.values), name="matrix"))
+
+
+def summary(dataset: xr.Dataset, *, by: Sequence[str] = ("level",),
+            rank_frac: float = INTERFERENCE_RANK_FRAC) -> pd.DataFrame:
+    """The means of `matrix_table` over the matrices of each ``by`` group (default: per level; ``("level",
+    "layer")`` for one row per level and layer), NaN skipped, after a column ``matrices`` that counts them."""
+    table = matrix_table(dataset, rank_frac).drop(columns=[c for c in ("level", "layer") if c not in by])
     grouped = table.groupby(list(by)).mean()
     grouped.insert(0, "matrices", table.groupby(list(by)).size())
-    return grouped
+    position = {level: i for i, level in enumerate(ordered(table.level))}  # attn, mlp, embed, norm, final
+    return grouped.sort_index(key=lambda index: index.map(position) if index.name == "level" else index)
+
+
+def interference_per_layer(interference: xr.Dataset, about: str = "", rank_frac: float = INTERFERENCE_RANK_FRAC):
+    """Heatmaps layer × metric (STI, SAR, I(k), cosine, sign conflict), attention and MLP side by side.
+
+    Each cell: the mean over the level's matrices of that layer (annotated); colour: the
+    value's place between the metric's lowest and highest cell, so metrics on different
+    scales share one colour bar. High STI / I(k) / sign conflict and low SAR mean interference.
+    """
+    table = matrix_table(interference, rank_frac).drop(columns=["‖τ‖", "effective rank"])
+    table = table[table.level.isin(["attn", "mlp"]) & (table.layer >= 0)]
+    if table.empty:
+        return None
+    levels = ordered(table.level)
+    means = table.groupby(["level", "layer"]).mean(numeric_only=True)
+    low, span = means.min(), (means.max() - means.min()).replace(0, 1)
+    layers = sorted(table.layer.unique())
+    with plot.styled("white") as (plt, _):
+        fig, axes = plt.subplots(1, len(levels), figsize=(1.15 * len(means.columns) * len(levels) + 2.5,
+                                                          max(4.2, 0.3 * len(layers) + 3.2)),
+                                 sharey=True, squeeze=False, layout="constrained")
+        for col, (ax, level) in enumerate(zip(axes[0], levels)):
+            values = means.loc[level].reindex(layers)
+            mesh = plot.heatmap(ax, (values - low) / span, cmap="mako_r", vmin=0, vmax=1,
+                                annot=values.to_numpy() if len(layers) <= 48 else False, fmt=".3g",
+                                fontsize=8 if len(layers) > 16 else 9)
+            ax.set_title(f"{level} matrices", fontsize=12)
+            ax.set_xlabel("")
+            ax.set_ylabel("layer" if col == 0 else "")
+            ax.tick_params(axis="y", rotation=0)
+            plot.tilt_labels(ax, 35)
+        fig.colorbar(mesh, ax=axes, label="lowest → highest per metric", aspect=30)
+        plot.title(fig, "Weight-space interference per layer — STI (TSV-M), SAR (Iso-C), I(k) (CART), pair means",
+                   about)
+    return fig
+
+
+def interference_rank(interference: xr.Dataset, about: str = ""):
+    """Row-space interference I(k) against the rank fraction k / min(m, n), mean over matrices per level."""
+    frame = long_frame(interference.row_space_interference).dropna(subset=["row_space_interference"])
+    frame = frame[frame.level.isin(["attn", "mlp"])]
+    if frame.empty:
+        return None
+    frame["task matrices"] = np.where(frame.centered.astype(str) == "True", "centred Δ̄_t", "Δ_t")
+    with plot.styled() as (plt, sns):
+        fig, ax = plt.subplots(figsize=(8.5, 4.8), layout="constrained")
+        sns.lineplot(frame, x="rank_frac", y="row_space_interference", hue="level", hue_order=ordered(frame.level),
+                     style="task matrices", errorbar="sd", marker="o", palette="deep", ax=ax)
+        ax.set_xscale("log")
+        fractions = sorted(frame.rank_frac.unique())
+        ax.set_xticks(fractions, [f"{f:g}" for f in fractions])
+        ax.minorticks_off()
+        ax.set_xlabel("rank fraction k / min(m, n)")
+        ax.set_ylabel("row-space interference I(k)")
+        plot.legend_outside(ax)
+        plot.title(fig, "Row-space interference I(k) (CART) — mean ± std over matrices", about)
+    return fig
+
+
+INTERFERENCE = StoreGroup(
+    name="interference",
+    dim="matrix",
+    variables={
+        "task_vector_norm": ("matrix", "task"), "effective_rank": ("matrix", "task"),
+        "cosine": ("matrix", "task", "task_other"), "sign_conflict": ("matrix", "task", "task_other"),
+        "sti": ("matrix",), "sti_normalized": ("matrix",), "sti_k": ("matrix",), "sar": ("matrix", "task"),
+        "sar_k": ("matrix",), "rank": ("matrix", "rank_frac"),
+        "row_space_interference": ("matrix", "rank_frac", "centered"),
+        "reconstruction_error": ("matrix", "rank_frac", "centered"),
+    },
+    title=f"Weight-space interference, means over each level's matrices (cosine, sign conflict over task pairs; "
+          f"I(k) at the rank fraction nearest {INTERFERENCE_RANK_FRAC:.0%})",
+    summary=summary,
+    figures={"interference_per_layer": interference_per_layer, "interference_rank": interference_rank},
+)

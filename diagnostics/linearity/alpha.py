@@ -1,13 +1,19 @@
-"""`diag alpha`: closed-form merge coefficients α per submodule (seed 002 Eq. 12–14; balanced Eq. 33–34)."""
+"""`diag alpha`: closed-form merge coefficients α per submodule (seed 002 Eq. 12–14; balanced Eq. 33–34).
+
+Owner of the store groups ``alpha/<granularity>`` (`ALPHA`): their layout, summary table and figures.
+"""
 
 from __future__ import annotations
 
 import math
 
 import numpy as np
+import pandas as pd
 import xarray as xr
 
+from submerge.diagnostics import plot
 from submerge.diagnostics.execution import RunSettings
+from submerge.diagnostics.groups import StoreGroup
 from submerge.diagnostics.linearity.equations import (
     alpha_system,
     balance_denominator,
@@ -19,6 +25,7 @@ from submerge.diagnostics.linearity.equations import (
 from submerge.diagnostics.linearity.sweep import Sweep
 from submerge.diagnostics.modules import GRANULARITIES
 from submerge.diagnostics.replay import Outputs, Unit, module_coords
+from submerge.diagnostics.tables import long_frame, ordered, strings
 
 _RESULTS = {  # store variable → key of a module's result
     "condition_number": "cond", "least_squares": "lstsq", "objective_alpha": "obj_alpha",
@@ -77,7 +84,7 @@ def alpha(
     run = RunSettings.of(run, **run_options)
     tasks = experiment.tasks
     uniform = np.full(len(tasks), 1.0 / len(tasks))
-    sweep = Sweep(experiment, GRANULARITIES[granularity], f"alpha/{granularity}",
+    sweep = Sweep(experiment, GRANULARITIES[granularity], f"{ALPHA.name}/{granularity}",
                   {"granularity": granularity, "balance": balance, "max_condition": max_condition},
                   run)
 
@@ -116,3 +123,134 @@ def alpha(
              "uniform": "α_t = 1/T", "head_objective": "NaN: heads are solved on their own outputs only",
              "gqa": "a k/v group shared by heads gets the mean α of its heads when merging (exact for plain MHA)"}
     return sweep.writer.finish(notes)
+
+
+def _granularity(dataset: xr.Dataset) -> str:
+    return str(dataset.granularity.values[0])
+
+
+def summary(dataset: xr.Dataset) -> pd.DataFrame:
+    """Per level of one granularity's group: its modules, the mean α of each task over them, the Eq. 10 objective
+    summed over them at α and at 1/T (NaN skipped; NaN for heads, which have none), least-squares fallbacks and the
+    largest condition number."""
+    data = dataset.isel(granularity=0, drop=True)
+    levels = np.array(strings(data.level.values))
+    rows = {}
+    for level in ordered(levels):
+        part = data.isel(module=np.flatnonzero(levels == level))
+        row = {"modules": part.sizes["module"]}
+        for task in strings(part.task.values):
+            row[f"α {task} (mean)"] = float(part.alpha.sel(task=task).mean())
+        row["objective α"] = float(part.objective_alpha.sum(skipna=True, min_count=1))  # heads have none: NaN
+        row["objective 1/T"] = float(part.objective_uniform.sum(skipna=True, min_count=1))
+        row["least squares"] = int(part.least_squares.sum())
+        row["max condition"] = float(part.condition_number.max())
+        rows[level] = row
+    return pd.DataFrame.from_dict(rows, orient="index").rename_axis("level")
+
+
+def _title(dataset: xr.Dataset) -> str:
+    return (f"Closed-form α, granularity {_granularity(dataset)} (seed 002 Eq. 12–14): mean α over each level's "
+            f"modules; Eq. 10 objectives summed over them")
+
+
+def alpha_heatmap(alpha: xr.Dataset, about: str = ""):
+    """α per submodule and task of one granularity; colour centred on uniform weights 1/T.
+
+    attn-mlp: one panel per part (attn, mlp), rows = layer, columns = task.
+    head-mlp: one panel per task, rows = layer, columns = heads and mlp.
+    """
+    frame = long_frame(alpha.alpha.isel(granularity=0, drop=True))
+    frame["part"] = np.where(frame["head"] >= 0, "h" + frame["head"].astype(str), frame["level"])
+    frame["row"] = np.where(frame["layer"] >= 0, frame["layer"].astype(str), "model")
+    tasks = strings(alpha.task.values)
+    parts = list(dict.fromkeys(frame.sort_values(["head"]).part))
+    parts = [p for p in parts if p.startswith("h")] + [p for p in parts if not p.startswith("h")]
+    rows = list(dict.fromkeys(frame.sort_values("layer").row))
+    uniform = 1.0 / len(tasks)
+    spread = float(np.nanmax(np.abs(frame.alpha - uniform))) or 0.1
+    by_task = len(parts) > 3
+    panels, columns = (tasks, parts) if by_task else (parts, tasks)
+    with plot.styled("white") as (plt, _):
+        width = max(2.6, (0.62 if len(columns) <= 8 else 0.3) * len(columns) + 1.0)
+        height = max(0.32 * len(rows) + (1.4 if by_task else 2.8), 3.0 if by_task else 4.0)
+        shape = (len(panels), 1) if by_task else (1, len(panels))  # many heads: panels stacked, one per task
+        fig, axes = plt.subplots(*shape, figsize=(width * shape[1] + 1.8, height * shape[0] + 1.4 * by_task),
+                                 sharey=True, squeeze=False, layout="constrained")
+        for col, (ax, panel) in enumerate(zip(axes.flat, panels)):
+            part = frame[frame.task == panel] if by_task else frame[frame.part == panel]
+            grid = part.pivot_table(index="row", columns="part" if by_task else "task", values="alpha")
+            mesh = plot.heatmap(ax, grid.reindex(index=rows, columns=columns), cmap="vlag", vmin=uniform - spread,
+                                vmax=uniform + spread, annot=len(rows) * len(columns) <= 240, fmt=".2f", fontsize=8)
+            ax.set_title(panel, fontsize=12)
+            ax.set_xlabel("head / part" if by_task else "task")
+            ax.set_ylabel("layer" if (col == 0 or by_task) and rows != ["model"] else "")
+            ax.tick_params(axis="y", rotation=0)
+            ax.tick_params(axis="x", rotation=0 if len(columns) <= 6 else 90)
+        fig.colorbar(mesh, ax=axes, label=f"α (white: uniform 1/T = {uniform:.2g})",
+                     shrink=0.9 if by_task else 1.0, aspect=40 if by_task else 20)
+        plot.title(fig, f"Closed-form α per submodule, granularity {_granularity(alpha)} (seed 002 Eq. 12–14)", about)
+    return fig
+
+
+def _reductions(alphas: xr.Dataset | dict[str, xr.Dataset]) -> pd.DataFrame:
+    """Per module: 100 · (1 − objective(α) / objective(1/T)), with its level, layer and granularity."""
+    datasets = list(alphas.values()) if isinstance(alphas, dict) else [alphas]
+    pieces = []
+    for dataset in datasets:
+        data = dataset.isel(granularity=0, drop=True)
+        pieces.append(pd.DataFrame({"objective α": data.objective_alpha.values,
+                                    "objective 1/T": data.objective_uniform.values,
+                                    "level": strings(data.level.values), "layer": data.layer.values,
+                                    "granularity": _granularity(dataset)}))
+    frame = pd.concat(pieces).dropna(subset=["objective α", "objective 1/T"]) if pieces else pd.DataFrame()
+    frame = frame[frame["objective 1/T"] > 0] if not frame.empty else frame
+    if not frame.empty:
+        frame["reduction"] = 100.0 * (1.0 - frame["objective α"] / frame["objective 1/T"])
+    return frame
+
+
+def alpha_objective(alphas: xr.Dataset | dict[str, xr.Dataset], about: str = ""):
+    """How much the solved α lowers the merge objective (Eq. 10) below uniform 1/T, per module.
+
+    y = 1 − objective(α) / objective(1/T) in percent; one panel per granularity (`alphas`: one group's dataset,
+    or {granularity: dataset}), hue = level.
+    """
+    frame = _reductions(alphas)
+    if frame.empty:
+        return None
+    granularities = ordered(frame.granularity, tuple(GRANULARITIES))
+    with plot.styled() as (plt, sns):
+        fig, axes = plt.subplots(1, len(granularities), figsize=(4.6 * len(granularities) + 1.8, 4.6),
+                                 sharey=True, squeeze=False, layout="constrained")
+        for ax, granularity in zip(axes[0], granularities):
+            part = frame[frame.granularity == granularity]
+            if (part.layer < 0).all():
+                sns.barplot(part, x="level", y="reduction", color="C0", ax=ax)
+                ax.set_xlabel("")
+            else:
+                sns.lineplot(part, x="layer", y="reduction", hue="level", hue_order=ordered(part.level),
+                             palette="deep", marker="o", ax=ax)
+                plot.integer_ticks(ax, part.layer)
+                ax.set_xlabel("layer")
+                if part.level.nunique() > 1:
+                    ax.legend(title="level", frameon=False, fontsize=10, title_fontsize=10)
+                else:
+                    ax.get_legend().remove()
+            ax.axhline(0, color="black", linewidth=0.8)
+            ax.set_title(granularity, fontsize=12)
+            ax.set_ylabel("objective reduction vs 1/T (%)")
+        plot.title(fig, "Merge objective (seed 002 Eq. 10): solved α vs uniform 1/T — higher is better", about)
+    return fig
+
+
+ALPHA = StoreGroup(
+    name="alpha",
+    per="granularity",
+    dim="module",
+    variables={"alpha": ("granularity", "module", "task"),
+               **{name: ("granularity", "module") for name in _RESULTS}},
+    title=_title,
+    summary=summary,
+    figures={"alpha": alpha_heatmap, "alpha_objective": alpha_objective},
+)

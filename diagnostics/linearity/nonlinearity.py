@@ -1,18 +1,26 @@
-"""`diag linearity`: the Non-linearity Score (seed 002 Eq. 19) per fine-tune, module and sample."""
+"""`diag linearity`: the Non-linearity Score (seed 002 Eq. 19) per fine-tune, module and sample.
+
+Owner of the store group ``linearity`` (`LINEARITY`): its layout, its summary table (seed 002 Table 17) and its
+figures.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 import numpy as np
+import pandas as pd
 import torch
 import xarray as xr
 
+from submerge.diagnostics import plot
 from submerge.diagnostics.execution import RunSettings
+from submerge.diagnostics.groups import StoreGroup
 from submerge.diagnostics.linearity.equations import mean_std, nonlinearity_score
 from submerge.diagnostics.linearity.sweep import Sweep
 from submerge.diagnostics.modules import DEFAULT_LEVELS
 from submerge.diagnostics.replay import Outputs, Unit, module_coords
+from submerge.diagnostics.tables import long_frame, ordered, strings
 
 
 def trajectories(outputs: Outputs):
@@ -46,7 +54,7 @@ def nonlinearity(
     run = RunSettings.of(run, **run_options)
     tasks = experiment.tasks
     settings = {"levels": list(levels), "steps": steps, "model_output": model_output}
-    sweep = Sweep(experiment, levels, "linearity", settings, run,
+    sweep = Sweep(experiment, levels, LINEARITY.name, settings, run,
                   model_output=model_output)
     positions = np.arange(experiment.settings["skip"], experiment.settings["skip"] + experiment.max_samples)
     position_of = {int(index): j for j, index in enumerate(positions)}
@@ -82,12 +90,82 @@ def nonlinearity(
                                              "features": "module output on one sequence, real tokens only, flattened"})
 
 
-def summarize_nonlinearity(dataset: xr.Dataset):
-    """Table 17 of seed 002: mean ± std of the score per level (rows) and task (columns)."""
-    import pandas as pd
-
+def summary(dataset: xr.Dataset) -> pd.DataFrame:
+    """Seed 002 Table 17: mean and std of the score per level (rows) and task (columns (task, "mean" | "std")),
+    over the level's modules and the samples; NaN (modules a fine-tune left unchanged) skipped."""
+    levels = strings(dataset.level.values)
+    tasks = strings(dataset.task.values)
+    scores = dataset.nonlinearity_score.transpose("task", "module", "sample").values
     rows = {}
-    for level in dict.fromkeys(dataset.level.values.tolist()):
-        selected = dataset.nonlinearity_score.where(dataset.level == level, drop=True)
-        rows[level] = {str(task): mean_std(selected.sel(task=task).values.ravel()) for task in dataset.task.values}
-    return pd.DataFrame.from_dict(rows, orient="index")
+    for level in ordered(levels):
+        chosen = np.array([label == level for label in levels])
+        rows[level] = [value for t in range(len(tasks)) for value in mean_std(scores[t][chosen])]
+    columns = pd.MultiIndex.from_product([tasks, ["mean", "std"]])
+    return pd.DataFrame.from_dict(rows, orient="index", columns=columns).rename_axis("level")
+
+
+def _scores(linearity: xr.Dataset) -> pd.DataFrame:
+    frame = long_frame(linearity.nonlinearity_score).dropna(subset=["nonlinearity_score"])
+    return frame[frame.nonlinearity_score > 0]
+
+
+def nonlinearity_per_layer(linearity: xr.Dataset, about: str = ""):
+    """Non-linearity Score per layer, one panel per level (layer / attn / mlp / head), one line per task.
+
+    Line: median over samples (and heads); band: 25–75th percentile. Dashed lines: the
+    model-level median of each task, for reference. Log scale (scores span decades).
+    """
+    frame = _scores(linearity)
+    tasks = strings(linearity.task.values)
+    levels = [level for level in ordered(frame.level) if level != "model"]
+    model = frame[frame.level == "model"].groupby("task").nonlinearity_score.median()
+    panels = levels or ["model"]
+    ncols = 2 if len(panels) == 4 else len(panels)
+    nrows = -(-len(panels) // ncols)
+    with plot.styled() as (plt, sns):
+        palette = dict(zip(tasks, sns.color_palette("colorblind", len(tasks))))
+        fig, axes = plt.subplots(nrows, ncols, figsize=(5.4 * ncols + 1.6, 4.0 * nrows + 0.9),
+                                 sharey=True, squeeze=False, layout="constrained")
+        for ax, level in zip(axes.flat, panels):
+            part = frame[frame.level == level]
+            if not part.empty:
+                sns.lineplot(part, x="layer", y="nonlinearity_score", hue="task", hue_order=tasks, palette=palette,
+                             estimator="median", errorbar=("pi", 50), marker="o", markersize=5, ax=ax, legend=False)
+                plot.integer_ticks(ax, part.layer)
+            for task, value in model.items():
+                ax.axhline(value, color=palette.get(task, "grey"), linestyle="--", linewidth=1.2)
+            ax.set_yscale("log")
+            ax.set_title(f"{level}" + (" (all heads)" if level == "head" else ""))
+            ax.set_xlabel("layer")
+            ax.set_ylabel("Non-linearity Score (log)")
+        handles = [plt.Line2D([], [], color=palette[t], marker="o", label=t) for t in tasks]
+        if not model.empty:
+            handles.append(plt.Line2D([], [], color="grey", linestyle="--", label="model level"))
+        fig.legend(handles=handles, title="fine-tune", loc="outside right upper", frameon=False)
+        plot.title(fig, "Non-linearity Score per layer (seed 002 Eq. 19) — median and IQR over samples", about)
+    return fig
+
+
+def nonlinearity_by_level(linearity: xr.Dataset, about: str = ""):
+    """Distribution of the per-sample Non-linearity Score per level (box plot, log scale), hue = task."""
+    frame = _scores(linearity)
+    levels = ordered(frame.level)
+    with plot.styled() as (plt, sns):
+        fig, ax = plt.subplots(figsize=(2.0 * len(levels) + 3.5, 5), layout="constrained")
+        sns.boxplot(frame, x="level", y="nonlinearity_score", hue="task", order=levels,
+                    hue_order=strings(linearity.task.values), palette="colorblind", log_scale=True, fliersize=2, ax=ax)
+        ax.set_xlabel("level (each box: all modules of the level × samples)")
+        ax.set_ylabel("Non-linearity Score (log)")
+        plot.legend_outside(ax, "fine-tune")
+        plot.title(fig, "Non-linearity Score by level — attention vs MLP vs whole layer / model", about)
+    return fig
+
+
+LINEARITY = StoreGroup(
+    name="linearity",
+    dim="module",
+    variables={"nonlinearity_score": ("task", "module", "sample"), "unchanged": ("task", "module")},
+    title="Non-linearity Score (seed 002 Eq. 19), mean ± std over modules and samples",
+    summary=summary,
+    figures={"nonlinearity_per_layer": nonlinearity_per_layer, "nonlinearity_by_level": nonlinearity_by_level},
+)

@@ -1,4 +1,7 @@
-"""`diag projection`: Projection Distance (seed 002 Eq. 8), cosine_merge (Eq. 16), cosine_base (Eq. 17)."""
+"""`diag projection`: Projection Distance (seed 002 Eq. 8), cosine_merge (Eq. 16), cosine_base (Eq. 17).
+
+Owner of the store group ``projection`` (`PROJECTION`): its layout, its summary table and its figures.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +9,23 @@ import itertools
 from collections.abc import Sequence
 
 import numpy as np
+import pandas as pd
 import xarray as xr
 
+from submerge.diagnostics import plot
 from submerge.diagnostics.execution import RunSettings
-from submerge.diagnostics.linearity.equations import cosine_base, cosine_merge, projection_distance, projection_terms
+from submerge.diagnostics.groups import StoreGroup
+from submerge.diagnostics.linearity.equations import (
+    cosine_base,
+    cosine_merge,
+    mean_std,
+    projection_distance,
+    projection_terms,
+)
 from submerge.diagnostics.linearity.sweep import Sweep
 from submerge.diagnostics.modules import DEFAULT_LEVELS
 from submerge.diagnostics.replay import Outputs, Unit, module_coords
+from submerge.diagnostics.tables import long_frame, ordered, strings
 
 COMBOS_PER_REPLAY = 8  # merged variants replayed together (the model level runs them block by block together)
 
@@ -76,7 +89,7 @@ def projection(
     for c, (subset, alpha) in enumerate(combos):
         for task, value in zip(subset, alpha):
             combo_alpha[c, tasks.index(task)] = value
-    sweep = Sweep(experiment, levels, "projection", {"levels": list(levels),
+    sweep = Sweep(experiment, levels, PROJECTION.name, {"levels": list(levels),
                                                      "alphas": None if alphas is None else list(alphas)},
                   run)
 
@@ -119,3 +132,145 @@ def projection(
     return sweep.writer.finish({"equations": "seed 002 Eq. 8 (PD), Eq. 16 (cosine_merge), Eq. 17 (cosine_base)",
                                 "cosine_base": "mean over pairs t<t' (Eq. 17 prints 1/(T(T-1)) over t<t', half a mean)",
                                 "data": "x ranges over the union of the subset's task data"})
+
+
+def summary(dataset: xr.Dataset) -> pd.DataFrame:
+    """Per level: mean and std of the Projection Distance over the level's modules and every (subset, α) of the
+    grid, and the mean cosine_merge (over the same) and cosine_base (over modules and subsets); NaN skipped."""
+    levels = np.array(strings(dataset.level.values))
+    rows = {}
+    for level in ordered(levels):
+        chosen = levels == level
+        distance_mean, distance_std = mean_std(dataset.projection_distance.values[chosen])
+        rows[level] = {"PD mean": distance_mean, "PD std": distance_std,
+                       "cosine_merge": mean_std(dataset.cosine_merge.values[chosen])[0],
+                       "cosine_base": mean_std(dataset.cosine_base.values[chosen])[0]}
+    return pd.DataFrame.from_dict(rows, orient="index").rename_axis("level")
+
+
+def _combo_frame(projection: xr.Dataset) -> pd.DataFrame:
+    """Mean Projection Distance over the modules of each level, per combo, with each task's α as columns."""
+    frame = long_frame(projection.projection_distance)
+    means = frame.groupby(["level", "combo"]).projection_distance.mean().reset_index()
+    alphas = projection.combo_alpha.to_pandas()
+    alphas.columns = strings(alphas.columns)
+    means = means.join(alphas, on="combo")
+    means["subset"] = [str(projection.combo_subset.values[c]) for c in means.combo]
+    return means
+
+
+def projection_pairs(projection: xr.Dataset, about: str = "", max_subsets: int = 6):
+    """Projection Distance over the α grid of every pair of fine-tunes: heatmap per (pair, level)."""
+    means = _combo_frame(projection)
+    pairs = [s for s in dict.fromkeys(means.subset) if s.count("+") == 1][:max_subsets]
+    if not pairs:
+        return None
+    levels = ordered(means.level)
+    vmax = float(means[means.subset.isin(pairs)].projection_distance.max())
+    with plot.styled("white") as (plt, _):
+        fig, axes = plt.subplots(len(pairs), len(levels), figsize=(3.4 * len(levels) + 1.2, 3.1 * len(pairs) + 1.2),
+                                 squeeze=False, layout="constrained")
+        for row, pair in enumerate(pairs):
+            first, second = pair.split("+")
+            for col, level in enumerate(levels):
+                ax = axes[row][col]
+                part = means[(means.subset == pair) & (means.level == level)]
+                grid = part.pivot_table(index=first, columns=second, values="projection_distance").sort_index(
+                    ascending=False)
+                mesh = plot.heatmap(ax, grid, cmap="rocket_r", vmin=0, vmax=vmax, annot=grid.size <= 36, fmt=".2f",
+                                    square=True, most_x=12, most_y=12)
+                ax.set_xlabel(f"α {second}")
+                ax.set_ylabel(f"α {first}")
+                ax.set_title(f"{level} · {pair}", fontsize=11)
+                ax.tick_params(axis="y", rotation=0)
+        fig.colorbar(mesh, ax=axes, label="Projection Distance", shrink=min(1.0, 0.35 * len(pairs) + 0.3),
+                     aspect=12 + 6 * len(pairs))
+        plot.title(fig, "Projection Distance (seed 002 Eq. 8) over the α grid — mean over the level's modules", about)
+    return fig
+
+
+def projection_multi(projection: xr.Dataset, about: str = "", max_combos: int = 30):
+    """Projection Distance of subsets of three or more fine-tunes, mean over each level's modules.
+
+    One panel per subset with the level means against each α combo when every subset has at most
+    `max_combos` combos (e.g. three models on {0.3, 0.5, 0.7}³ = 27); else one box plot of those
+    means over the α grid, per subset and level.
+    """
+    means = _combo_frame(projection)
+    subsets = sorted((s for s in dict.fromkeys(means.subset) if s.count("+") >= 2), key=lambda s: -s.count("+"))
+    if not subsets:
+        return None
+    count = max(means[means.subset == s].combo.nunique() for s in subsets)
+    if count > max_combos or len(subsets) > 4:
+        return _multi_boxes(means[means.subset.isin(subsets)], subsets, ordered(means.level), about)
+    return _multi_points(means, subsets, ordered(means.level), count, about)
+
+
+def _multi_boxes(means: pd.DataFrame, subsets: list[str], levels: list[str], about: str):
+    """One box plot of the level means over the α grid, per subset and level."""
+    with plot.styled() as (plt, sns):
+        fig, ax = plt.subplots(figsize=(max(8.0, 1.3 * len(subsets) * len(levels) ** 0.5 + 3.0), 5.2),
+                               layout="constrained")
+        sns.boxplot(means, x="subset", y="projection_distance", hue="level", hue_order=levels, order=subsets,
+                    palette="deep", fliersize=2, ax=ax)
+        ax.set_xlabel("subset of fine-tunes (each box: the α grid)")
+        ax.set_ylabel("Projection Distance")
+        plot.tilt_labels(ax, 30 if len(subsets) > 3 else 0)
+        plot.legend_outside(ax, "level")
+        plot.title(fig, "Projection Distance for three or more fine-tunes over the α grid — level means", about)
+    return fig
+
+
+def _multi_points(means: pd.DataFrame, subsets: list[str], levels: list[str], count: int, about: str):
+    """One panel per subset: the level means against each α combo."""
+    with plot.styled() as (plt, sns):
+        fig, axes = plt.subplots(len(subsets), 1, figsize=(max(7.5, 0.34 * count + 3.5), 4.2 * len(subsets) + 0.8),
+                                 squeeze=False, layout="constrained")
+        for ax, subset in zip(axes[:, 0], subsets):
+            tasks = subset.split("+")
+            part = means[means.subset == subset].copy()
+            part["α"] = part[tasks].apply(lambda r: "/".join(f"{v:g}" for v in r), axis=1)
+            order = list(dict.fromkeys(part.sort_values("combo")["α"]))
+            sns.pointplot(part, x="α", y="projection_distance", hue="level", hue_order=levels, order=order,
+                          palette="deep", markers="o", linestyles="-", ax=ax)
+            ax.set_xlabel(f"α ({' / '.join(tasks)})")
+            ax.set_ylabel("Projection Distance")
+            ax.set_title(subset, fontsize=11)
+            ax.tick_params(axis="x", rotation=90 if len(order) > 6 else 0, labelsize=9 if len(order) > 12 else 10)
+            plot.legend_outside(ax, "level")
+        plot.title(fig, "Projection Distance for three or more fine-tunes — mean over the level's modules", about)
+    return fig
+
+
+def projection_per_layer(projection: xr.Dataset, about: str = ""):
+    """Projection Distance per layer (mean and std over every subset and α), one line per level."""
+    frame = long_frame(projection.projection_distance).dropna(subset=["projection_distance"])
+    levels = [level for level in ordered(frame.level) if level != "model"]
+    model = frame[frame.level == "model"].projection_distance
+    with plot.styled() as (plt, sns):
+        fig, ax = plt.subplots(figsize=(9, 4.8), layout="constrained")
+        part = frame[frame.level.isin(levels)]
+        if not part.empty:
+            sns.lineplot(part, x="layer", y="projection_distance", hue="level", hue_order=levels, palette="deep",
+                         errorbar="sd", marker="o", ax=ax)
+            plot.integer_ticks(ax, part.layer)
+        if not model.empty:
+            ax.axhline(model.mean(), color="black", linestyle="--", linewidth=1.2, label="model (mean)")
+        ax.set_xlabel("layer")
+        ax.set_ylabel("Projection Distance")
+        ax.set_ylim(bottom=0)
+        ax.legend(title="level", loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
+        plot.title(fig, "Projection Distance per layer — mean ± std over all subsets and α", about)
+    return fig
+
+
+PROJECTION = StoreGroup(
+    name="projection",
+    dim="module",
+    variables={"projection_distance": ("module", "combo"), "cosine_merge": ("module", "combo"),
+               "cosine_base": ("module", "subset")},
+    title="Projection Distance and cosines (seed 002 Eq. 8, 16, 17), over modules and (subset, α)",
+    summary=summary,
+    figures={"projection_distance_pairs": projection_pairs, "projection_distance_multi": projection_multi,
+             "projection_distance_per_layer": projection_per_layer},
+)
