@@ -67,6 +67,14 @@ def llama(tmp_path_factory):
     return _kit("llama", tmp_path_factory.mktemp("learned-llama"))
 
 
+@pytest.fixture
+def unreleased(monkeypatch):
+    """The toy's weights are a few KiB, but giving their pages back after every block (as every forward of
+    `streamed_losses` does) reads /proc/self/smaps each time: most of a LoraHub search's time here. Off for the
+    tests that run many forwards; the release is tested in tests/test_models.py and above."""
+    monkeypatch.setattr(capture, "release_mapped_pages", lambda module: 0)
+
+
 def _experiment(kit, tasks=TASKS, samples=3, compute="float64"):
     _, base, finetuned, data = kit
     with warnings.catch_warnings():
@@ -105,13 +113,13 @@ def test_entropy_gradient_equals_autograd_through_the_whole_merged_model(kit, gr
     value = backward_by_blocks(experiment.parameter_source(), experiment.arch, batches, weights,
                                lambda b, logits, batch: next_token_entropy(logits, batch) / tokens[owner[b]])
 
-    model = _whole(kit[1])
+    model = _whole(kit[1])  # a tied head and embedding are one parameter (named once)
     deltas = {t: {name: experiment.task_vectors[t].get(base.checkpoint_name(name), torch.float64)
-                  for name, _ in model.named_parameters(remove_duplicate=False)} for t in tasks}
+                  for name, _ in model.named_parameters()} for t in tasks}
     leaf = raw.detach().double().requires_grad_(True)
     params = {name: p + sum(leaf.clamp(0, 1)[rows[base.checkpoint_name(name)], i] * deltas[t][name]
                             for i, t in enumerate(tasks))
-              for name, p in model.named_parameters(remove_duplicate=False)}
+              for name, p in model.named_parameters()}
     total = sum(next_token_entropy(_logits(model, params, batch), batch) / tokens[owner[b]]
                 for b, batch in enumerate(batches))
     (expected,) = torch.autograd.grad(total, leaf)
@@ -221,7 +229,7 @@ def test_adamerging_layer_wise_has_one_weight_per_tensor_and_task(llama):
         adamerging_coefficients(experiment, granularity="block", steps=1, progress=False)
 
 
-def test_lorahub_finds_the_objective_minimum_on_a_grid(llama):
+def test_lorahub_finds_the_objective_minimum_on_a_grid(llama, unreleased):
     experiment = _experiment(llama, tasks=("code",), compute="float32")
     source = experiment.parameter_source()
 
@@ -257,7 +265,7 @@ def _tensors(directory) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("method, options", [("fisher", {"seed": 2}), ("adamerging", {"steps": 2}),
                                              ("adamerging", {"steps": 1, "granularity": "task"}),
                                              ("lorahub", {"steps": 6})])
-def test_run_merge_writes_the_learned_merge(llama, tmp_path, method, options):
+def test_run_merge_writes_the_learned_merge(llama, tmp_path, method, options, unreleased):
     _, base, finetuned, data = llama
     settings = DataSettings(data=data, samples=3, max_tokens=24, batch_size=2)
     out = run_merge(tmp_path / method, method=method, options=options, base=base, finetuned=finetuned, data=settings,
@@ -283,7 +291,7 @@ def test_run_merge_writes_the_learned_merge(llama, tmp_path, method, options):
         torch.testing.assert_close(tensor, base_tensors[name] + expected, rtol=1e-6, atol=1e-6, msg=name)
 
 
-def test_compare_runs_the_learned_methods_on_its_fit_records(llama, monkeypatch):
+def test_compare_runs_the_learned_methods_on_its_fit_records(llama, monkeypatch, unreleased):
     from submerge.merge.compare import compare, default_methods
 
     _, base, finetuned, data = llama
