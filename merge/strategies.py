@@ -601,6 +601,8 @@ def pcb_balance(task_vectors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 def pcb(task_vectors: Sequence[torch.Tensor], *, top_k: float = 0.1, scaling: float = 1.0) -> torch.Tensor:
     """PCB-Merging (Du et al. 2024): balance, drop the low-scoring entries, β-weighted mean, scale by λ.
 
+    The main baseline of seed 001's tables (its mask ratio η searched over 0.1–0.5, §4 Hyperparameter Sensitivity).
+
     Survey §PCB-Merging, eqs. (pcb intra), (pcb inter) (see ``pcb_balance``), (pcb mask) and (pcb merge):
     m_i keeps the top r of β_i (``top_k`` = r, the mask ratio, as a fraction: ⌊r · n⌋ entries, at least one,
     equal scores in row-major order, as TIES's trim), β̂_i = m_i ⊙ β_i, τ_M = Σ_i β̂_i ⊙ τ_i / Σ_i β̂_i (0 where
@@ -703,6 +705,9 @@ def nan(task_vectors: Sequence[torch.Tensor], *, base_weight: torch.Tensor, scal
 def fisher(task_vectors: Sequence[torch.Tensor], *, fisher_diagonals: Sequence[torch.Tensor],
            fisher_floor: float = 1e-6, scaling: float = 1.0, seed: int = 0) -> torch.Tensor:
     """Fisher merging (Matena & Raffel 2022): the Fisher-weighted average of the fine-tuned weights.
+
+    A baseline of seeds 000 and 001 ("utilizing the Fisher information matrix to assess the importance of
+    individual parameters").
 
     Survey §Fisher Average, its closed form θ_M^(j) = Σ_i λ_i F_i^(j) θ_i^(j) / Σ_i λ_i F_i^(j) with equal λ_i;
     with θ_i = θ0 + τ_i the base cancels: τ_M = Σ_i F_i τ_i / Σ_i F_i, and θ_M = θ0 + s τ_M (``scaling`` s = 1
@@ -1052,6 +1057,8 @@ def adamerging(task_vectors: Sequence[torch.Tensor], weights: Sequence[float | t
                granularity: str = "layer", steps: int = 500, learning_rate: float = 1e-3,
                initial: float = 0.3) -> torch.Tensor:
     """AdaMerging (Yang et al. 2024): θ0 + Σ_t λ_t τ_t with λ learned by entropy minimisation on unlabelled data.
+
+    Seeds 000/001 cite it for its per-task / per-layer coefficients "on unlabeled test datasets".
 
     Survey §AdaMerging: task-wise θ_M = θ0 + Σ_i λ_i τ_i or layer-wise θ_M^(l) = θ0^(l) + Σ_i λ_i^(l) τ_i^(l),
     the λ minimising Σ_i Σ_{x ∈ B_i} H(f_θM(x)). This function applies the learned ``weights`` (one per task,
