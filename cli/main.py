@@ -260,9 +260,11 @@ def merge(
     out_dir: Annotated[Path, typer.Option("--out", "-o", help="Directory for the merged checkpoint.")] = Path("merged"),
     method: Annotated[Optional[str], typer.Option(
         "--method", help="Merge method without a plan: weight-average, task-arithmetic, ties, dare, breadcrumbs, "
-                         "della, tsv-m, iso-c, iso-cts, cart, star, sftm, regmean (needs --data), closed-form "
-                         "(needs --data; α solved on the fly at --granularity). mergekit spellings: task_arithmetic, "
-                         "linear, dare_ties, dare_linear (and ties, della, breadcrumbs).")] = None,
+                         "della, pcb, consensus, nan, tsv-m, iso-c, iso-cts, cart, star, sftm, knots; with --data "
+                         "(fitted on the first --samples records of each task): regmean, fisher, adamerging (λ by "
+                         "next-token entropy minimisation), lorahub, closed-form (α solved on the fly at "
+                         "--granularity). mergekit spellings: task_arithmetic, linear, dare_ties, dare_linear (and "
+                         "ties, della, breadcrumbs).")] = None,
     option: Annotated[Optional[list[str]], typer.Option(
         "--option", help="KEY=VALUE method option (e.g. scaling=0.5, top_k=0.2). Repeat.")] = None,
     granularity: Annotated[str, typer.Option("--granularity", help="For --method closed-form.")] = "attn-mlp",
@@ -285,7 +287,7 @@ def merge(
         with_data = needs_data(method)
         base, named_finetuned, named_data = resolve_inputs(model, finetuned, data, need_data=with_data)
         settings = DataSettings(named_data, samples, max_tokens) if with_data else None
-        if "granularity" in resolve_method(method)[0].data_options:  # closed-form's unit of α
+        if resolve_method(method)[0].name == "closed-form":  # its unit of α (AdaMerging's is an --option)
             options = {"granularity": granularity, **options}
     out_dir = run_merge(out_dir, plan=plan_path, method=method, options=options, base=base,
                         finetuned=named_finetuned, data=settings, shard_size=shard_size, device=device, offload=offload,
@@ -350,8 +352,8 @@ def compare(
     methods: Annotated[Optional[str], typer.Option(
         "--methods", help="Comma-separated subset (default: every registered strategy, task-arithmetic-tuned, "
                           "closed-form-layer, closed-form-attn-mlp, plan).")] = None,
-    fit: Annotated[int, typer.Option("--fit", help="First N records of each task fit α, λ, RegMean and the "
-                                                   "evidence plan.")] = 8,
+    fit: Annotated[int, typer.Option("--fit", help="First N records of each task fit α, λ, RegMean, the Fishers, "
+                                                   "AdaMerging's and LoraHub's weights and the evidence plan.")] = 8,
     skip: Annotated[Optional[int], typer.Option("--skip", help="Held-out records start after the first N "
                                                                "(default: --fit).")] = None,
     samples: Annotated[int, typer.Option("--samples", min=1, help="Held-out records per task.")] = 16,

@@ -532,15 +532,16 @@ class ParameterSource:
     def changed(self, path: str, task: str) -> bool:
         return any(bool(d.abs().max() > 0) for d in self.deltas(path, task).values() if d.numel())
 
-    def clear(self) -> None:
+    def clear(self, release_pages: bool = True) -> None:
         """Drop the cached task vectors, unmap the checkpoints' files (their pages read so far stop counting in the
-        RSS; a file is reopened on its next read) and release the memory-mapped base weights' pages
-        (`release_mapped_pages`), so memory does not grow with the units done."""
+        RSS; a file is reopened on its next read) and, unless `release_pages` is False, release the memory-mapped
+        base weights' pages (`release_mapped_pages`), so memory does not grow with the units done."""
         self._cache.clear()
         for reader in self.task_vectors.values():
             reader.finetuned.release()
             reader.base.release()
-        release_mapped_pages(self.base.model)
+        if release_pages:
+            release_mapped_pages(self.base.model)
 
 
 # --------------------------------------------------------------------------- the model level
@@ -581,9 +582,7 @@ def model_outputs(
         for v, variant in enumerate(variants):
             params = source.variant(path, variant)
             for b in range(len(batches)):
-                args, kwargs = _with_hidden(block_inputs[path][b].upcast(compute), hidden[v][b])
-                out = functional_call(block, params, args, kwargs, strict=False) if params else block(*args, **kwargs)
-                hidden[v][b] = first_output(out)
+                hidden[v][b] = run_block(block, params, block_inputs[path][b].upcast(compute), hidden[v][b])
         source.clear()
         if on_layer:
             on_layer(i)
@@ -610,22 +609,33 @@ def _final_stages(source: ParameterSource, arch: Architecture, hidden: list[list
         source.clear()
 
 
+def embedding_stage_names(model: nn.Module, arch: Architecture) -> list[str]:
+    """The embedding stage's parameters: the backbone's outside the blocks and the final norm (local names)."""
+    backbone = get_module(model, arch.backbone_path)
+    prefix = f"{arch.backbone_path}." if arch.backbone_path else ""
+    return [n for n, _ in backbone.named_parameters(remove_duplicate=False)
+            if not (prefix + n).startswith(arch.layers_path + ".")
+            and not (arch.final_norm_path and (prefix + n).startswith(arch.final_norm_path + "."))]
+
+
+def embed(model: nn.Module, arch: Architecture, params: dict[str, torch.Tensor], batch: TokenBatch,
+          device) -> torch.Tensor:
+    """Block 0's input stream for `batch` under the embedding stage's `params` (backbone-local names): the
+    backbone runs with them until block 0 is called (differentiable in `params` when gradients are on)."""
+    return _embed_with(get_module(model, arch.backbone_path), params, model, arch.layer_path(0), batch, device)
+
+
 def _embedded(source: ParameterSource, arch: Architecture, batches, variant: Variant, first_inputs) -> list:
     """Block 0's input hidden state per batch under `variant`'s embedding stage (backbone parameters
     outside the blocks and the final norm), in the compute dtype; the recorded base input when unchanged."""
     model = source.base.model
     device = source.device
-    backbone = get_module(model, arch.backbone_path)
-    prefix = f"{arch.backbone_path}." if arch.backbone_path else ""
-    embed_locals = [n for n, _ in backbone.named_parameters(remove_duplicate=False)
-                    if not (prefix + n).startswith(arch.layers_path + ".")
-                    and not (arch.final_norm_path and (prefix + n).startswith(arch.final_norm_path + "."))]
+    embed_locals = embedding_stage_names(model, arch)
     params = source.variant(arch.backbone_path, variant, embed_locals) if embed_locals else None
     compute = source.dtype_for(arch.layer_path(0))
     if params is None:
         return [upcast(_hidden_of(first), compute) for first in first_inputs]
-    hidden = [upcast(_embed_with(backbone, params, model, arch.layer_path(0), batch, device), compute)
-              for batch in batches]
+    hidden = [upcast(embed(model, arch, params, batch, device), compute) for batch in batches]
     source.clear()
     return hidden
 
@@ -642,6 +652,15 @@ def output_head_path(model: nn.Module) -> str:
 
 def _hidden_of(recorded: Recorded) -> torch.Tensor:
     return _stream(recorded.args, recorded.kwargs)
+
+
+def run_block(block: nn.Module, params: dict[str, torch.Tensor] | None, recorded: Recorded,
+              hidden: torch.Tensor) -> torch.Tensor:
+    """Block `block` with `params` (local names; None: its own) on `hidden`, given the rest of its inputs as
+    `block_kwargs` recorded them (masks, positions): the block's output stream (differentiable when gradients
+    are on)."""
+    args, kwargs = _with_hidden(recorded, hidden)
+    return first_output(functional_call(block, params, args, kwargs, strict=False) if params else block(*args, **kwargs))
 
 
 def _with_hidden(recorded: Recorded, hidden: torch.Tensor) -> tuple[tuple, dict]:

@@ -4,7 +4,8 @@ Methods (labels along dimension ``method`` of the store group ``compare``):
 
 - ``base`` and ``finetuned:<task>``: the references, evaluated like the merges;
 - every registered strategy (`submerge.merge.strategies.STRATEGIES`) at its paper's default options
-  (RegMean with the input Gram matrices of the fit records, recorded on the base);
+  (RegMean with the input Gram matrices of the fit records, recorded on the base; Fisher merging with each
+  fine-tune's diagonal Fisher on its fit records; AdaMerging's and LoraHub's weights learned on the fit records);
 - ``task-arithmetic-tuned``: θ0 + λ Σ_t τ_t with λ from `lambdas` chosen by the mean loss over
   tasks on the fit records (one Σ τ checkpoint is written; each λ is loaded as θ0 + λ(Σ − θ0));
 - ``closed-form-layer`` and ``closed-form-attn-mlp``: α per block, or per attention and MLP,
@@ -15,7 +16,8 @@ Methods (labels along dimension ``method`` of the store group ``compare``):
   resumes it too); ``choose="thresholds"`` takes `diag plan`'s threshold choice from the
   store (needs its ``linearity`` and ``alpha`` groups); a `Plan` or plan file may be given instead.
 
-Records: the first `fit` records of each task fit α, λ, RegMean's Grams and the evidence choice; the
+Records: the first `fit` records of each task fit α, λ, RegMean's Grams, the Fishers, the AdaMerging and LoraHub
+weights and the evidence choice; the
 `samples` records after the first `skip` (≥ `fit`) are held out, and every loss in the group is on
 them (`submerge.diagnostics.evaluate.streamed_losses`: mean next-token cross-entropy over real tokens, nats).
 
@@ -65,6 +67,7 @@ from submerge.diagnostics.outputs import (
 from submerge.diagnostics.progress import progress_bar
 from submerge.diagnostics.store import Store, UnitWriter
 from submerge.diagnostics.tables import long_frame, strings
+from submerge.merge.learned import LEARNED_METHODS, learn
 from submerge.merge.plan import Plan, PlanError, evidence_plan, is_plan_file, make_plan
 from submerge.merge.rules import regmean_rule
 from submerge.merge.strategies import STRATEGIES
@@ -95,7 +98,7 @@ def normalised_gain(base_loss, model_loss, finetuned_loss) -> np.ndarray:
 
 #: Registered strategies whose data inputs compare computes itself (on the fit records). The registered
 #: ``closed-form`` is not among them: compare runs it at both of its granularities, as CLOSED_FORM.
-DATA_STEPS = ("regmean",)
+DATA_STEPS = ("regmean", *LEARNED_METHODS)
 
 
 def default_methods() -> list[str]:
@@ -123,7 +126,8 @@ def check_methods(methods: list[str]) -> list[str]:
 
 @dataclass
 class Merge:
-    """One merge to write: the rule per tensor, a record for submerge_merge.yaml, RegMean's Grams."""
+    """One merge to write: the rule per tensor, a record for submerge_merge.yaml, the per-tensor data inputs
+    (RegMean's Grams, Fisher's diagonals)."""
 
     rule_for: Callable
     detail: str
@@ -148,6 +152,15 @@ def _regmean(experiment) -> Merge:
                  {"method": "regmean", "options": {}}, grams)
 
 
+def _learned(name: str, experiment, progress: bool) -> Merge:
+    """Fisher, AdaMerging or LoraHub at their defaults, their inputs learned on the fit records (as `diag merge
+    --method M --data` does, `submerge.merge.learned.learn`)."""
+    options, data_options = STRATEGIES[name].split_options({})
+    learned = learn(name, experiment, options, data_options, progress=progress)
+    return Merge(learned.rule_for, learned.detail, {"method": name, "options": {}, name: learned.record},
+                 learned.tensor_inputs)
+
+
 def _plan_merge(plan, label: str) -> Merge:
     counts: dict[str, int] = {}
     for granularity in (plan.layer_granularity or {}).values():
@@ -170,9 +183,12 @@ def prepare(experiment, finetuned: dict[str, str], methods: list[str], *, plan=N
     Returns (merges, the plan used or None).
     """
 
-    merges = {name: _strategy(name) for name in methods if name in STRATEGIES and name != "regmean"}
+    merges = {name: _strategy(name) for name in methods if name in STRATEGIES and name not in DATA_STEPS}
     if "regmean" in methods:
         merges["regmean"] = _regmean(experiment)
+    for name in LEARNED_METHODS:
+        if name in methods:
+            merges[name] = _learned(name, experiment, progress)
     if isinstance(plan, (str, Path)):
         plan = Plan.load(plan)
     if plan is not None and sorted(plan.finetuned) != sorted(finetuned):

@@ -7,6 +7,7 @@ writer calls it once per tensor. Rule functions come from
 
 - `method_rule`: one registered method (or a mergekit alias) for every tensor;
 - `regmean_rule`: RegMean on the linear maps whose input Grams were recorded, task arithmetic elsewhere;
+- `fisher_rule`: Fisher merging on the tensors with diagonal Fishers, the mean elsewhere;
 - `submerge.merge.plan.Plan.rule_for`: α per unit of a plan, built with `weights_rule` / `mean_rule` /
   `head_rule` below.
 """
@@ -68,6 +69,14 @@ def regmean_rule(options: dict | None, linear_names: set[str]) -> RuleFunction:
     regmean = ParameterRule(method="regmean", options=options)
     elsewhere = ParameterRule(method="task-arithmetic", options={})
     return lambda info: regmean if info.name in linear_names else elsewhere
+
+
+def fisher_rule(options: dict | None, names: set[str]) -> RuleFunction:
+    """Fisher merging for the tensors with diagonal Fishers (`names`), the plain mean elsewhere (the Fisher
+    average with no information: equal Fishers)."""
+    fisher = ParameterRule(method="fisher", options=options)
+    elsewhere = ParameterRule(method="weight-average", options={})
+    return lambda info: fisher if info.name in names else elsewhere
 
 
 def weights_rule(weights: Mapping[str, float | torch.Tensor]) -> ParameterRule:

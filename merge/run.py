@@ -7,7 +7,11 @@ registry) get them here, on the base model θ0 and the task data:
 - ``closed-form``: α per unit solved by `submerge.diagnostics.linearity.alpha` (seed 002 Eq. 12–14, 33–34)
   at the option ``granularity``; every tensor of a unit gets θ0 + Σ_t α_t τ_t (the plan's rules);
 - ``regmean``: the Gram matrix of each linear map's inputs per task (`submerge.diagnostics.capture.GramsByLayer`:
-  computed block by block as the writer reaches each block), RegMean on those maps and task arithmetic elsewhere.
+  computed block by block as the writer reaches each block), RegMean on those maps and task arithmetic elsewhere;
+- ``fisher``: the diagonal Fisher of each fine-tune on its task's records (`submerge.merge.learned.fisher_diagonals`,
+  kept on disk), Fisher merging on every parameter;
+- ``adamerging`` / ``lorahub``: weights per task (and tensor) learned on the records
+  (`submerge.merge.learned.adamerging_coefficients`, `lorahub_coefficients`), θ0 + Σ_t w_t τ_t per tensor.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from submerge.diagnostics.checkpoints import local_path
 from submerge.diagnostics.execution import Engine
 from submerge.diagnostics.experiment import Experiment
 from submerge.diagnostics.linearity import alpha
+from submerge.merge.learned import LEARNED_METHODS, learn
 from submerge.merge.plan import Plan, plan_from_alpha
 from submerge.merge.rules import RuleFunction, checked_method, method_rule, regmean_rule
 from submerge.merge.strategies import STRATEGIES
@@ -41,7 +46,8 @@ class MergeSetup:
 
 @dataclass
 class DataSettings:
-    """Task data for the methods that need it (closed-form, regmean): records read per task and their length."""
+    """Task data for the methods that need it (closed-form, regmean, fisher, adamerging, lorahub): records read
+    per task and their length."""
 
     data: dict[str, str] = field(default_factory=dict)
     samples: int = 30
@@ -139,7 +145,16 @@ def method_setup(method: str, options: dict, base: str, finetuned: dict[str, str
     experiment = Experiment.load(base, finetuned, data.data, samples=data.samples, max_tokens=data.max_tokens,
                                  batch_size=data.batch_size, dtype="auto", device=device, offload=offload,
                                  allow_pickle=allow_pickle, trust_remote_code=False, vocab=vocab)
-    _, data_options = registered.split_options(options)
+    return data_step(name, experiment, base, finetuned, options, record=record, progress=progress)
+
+
+def data_step(method: str, experiment, base: str, finetuned: dict[str, str], options: dict | None = None, *,
+              record: dict | None = None, progress: bool = True) -> MergeSetup:
+    """The rules and data inputs of the data method `method` (a registered name with ``inputs``), fitted on the
+    records of `experiment` (`diag merge --method M --data …` and `diag compare` alike)."""
+    name, options = checked_method(method, options)
+    _, data_options = STRATEGIES[name].split_options(options)
+    record = {"method": method, "options": options} if record is None else record
     return _DATA_STEPS[name](experiment, base, finetuned, record, options, data_options, progress)
 
 
@@ -157,5 +172,14 @@ def _regmean(experiment, base, finetuned, record, options, data_options, progres
     return MergeSetup(regmean_rule(options, grams.names), record, grams)
 
 
+def _learned(name: str):
+    """The data step of a method whose inputs `submerge.merge.learned.learn` fits (Fisher, AdaMerging, LoraHub)."""
+    def step(experiment, base, finetuned, record, options, data_options, progress) -> MergeSetup:
+        learned = learn(name, experiment, options, data_options, progress=progress)
+        record[name] = learned.record
+        return MergeSetup(learned.rule_for, record, learned.tensor_inputs)
+    return step
+
+
 #: The data step of each registered method that has ``inputs`` (tests check every such method has one).
-_DATA_STEPS = {"closed-form": _closed_form, "regmean": _regmean}
+_DATA_STEPS = {"closed-form": _closed_form, "regmean": _regmean, **{name: _learned(name) for name in LEARNED_METHODS}}

@@ -8,12 +8,19 @@ returns the **merged task vector** τ_M (same shape and dtype as the inputs). Th
 weight is θ0 + τ_M, computed on the inputs' device and cast back to the inputs' dtype.
 
 Precision and memory: element-wise methods (weight average, TA, TIES, DARE, Breadcrumbs,
-DELLA, the closed-form weights) compute in the inputs' dtype promoted to at least float32
-(``compute_dtype``: bf16/fp16 → float32, float64 stays float64); random masks are drawn from
-float64 probabilities, so a seed gives the same mask whatever the dtype. Above
-``CHUNK_THRESHOLD`` entries they run in row chunks, so their peak is about the T task vectors
-plus the output. SVDs and solves (TSV-M, Iso-C/CTS, CART, STAR, SFTM, RegMean) run in float64
-(``COMPUTE_DTYPE``) one tensor at a time, never on a (T, ...) float64 stack.
+DELLA, PCB, Consensus TA, NAN, Fisher, the closed-form / AdaMerging / LoraHub weights) compute in
+the inputs' dtype promoted to at least float32 (``compute_dtype``: bf16/fp16 → float32, float64
+stays float64); random masks are drawn from float64 probabilities, so a seed gives the same mask
+whatever the dtype. Above ``CHUNK_THRESHOLD`` entries TA, TIES, DARE, Breadcrumbs, DELLA and
+Consensus TA run in row chunks, so their peak is about the T task vectors plus the output (PCB
+holds T score tensors besides, Fisher the T diagonals). SVDs and solves (TSV-M, Iso-C/CTS, CART,
+STAR, SFTM, KnOTS, RegMean) run in float64 (``COMPUTE_DTYPE``) one tensor at a time, never on a
+(T, ...) float64 stack (KnOTS: one m × T n concatenation).
+
+Inputs besides the task vectors: data-driven methods take per-tensor inputs computed from the fit
+records (``TENSOR_INPUTS``: RegMean's Grams, Fisher's diagonals) or per-task weights learned from
+them (closed-form, AdaMerging, LoraHub; `submerge.merge.learned`); NAN takes θ0 of the tensor,
+which the merge writer reads from the base checkpoint (``CHECKPOINT_INPUTS``).
 
 Registry: ``STRATEGIES`` maps a method name to a ``MergeMethod`` whose options and defaults
 are read from the function's signature; ``ALIASES`` accepts mergekit's spellings.
@@ -26,7 +33,7 @@ Papers: "survey" is seed 003 (a survey of model merging whose section for each m
 gives the equations quoted here; its equations are labelled, not numbered, so the label
 is cited), "SFTM" is seed 001 (Qiu et al., Superpose Singular Features for Model Merging).
 
-Matrix-only methods (TSV-M, Iso-C, Iso-CTS, CART, STAR, SFTM, RegMean) need 2-D tensors;
+Matrix-only methods (TSV-M, Iso-C, Iso-CTS, CART, STAR, SFTM, KnOTS, RegMean) need 2-D tensors;
 ``merge_parameter`` applies the documented fallback to biases, norms and embeddings
 (SFTM Alg. 2 lines 9–16: biases/embeddings by task arithmetic, norms by mean) and
 reshapes >2-D kernels to (out, rest) as SFTM §3.3 does for convolutions.
@@ -47,6 +54,7 @@ from submerge.diagnostics.spectral import concat_top, numerical_rank, thin_svd
 
 __all__ = [
     "ALIASES",
+    "CHECKPOINT_INPUTS",
     "CHUNK_ELEMENTS",
     "CHUNK_THRESHOLD",
     "CLOSED_FORM_OPTIONS",
@@ -55,24 +63,34 @@ __all__ = [
     "PARAMETER_KINDS",
     "ROW_LOCAL_METHODS",
     "STRATEGIES",
+    "TENSOR_INPUTS",
     "MergeMethod",
     "MergedTaskVector",
     "SftmSystem",
     "TsvBases",
+    "adamerging",
     "breadcrumbs",
     "breadcrumbs_mask",
     "cart",
     "compute_dtype",
+    "consensus",
     "dare",
     "della",
     "drop_and_rescale",
     "elect_sign_disjoint_mean",
+    "fisher",
     "is_row_local",
     "iso_c",
     "iso_cts",
     "keep_top_magnitude",
+    "knots",
+    "lorahub",
     "magprune",
     "merge_parameter",
+    "nan",
+    "nan_coefficients",
+    "pcb",
+    "pcb_balance",
     "procrustes_orthonormalise",
     "regmean",
     "resolve_method",
@@ -80,6 +98,7 @@ __all__ = [
     "sftm_system",
     "star",
     "star_truncate",
+    "tall_masks",
     "task_arithmetic",
     "ties",
     "tsv_bases",
@@ -88,6 +107,11 @@ __all__ = [
     "weighted_task_arithmetic",
 ]
 
+#: Inputs of a strategy that the merge writer reads from the base checkpoint, not from data: θ0 of the tensor.
+CHECKPOINT_INPUTS = ("base_weight",)
+#: Per-tensor inputs from data, one tensor per task, that the merge writer hands to a method (RegMean's input
+#: Grams, Fisher merging's diagonal Fishers): method → the function's parameter.
+TENSOR_INPUTS = {"regmean": "gram_matrices", "fisher": "fisher_diagonals"}
 #: dtype of SVDs, solves and the matrix methods built on them (per tensor, never a (T, ...) stack).
 COMPUTE_DTYPE = torch.float64
 #: Element-wise methods on tensors above this many entries (≥ 2 dims) run in row chunks of about
@@ -541,6 +565,181 @@ def della(
         torch.stack([draw(piece) for draw, piece in zip(drawn, pieces)])))
 
 
+def _min_max(values: torch.Tensor) -> torch.Tensor:
+    """Min-max normalisation to [0, 1] over every entry (PCB's Norm); a constant tensor gives zeros."""
+    low, high = values.min(), values.max()
+    if high == low:
+        return torch.zeros_like(values)
+    return (values - low) / (high - low)
+
+
+def _softmax_over_entries(values: torch.Tensor) -> torch.Tensor:
+    """Softmax over every entry of the tensor (one distribution per tensor), in its shape."""
+    return torch.softmax(values.reshape(-1), dim=0).reshape(values.shape)
+
+
+def pcb_balance(task_vectors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """PCB-Merging's parameter competition balancing matrices β_i (Du et al. 2024), one per task.
+
+    Survey §PCB-Merging, eqs. (pcb intra) and (pcb inter), App. "Derivation for the Complete Formulation of
+    PCB-Merging": β_intra,i = Softmax(T · Norm(τ_i ⊙ τ_i)), β_inter,i = Σ_j Softmax(Norm(τ_i ⊙ τ_j)) (j = i
+    included), β_i = β_intra,i ⊙ β_inter,i. Norm is min-max normalisation to [0, 1] (the appendix's "typically";
+    a constant tensor normalises to zeros), each softmax runs over every entry of the tensor. Returned in compute
+    dtype (at least float32).
+    """
+    _check_task_vectors(task_vectors)
+    values = [_compute(task_vector) for task_vector in task_vectors]
+    count = len(values)
+    betas = []
+    for tau_i in values:
+        intra = _softmax_over_entries(count * _min_max(tau_i * tau_i))
+        inter = _sum([_softmax_over_entries(_min_max(tau_i * tau_j)) for tau_j in values])
+        betas.append(intra * inter)
+    return betas
+
+
+def pcb(task_vectors: Sequence[torch.Tensor], *, top_k: float = 0.1, scaling: float = 1.0) -> torch.Tensor:
+    """PCB-Merging (Du et al. 2024): balance, drop the low-scoring entries, β-weighted mean, scale by λ.
+
+    The main baseline of seed 001's tables (its mask ratio η searched over 0.1–0.5, §4 Hyperparameter Sensitivity).
+
+    Survey §PCB-Merging, eqs. (pcb intra), (pcb inter) (see ``pcb_balance``), (pcb mask) and (pcb merge):
+    m_i keeps the top r of β_i (``top_k`` = r, the mask ratio, as a fraction: ⌊r · n⌋ entries, at least one,
+    equal scores in row-major order, as TIES's trim), β̂_i = m_i ⊙ β_i, τ_M = Σ_i β̂_i ⊙ τ_i / Σ_i β̂_i (0 where
+    no task keeps the entry), θ_M = θ0 + λ τ_M. Default r = 0.1 (the authors' ``pcb_ratio``), λ = 1 (the paper
+    tunes λ on validation data). Per parameter tensor, as the writer streams tensors (the paper balances the
+    whole model's flattened task vector). The equations are the survey's; the authors' released code differs
+    (exp without the softmax's denominator, tanh(τ_i · Σ_j τ_j) for the inter term, outliers clamped).
+    """
+    betas = pcb_balance(task_vectors)
+    keep = _top_count(top_k, betas[0].numel())
+    numerator = torch.zeros_like(betas[0])
+    denominator = torch.zeros_like(betas[0])
+    for beta, task_vector in zip(betas, task_vectors):
+        kept = torch.where(_TopMagnitude(beta, keep)(beta), beta, 0.0)
+        numerator += kept * _compute(task_vector)
+        denominator += kept
+    merged = torch.where(denominator > 0, numerator / torch.where(denominator > 0, denominator, 1.0), 0.0)
+    return _as_output(float(scaling) * merged, task_vectors[0])
+
+
+def tall_masks(task_vectors: Sequence[torch.Tensor], mask_lambda: float) -> list[torch.Tensor]:
+    """TALL masks (Wang et al. 2024): m_t = 1{|τ_t| ≥ λ_t |τ_MTL − τ_t|} with τ_MTL = Σ_t τ_t, one λ for all tasks.
+
+    Survey §TALL-Masks and Consensus Merging, eq. (tall-mask) (derivation: App. "Derivation for TALL-Mask"). Bool
+    tensors of the inputs' shape, computed in compute dtype.
+    """
+    _check_task_vectors(task_vectors)
+    mask_lambda = _check_mask_lambda(mask_lambda)
+    values = [_compute(task_vector) for task_vector in task_vectors]
+    total = _sum(values)
+    return [value.abs() >= mask_lambda * (total - value).abs() for value in values]
+
+
+def _check_mask_lambda(mask_lambda: float) -> float:
+    mask_lambda = float(mask_lambda)
+    if not mask_lambda >= 0:
+        raise ValueError(f"mask_lambda must be ≥ 0, got {mask_lambda}")
+    return mask_lambda
+
+
+def consensus(task_vectors: Sequence[torch.Tensor], *, mask_lambda: float = 0.4, min_tasks: int = 2,
+              scaling: float = 1.0) -> torch.Tensor:
+    """Consensus Task Arithmetic with TALL masks (Wang et al. 2024; seed 002 Table 9's "Consensus TA").
+
+    Survey §TALL-Masks and Consensus Merging: TALL masks m_t = 1{|τ_t| ≥ λ_t |τ_MTL − τ_t|} (``tall_masks``),
+    m_consensus = 1{Σ_t m_t ≥ k}, τ_consensus = m_consensus ⊙ τ_MTL, θ_M = θ0 + α τ_consensus with
+    τ_MTL = Σ_t τ_t (task arithmetic's sum). Defaults: k = 2 (``min_tasks``, the survey's "setting k = 2":
+    entries relevant to at least two tasks), λ_t = 0.4 for every task (``mask_lambda``, the middle of the
+    survey's grid {0.2, …, 0.6}; the paper tunes it per task on validation data), α = 1 (``scaling``; the paper
+    tunes it). Every step is per entry, so the merge is row by row (``ROW_LOCAL_METHODS``).
+    """
+    _check_task_vectors(task_vectors)
+    mask_lambda = _check_mask_lambda(mask_lambda)
+    if int(min_tasks) != min_tasks or min_tasks < 0:
+        raise ValueError(f"min_tasks must be a whole number ≥ 0, got {min_tasks}")
+
+    def combine(pieces: list[torch.Tensor]) -> torch.Tensor:
+        total = _sum(pieces)
+        agreeing = torch.zeros(total.shape, dtype=torch.int64, device=total.device)
+        for piece in pieces:
+            agreeing += piece.abs() >= mask_lambda * (total - piece).abs()
+        return float(scaling) * torch.where(agreeing >= int(min_tasks), total, 0.0)
+
+    return _by_chunks(task_vectors, combine)
+
+
+def nan_coefficients(task_vectors: Sequence[torch.Tensor], base_weight: torch.Tensor) -> list[float]:
+    """NAN's coefficients (Si et al. 2025) for one tensor: α_i = (1/‖W_i‖_F) / Σ_j (1/‖W_j‖_F).
+
+    Survey §NAN: W_i is model i's weight θ_i = θ0 + τ_i of this tensor ("the coefficient for the weight
+    θ_i^(l) in task i at layer l"); norms in float64. Models whose weight is exactly zero share the whole
+    weight (the limit of their norms going to zero together).
+    """
+    _check_task_vectors(task_vectors)
+    if tuple(base_weight.shape) != tuple(task_vectors[0].shape):
+        raise ValueError(f"base_weight has shape {tuple(base_weight.shape)}, the task vectors "
+                         f"{tuple(task_vectors[0].shape)}")
+    base = base_weight.to(device=task_vectors[0].device, dtype=COMPUTE_DTYPE)
+    norms = [float(torch.linalg.vector_norm(base + task_vector.to(COMPUTE_DTYPE))) for task_vector in task_vectors]
+    zero = [norm == 0 for norm in norms]
+    if any(zero):
+        return [1.0 / sum(zero) if is_zero else 0.0 for is_zero in zero]
+    inverse = [1.0 / norm for norm in norms]
+    return [value / sum(inverse) for value in inverse]
+
+
+def nan(task_vectors: Sequence[torch.Tensor], *, base_weight: torch.Tensor, scaling: float = 1.0) -> torch.Tensor:
+    """NAN (Si et al. 2025): task arithmetic with coefficients from the inverse norms of the models' weights.
+
+    Survey §NAN: α_i = (1/‖W_i‖_F) / Σ_j (1/‖W_j‖_F) per layer (here per tensor, ``nan_coefficients``), and
+    θ_M = θ0 + (T/2) Σ_i α_i τ_i (the survey's global factor T/2 against coefficients that sum to one);
+    ``scaling`` multiplies that (1 = the paper). ``base_weight`` (θ0 of this tensor) is read by the merge
+    writer from the base checkpoint, not from data. Data-free.
+    """
+    coefficients = nan_coefficients(task_vectors, base_weight)
+    factor = float(scaling) * len(task_vectors) / 2
+    return weighted_task_arithmetic(task_vectors, [factor * coefficient for coefficient in coefficients])
+
+
+def fisher(task_vectors: Sequence[torch.Tensor], *, fisher_diagonals: Sequence[torch.Tensor],
+           fisher_floor: float = 1e-6, scaling: float = 1.0, seed: int = 0) -> torch.Tensor:
+    """Fisher merging (Matena & Raffel 2022): the Fisher-weighted average of the fine-tuned weights.
+
+    A baseline of seeds 000 and 001 ("utilizing the Fisher information matrix to assess the importance of
+    individual parameters").
+
+    Survey §Fisher Average, its closed form θ_M^(j) = Σ_i λ_i F_i^(j) θ_i^(j) / Σ_i λ_i F_i^(j) with equal λ_i;
+    with θ_i = θ0 + τ_i the base cancels: τ_M = Σ_i F_i τ_i / Σ_i F_i, and θ_M = θ0 + s τ_M (``scaling`` s = 1
+    is the paper's average). Each F_i is floored at ``fisher_floor`` (1e-6, the authors' code), so an entry
+    no model's Fisher sees is the plain mean. ``fisher_diagonals``: one diagonal Fisher per task, the
+    tensor's shape, estimated on each fine-tune by `submerge.merge.learned.fisher_diagonals` (the data step;
+    ``seed`` draws its sampled labels). Computed in the inputs' dtype promoted to at least float32.
+    """
+    _check_task_vectors(task_vectors)
+    if fisher_diagonals is None or len(fisher_diagonals) != len(task_vectors):
+        count = "none" if fisher_diagonals is None else len(fisher_diagonals)
+        raise ValueError(f"fisher needs one Fisher diagonal per task vector: got {count} for {len(task_vectors)}")
+    floor = float(fisher_floor)
+    if not floor >= 0:
+        raise ValueError(f"fisher_floor must be ≥ 0, got {floor}")
+    shape = tuple(task_vectors[0].shape)
+    numerator, denominator = None, None
+    for index, (task_vector, diagonal) in enumerate(zip(task_vectors, fisher_diagonals)):
+        if tuple(diagonal.shape) != shape:
+            raise ValueError(f"fisher_diagonals[{index}] has shape {tuple(diagonal.shape)}, expected {shape}")
+        value = _compute(task_vector)
+        weight = diagonal.to(device=value.device, dtype=value.dtype).clamp(min=floor)
+        numerator = weight * value if numerator is None else numerator + weight * value
+        denominator = weight if denominator is None else denominator + weight
+    if floor == 0:  # no Fisher anywhere: the plain mean, as with equal Fishers
+        mean = _sum([_compute(task_vector) for task_vector in task_vectors]) / len(task_vectors)
+        merged = torch.where(denominator > 0, numerator / torch.where(denominator > 0, denominator, 1.0), mean)
+    else:
+        merged = numerator / denominator
+    return _as_output(float(scaling) * merged, task_vectors[0])
+
+
 # --------------------------------------------------------------------------- matrix methods
 
 
@@ -775,6 +974,37 @@ def sftm(task_vectors: Sequence[torch.Tensor], *, top_k: float = 0.2, scaling: f
     return _as_output(float(scaling) * merged, task_vectors[0])
 
 
+def knots(task_vectors: Sequence[torch.Tensor], *, base: str = "ties", top_k: float = 0.2,
+          scaling: float = 1.0) -> torch.Tensor:
+    """KnOTS (Stoica et al. 2024): align the task updates by one SVD, merge their aligned parts, rebuild.
+
+    Survey §KnOTS: SVD([Δ_1 … Δ_T]) = U Σ [V_1; …; V_T]ᵀ of the column-wise concatenation (m × T n, out × in
+    weights as stored), numerically zero singular values dropped (k ≤ Σ_t rank Δ_t); a merging method is
+    applied to the task-specific parts, "after optional pruning/rescaling on Σ V_i for magnitude-based
+    methods": ``base="ties"`` (the paper's KnOTS-TIES) runs TIES (trim to ``top_k``, elect sign, disjoint
+    mean, λ) on the k × n matrices Σ V_tᵀ, ``base="task-arithmetic"`` sums them times λ; Δ_M = U (merged Σ Vᵀ).
+    With task arithmetic the SVD cancels (U Σ V_tᵀ = Δ_t): KnOTS-TA is task arithmetic. Defaults: TIES's
+    top-k 20 % and λ = 1 (the paper tunes both). One m × T n float64 matrix and its SVD per tensor.
+    """
+    _check_task_vectors(task_vectors, matrix=True)
+    if base not in ("ties", "task-arithmetic"):
+        raise ValueError(f"knots base must be 'ties' or 'task-arithmetic', got {base!r}")
+    columns = task_vectors[0].shape[1]
+    concatenated = torch.cat([task_vector.to(COMPUTE_DTYPE) for task_vector in task_vectors], dim=1)
+    left, singular_values, right = _thin_svd(concatenated)
+    rank = numerical_rank(singular_values, tuple(concatenated.shape), task_vectors[0].dtype)
+    if rank == 0:
+        return torch.zeros_like(task_vectors[0])
+    left, scales = left[:, :rank], singular_values[:rank].to(COMPUTE_DTYPE)
+    aligned = [scales[:, None] * right[index * columns:(index + 1) * columns, :rank].mT
+               for index in range(len(task_vectors))]  # Σ V_tᵀ, k × n
+    if base == "ties":
+        merged = ties(aligned, top_k=top_k, scaling=scaling)
+    else:
+        merged = task_arithmetic(aligned, scaling=scaling)
+    return _as_output(left @ merged, task_vectors[0])
+
+
 def regmean(
     task_vectors: Sequence[torch.Tensor],
     *,
@@ -820,6 +1050,44 @@ def regmean(
     return _as_output(merged_transposed.mT, task_vectors[0])
 
 
+# ------------------------------------------------------------------ coefficients learned from data
+
+
+def adamerging(task_vectors: Sequence[torch.Tensor], weights: Sequence[float | torch.Tensor], *,
+               granularity: str = "layer", steps: int = 500, learning_rate: float = 1e-3,
+               initial: float = 0.3) -> torch.Tensor:
+    """AdaMerging (Yang et al. 2024): θ0 + Σ_t λ_t τ_t with λ learned by entropy minimisation on unlabelled data.
+
+    Seeds 000/001 cite it for its per-task / per-layer coefficients "on unlabeled test datasets".
+
+    Survey §AdaMerging: task-wise θ_M = θ0 + Σ_i λ_i τ_i or layer-wise θ_M^(l) = θ0^(l) + Σ_i λ_i^(l) τ_i^(l),
+    the λ minimising Σ_i Σ_{x ∈ B_i} H(f_θM(x)). This function applies the learned ``weights`` (one per task,
+    for this tensor); the keyword options configure the data step that learns them
+    (`submerge.merge.learned.adamerging_coefficients`): ``granularity`` "layer" (one λ per task and
+    parameter tensor, the authors' layer-wise AdaMerging) or "task"; ``steps`` 500 of Adam at
+    ``learning_rate`` 1e-3 from λ = ``initial`` 0.3, λ clipped to [0, 1] — the paper's settings. For a language
+    model the entropy is the LM analogue of the paper's classification entropy: the mean next-token entropy of
+    the merged model over the real tokens of each task's fit records, summed over tasks.
+    """
+    return weighted_task_arithmetic(task_vectors, weights)
+
+
+def lorahub(task_vectors: Sequence[torch.Tensor], weights: Sequence[float | torch.Tensor], *,
+            steps: int = 40, l1_weight: float = 0.05, bound: float = 1.5, seed: int = 42) -> torch.Tensor:
+    """LoraHub (Huang et al. 2023): θ0 + Σ_t w_t τ_t with w found by a gradient-free search on a few examples.
+
+    Seeds 000/001 ("Lorahub … searches for coefficients at the task level"); the search minimises the few
+    examples' loss + ``l1_weight`` · mean_t |w_t| (0.05, the authors' ``default_l1_regularization``) over
+    w ∈ [−``bound``, ``bound``]ᵀ (1.5) from w = 0, with ``steps`` (40, the authors' ``max_inference_step``)
+    evaluations. This function applies the found ``weights``; the data step is
+    `submerge.merge.learned.lorahub_coefficients` (CMA-ES from the ``cma`` library where the authors used
+    nevergrad's NGOpt; ``seed`` seeds it). The loss is the mean next-token cross-entropy of each task's fit
+    records, averaged over tasks. LoraHub composes LoRA factors, (Σ w A)(Σ w B); here the dense task vectors
+    are weighted, Σ w B A, for full fine-tunes and adapters alike.
+    """
+    return weighted_task_arithmetic(task_vectors, weights)
+
+
 # ---------------------------------------------------------------------------- registry
 
 
@@ -850,7 +1118,13 @@ class MergeMethod:
     @property
     def inputs(self) -> tuple[str, ...]:
         """Parameters without a default that data must supply (empty for a plain strategy)."""
-        return tuple(name for name, parameter in self._parameters() if parameter.default is inspect.Parameter.empty)
+        return tuple(name for name, parameter in self._parameters()
+                     if parameter.default is inspect.Parameter.empty and name not in CHECKPOINT_INPUTS)
+
+    @property
+    def checkpoint_inputs(self) -> tuple[str, ...]:
+        """Parameters the merge writer reads from the base checkpoint itself (NAN's ``base_weight``), not data."""
+        return tuple(name for name, _ in self._parameters() if name in CHECKPOINT_INPUTS)
 
     @property
     def needs_data(self) -> bool:
@@ -929,10 +1203,25 @@ _REGISTERED = (
     ("sftm", sftm, True, "trim, then superpose singular features by solving (Σ∘U∘V)α = σ (Qiu et al., SFTM)"),
     ("regmean", regmean, True,
      "closed-form least squares on recorded input Gram matrices (Jin et al. 2023, RegMean; needs data)"),
+    ("pcb", pcb, False,
+     "intra/inter-task balancing scores, keep the top r, score-weighted mean (Du et al. 2024, PCB-Merging)"),
+    ("consensus", consensus, False,
+     "task arithmetic on the entries that ≥ k tasks' TALL masks select (Wang et al. 2024, Consensus TA)"),
+    ("nan", nan, False, "task arithmetic with α ∝ 1/‖θ_t‖ per tensor, times T/2 (Si et al. 2025, NAN)"),
+    ("knots", knots, True,
+     "SVD of the concatenated updates, TIES on the aligned Σ V_t, rebuild (Stoica et al. 2024, KnOTS)"),
 )
 #: Options of the closed-form merge's data step (`submerge.diagnostics.linearity.alpha`): the unit α is fitted and
 #: applied at, and whether the objective is balanced (seed 002 Eq. 33–34) or plain (Eq. 10–14).
 CLOSED_FORM_OPTIONS = {"granularity": "attn-mlp", "balance": True}
+
+
+
+def _data_options(function: Callable, names: Sequence[str]) -> dict[str, object]:
+    """The defaults of the keyword options `names` of `function`: its data step's options, read from its signature."""
+    parameters = inspect.signature(function).parameters
+    return {name: parameters[name].default for name in names}
+
 
 STRATEGIES: dict[str, MergeMethod] = {
     **{name: MergeMethod(name, function, description, matrix_only) for name, function, matrix_only, description
@@ -941,6 +1230,22 @@ STRATEGIES: dict[str, MergeMethod] = {
         "closed-form", weighted_task_arithmetic,
         "θ0 + Σ_t α_t τ_t with α per submodule solved on task data (seed 002 Eq. 12–14, 33–34; needs data)",
         data_options=CLOSED_FORM_OPTIONS,
+    ),
+    "fisher": MergeMethod(
+        "fisher", fisher,
+        "Fisher-weighted average, diagonal Fishers estimated on the fit records (Matena & Raffel 2022; needs data)",
+        data_options=_data_options(fisher, ("seed",)),
+    ),
+    "adamerging": MergeMethod(
+        "adamerging", adamerging,
+        "θ0 + Σ λ τ, λ per tensor learned by next-token entropy minimisation (Yang et al. 2024, AdaMerging; "
+        "needs data)",
+        data_options=_data_options(adamerging, ("granularity", "steps", "learning_rate", "initial")),
+    ),
+    "lorahub": MergeMethod(
+        "lorahub", lorahub,
+        "θ0 + Σ w τ, w searched by CMA-ES on the fit records' loss + L1 (Huang et al. 2023, LoraHub; needs data)",
+        data_options=_data_options(lorahub, ("steps", "l1_weight", "bound", "seed")),
     ),
 }
 
@@ -998,6 +1303,8 @@ def merge_parameter(
     kind: str | None = None,
     fallback: Mapping[str, str | tuple[str, Mapping[str, object]]] | None = None,
     gram_matrices: Sequence[torch.Tensor] | None = None,
+    fisher_diagonals: Sequence[torch.Tensor] | None = None,
+    base_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Merge the task vectors of the parameter ``name`` with ``method``; returns τ_M.
 
@@ -1011,7 +1318,9 @@ def merge_parameter(
     their papers do. Tensors with more than two dimensions are merged by matrix-only methods
     as (shape[0], −1) matrices (SFTM §3.3) and reshaped back. A ``seed`` option is mixed with
     ``name`` so that tensors of equal shape do not share one random mask. ``gram_matrices``
-    (one per task) is forwarded to RegMean. ``method`` may be a mergekit spelling (``ALIASES``).
+    (one per task) is forwarded to RegMean, ``fisher_diagonals`` (one per task) to Fisher merging,
+    ``base_weight`` (θ0 of the tensor) to the methods that take it (NAN) and is ignored by the others.
+    ``method`` may be a mergekit spelling (``ALIASES``).
     """
     merge_method, options = resolve_method(method, options)
     _check_task_vectors(task_vectors)
@@ -1024,7 +1333,12 @@ def merge_parameter(
         return _fallback(name, task_vectors, merge_method, kind, fallback)
     if "seed" in resolved:
         resolved["seed"] = _parameter_seed(resolved["seed"], name)
-    resolved.update(_inputs(name, merge_method, gram_matrices))
+    resolved.update(_inputs(name, merge_method, {"gram_matrices": gram_matrices, "fisher_diagonals": fisher_diagonals}))
+    if "base_weight" in merge_method.checkpoint_inputs:
+        if base_weight is None:
+            raise ValueError(f"{name}: merge method {merge_method.name!r} needs base_weight (θ0 of the tensor: merge "
+                             "through submerge.merge.writer, which reads it from the base checkpoint)")
+        resolved["base_weight"] = base_weight
     if merge_method.matrix_only:
         if len(shape) < 2:
             raise ValueError(f"{name}: method {merge_method.name!r} needs a matrix, got shape {shape}")
@@ -1059,7 +1373,7 @@ class MergedTaskVector:
 
 #: Methods whose merged row i depends on row i of the task vectors alone (no statistic over the whole tensor,
 #: no random stream): a large tensor can be read, merged and written in row blocks (`submerge.merge.writer`).
-ROW_LOCAL_METHODS = frozenset({"task-arithmetic", "weight-average", "closed-form"})
+ROW_LOCAL_METHODS = frozenset({"task-arithmetic", "weight-average", "closed-form", "consensus"})
 
 
 def is_row_local(method: str | MergeMethod, kind: str) -> bool:
@@ -1083,14 +1397,19 @@ def _fallback(name, task_vectors, merge_method: MergeMethod, kind: str, fallback
     return merge_parameter(name, task_vectors, fallback_method, fallback_options, kind=kind)
 
 
-def _inputs(name: str, merge_method: MergeMethod, gram_matrices) -> dict[str, object]:
-    """The data inputs of a method: RegMean's Gram matrices (a weighted method's weights are not per name)."""
-    if "gram_matrices" in merge_method.inputs:
-        if gram_matrices is None:
-            raise ValueError(f"{name}: regmean needs gram_matrices (the inputs' X_tᵀX_t per task) for this linear map")
-        return {"gram_matrices": gram_matrices}
-    if gram_matrices is not None:
-        raise ValueError(f"{name}: gram_matrices are only used by regmean, not {merge_method.name!r}")
+def _inputs(name: str, merge_method: MergeMethod, tensor_inputs: Mapping[str, object]) -> dict[str, object]:
+    """The per-tensor data inputs of a method (`TENSOR_INPUTS`: RegMean's Gram matrices, Fisher merging's
+    diagonals); a weighted method's weights are not per name, so a method that needs them cannot run here."""
+    wanted = TENSOR_INPUTS.get(merge_method.name)
+    for key, value in tensor_inputs.items():
+        if value is not None and key != wanted:
+            users = [method for method, parameter in TENSOR_INPUTS.items() if parameter == key]
+            raise ValueError(f"{name}: {key} are only used by {', '.join(users)}, not {merge_method.name!r}")
+    if wanted is not None:
+        if tensor_inputs.get(wanted) is None:
+            what = {"gram_matrices": "the inputs' X_tᵀX_t per task", "fisher_diagonals": "one Fisher per task"}
+            raise ValueError(f"{name}: {merge_method.name} needs {wanted} ({what[wanted]}) for this tensor")
+        return {wanted: tensor_inputs[wanted]}
     if merge_method.inputs:
         raise ValueError(f"{name}: merge method {merge_method.name!r} needs {', '.join(merge_method.inputs)} "
                          "from data (run it through submerge.merge.run / diag merge with --data)")

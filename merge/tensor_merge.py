@@ -23,6 +23,7 @@ from submerge.diagnostics.tensors import TensorInfo, TensorTable
 from submerge.merge.rules import MergeError, ParameterRule
 from submerge.merge.strategies import (
     CHUNK_THRESHOLD,
+    TENSOR_INPUTS,
     compute_dtype,
     is_row_local,
     merge_parameter,
@@ -44,10 +45,12 @@ def merge_tensor(info: TensorInfo, base_tensor: torch.Tensor, task_vectors: Mapp
     """θ0 + τ_M of one tensor: `task_vectors` (task → τ_t) merged by `rule`, added to `base_tensor`.
 
     A weights rule is `weighted_task_arithmetic` with each task's weight (0 for a task it does
-    not name); a method rule is `merge_parameter` with the table's ``kind`` (and RegMean's input
-    Grams `grams`, one per task; a Conv1D weight stored (in, out) is transposed around it). The sum
-    is taken in float32 and returned in `dtype` (default: the base tensor's). Non-floating tensors
-    (integer buffers) are returned as they are. A NaN/Inf result is a `MergeError` naming the tensor.
+    not name); a method rule is `merge_parameter` with the table's ``kind``, the base tensor (NAN's
+    ``base_weight``) and the method's per-tensor data input `grams`, one per task (`TENSOR_INPUTS`:
+    RegMean's input Grams — a Conv1D weight stored (in, out) is transposed around RegMean — or
+    Fisher merging's diagonals). The sum is taken in float32 and returned in `dtype` (default: the base
+    tensor's). Non-floating tensors (integer buffers) are returned as they are. A NaN/Inf result is a
+    `MergeError` naming the tensor.
     """
     if not base_tensor.is_floating_point():
         return base_tensor
@@ -55,12 +58,13 @@ def merge_tensor(info: TensorInfo, base_tensor: torch.Tensor, task_vectors: Mapp
     if rule.weights is not None:
         delta = weighted_task_arithmetic(vectors, [rule.weights.get(task, 0.0) for task in task_vectors])
     else:
-        transposed = bool(grams) and info.transposed
+        transposed = bool(grams) and rule.method == "regmean" and info.transposed
         if transposed:  # GPT-2 Conv1D stores (in, out)
             vectors = [v.T for v in vectors]
+        inputs = {TENSOR_INPUTS[rule.method]: grams} if grams and rule.method in TENSOR_INPUTS else {}
         try:
             delta = merge_parameter(info.name, vectors, rule.method, rule.options, kind=info.kind,
-                                    gram_matrices=grams)
+                                    base_weight=base_tensor, **inputs)
         except ValueError as exc:
             raise MergeError(f"merging '{info.name}' {tuple(base_tensor.shape)}: {exc}") from exc
         if transposed:
@@ -82,7 +86,7 @@ def merge_named(name: str, base_reader, task_vectors, table: TensorTable, rule_f
         info = table.get(name, tuple(base_tensor.shape))
         rule = rule_for(info)
         vectors = {task: reader.get(name, torch.float32, device) for task, reader in task_vectors.items()}
-        grams = gram_matrices(name) if (gram_matrices and rule.method == "regmean") else None
+        grams = gram_matrices(name) if (gram_matrices and rule.method in TENSOR_INPUTS) else None
         merged, used = merge_tensor(info, base_tensor, vectors, rule, grams, dtype=dtype), rule.describe()
         del vectors
     for reader in (base_reader, *(tv.finetuned for tv in task_vectors.values())):
@@ -154,10 +158,12 @@ class MergeWorker:
 @dataclass
 class MergeTask:
     """What a worker needs to merge tensors: the checkpoints (reopened from their paths in a Ray worker; here the
-    readers already open, which are not pickled), the rule function, RegMean's Gram matrices, dtype and device.
+    readers already open, which are not pickled), the rule function, the per-tensor data inputs (RegMean's Gram
+    matrices, Fisher's diagonals), dtype and device.
 
-    Pickled for Ray, a block-by-block Gram source (`submerge.diagnostics.capture.GramsByLayer`, which holds one
-    block's Grams and continues a forward) is computed whole here first, and sent as a dict."""
+    Pickled for Ray, a per-tensor source with ``names`` (`submerge.diagnostics.capture.GramsByLayer`, which holds
+    one block's Grams and continues a forward; `submerge.merge.learned.FisherDiagonals`, on this machine's disk) is
+    read whole here first, and sent as a dict."""
 
     method: ClassVar[str] = "merge"
     base: dict

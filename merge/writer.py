@@ -260,6 +260,9 @@ def write_merge(
     contains or is inside an input model's directory is refused before anything is written.
     Returns the output directory, loadable with `AutoModelForCausalLM.from_pretrained`.
 
+    ``gram_matrices(name)``: the per-tensor data input, one tensor per task, of a rule whose method takes one
+    (`submerge.merge.strategies.TENSOR_INPUTS`: RegMean's input Grams, Fisher merging's diagonals); None for a
+    tensor without one.
     ``engine`` (`submerge.diagnostics.execution`; default `LocalEngine`) merges groups of tensors, here or in Ray
     workers (`submerge.merge.tensor_merge.MergeTask`); this process alone writes the shards, in order, so the
     checkpoint is byte for byte the same on every engine.

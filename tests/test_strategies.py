@@ -11,17 +11,26 @@ from submerge.merge.strategies import (
     DEFAULT_FALLBACK,
     STRATEGIES,
     MergeMethod,
+    adamerging,
     breadcrumbs,
     breadcrumbs_mask,
     cart,
+    consensus,
     dare,
     della,
     elect_sign_disjoint_mean,
+    fisher,
     iso_c,
     iso_cts,
     keep_top_magnitude,
+    knots,
+    lorahub,
     magprune,
     merge_parameter,
+    nan,
+    nan_coefficients,
+    pcb,
+    pcb_balance,
     procrustes_orthonormalise,
     regmean,
     resolve_method,
@@ -29,6 +38,7 @@ from submerge.merge.strategies import (
     sftm_system,
     star,
     star_truncate,
+    tall_masks,
     task_arithmetic,
     ties,
     tsv_bases,
@@ -430,14 +440,223 @@ def test_regmean_errors_name_the_shapes():
         regmean([torch.ones(4, 2), torch.ones(4, 2)], gram_matrices=[torch.eye(2)])
 
 
+# ------------------------------------------------------------------------------- PCB-Merging
+
+
+def _pcb_by_hand(tau, top_k):
+    """seed 003 §PCB with scalars: softmaxes over the entries, min-max Norm, keep ⌊r n⌋ per task, β̂-weighted mean."""
+    count, size = len(tau), len(tau[0])
+
+    def norm(values):
+        low, high = min(values), max(values)
+        return [0.0] * len(values) if high == low else [(v - low) / (high - low) for v in values]
+
+    def softmax(values):
+        exps = [math.exp(v) for v in values]
+        return [e / sum(exps) for e in exps]
+
+    betas = []
+    for i in range(count):
+        intra = softmax([count * v for v in norm([x * x for x in tau[i]])])
+        inter = [0.0] * size
+        for j in range(count):
+            inter = [a + b for a, b in zip(inter, softmax(norm([x * y for x, y in zip(tau[i], tau[j])])))]
+        betas.append([a * b for a, b in zip(intra, inter)])
+    keep = math.floor(top_k * size + 1e-9)
+    kept = []
+    for beta in betas:
+        threshold = sorted(beta, reverse=True)[keep - 1]
+        kept.append([b if b >= threshold else 0.0 for b in beta])
+    return [sum(kept[i][d] * tau[i][d] for i in range(count)) / sum(kept[i][d] for i in range(count))
+            if sum(kept[i][d] for i in range(count)) > 0 else 0.0 for d in range(size)]
+
+
+def test_pcb_two_tasks_three_entries_by_hand():
+    tau = [[1.0, 0.0, 2.0], [0.0, 1.0, 1.0]]
+    for top_k in (1.0, 2 / 3, 1 / 3):
+        expected = torch.tensor(_pcb_by_hand(tau, top_k), dtype=f64)
+        got = pcb([torch.tensor(t, dtype=f64) for t in tau], top_k=top_k)
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=0)
+    # entry 2 (largest |τ| of both) survives the 1/3 trim of both tasks and is their β-weighted mean
+    assert 1.0 < float(pcb([torch.tensor(t, dtype=f64) for t in tau], top_k=1 / 3)[2]) < 2.0
+
+
+def test_pcb_balance_is_the_product_of_the_softmaxes():
+    tau = _random_tasks(3, (4, 5), seed=40)
+    betas = pcb_balance(tau)
+    for i, beta in enumerate(betas):
+        torch.testing.assert_close(beta.sum() > 0, torch.tensor(True))
+        # β_intra sums to 1 and β_inter to T over the entries: Σ β_i ≤ T, every entry positive
+        assert bool((beta > 0).all()) and float(beta.sum()) <= len(tau) + 1e-12
+
+
+def test_pcb_of_equal_or_single_tasks_keeps_the_top_magnitudes():
+    """One task, or T equal ones: β is increasing in |τ|, so the mask is TIES's trim and the weighted mean is τ."""
+    task = _random((6, 5), seed=41)
+    for tasks in ([task], [task, task.clone()], [task] * 3):
+        torch.testing.assert_close(pcb(tasks, top_k=0.3), keep_top_magnitude(task, 0.3), rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(pcb([task], top_k=0.3, scaling=2.0), 2 * keep_top_magnitude(task, 0.3))
+
+
+def test_pcb_properties():
+    tasks = _random_tasks(3, (5, 7), seed=42)
+    merged = pcb(tasks)
+    torch.testing.assert_close(pcb(tasks[::-1]), merged, rtol=1e-12, atol=1e-15)  # task order
+    torch.testing.assert_close(pcb(tasks, scaling=-0.5), -0.5 * merged)
+    assert torch.equal(pcb([torch.zeros(3, 2, dtype=f64)] * 2), torch.zeros(3, 2, dtype=f64))
+    # an entry some task keeps is a convex combination of the tasks' entries there; one none keeps is 0
+    stacked, kept = torch.stack(tasks), merged != 0
+    assert bool((merged <= stacked.max(0).values + 1e-12)[kept].all())
+    assert bool((merged >= stacked.min(0).values - 1e-12)[kept].all())
+    assert int(kept.sum()) >= math.floor(0.1 * merged.numel())
+    with pytest.raises(ValueError, match="top_k must be a fraction"):
+        pcb(tasks, top_k=1.5)
+
+
+# ------------------------------------------------------------------------- Consensus TA
+
+
+def test_consensus_four_entries_by_hand():
+    tau = [torch.tensor(v, dtype=f64) for v in ([1.0, 1.0, 0.0, 3.0], [1.0, -1.0, 0.0, -1.0], [0.1, 0.0, 2.0, 0.0])]
+    # Σ = [2.1, 0, 2, 2]; with λ = 0.5: m_1 = [1,1,0,1], m_2 = [1,1,0,0], m_3 = [0,1,1,0]; agreeing [2,3,1,1]
+    masks = tall_masks(tau, 0.5)
+    assert [m.tolist() for m in masks] == [[True, True, False, True], [True, True, False, False],
+                                           [False, True, True, False]]
+    torch.testing.assert_close(consensus(tau, mask_lambda=0.5), torch.tensor([2.1, 0.0, 0.0, 0.0], dtype=f64))
+    torch.testing.assert_close(consensus(tau, mask_lambda=0.5, min_tasks=1), torch.tensor([2.1, 0.0, 2.0, 2.0],
+                                                                                          dtype=f64))
+    torch.testing.assert_close(consensus(tau, mask_lambda=0.5, min_tasks=3, scaling=0.5),
+                               torch.tensor([0.0, 0.0, 0.0, 0.0], dtype=f64))
+
+
+def test_consensus_properties():
+    tasks = _random_tasks(3, (6, 5), seed=43)
+    torch.testing.assert_close(consensus(tasks, mask_lambda=0.0), task_arithmetic(tasks))  # every mask is all ones
+    torch.testing.assert_close(consensus(tasks, min_tasks=0, scaling=0.3), task_arithmetic(tasks, scaling=0.3))
+    torch.testing.assert_close(consensus([tasks[0]], min_tasks=1), tasks[0])  # one task: its own τ
+    assert torch.equal(consensus([tasks[0]]), torch.zeros_like(tasks[0]))  # k = 2 > T: nothing is shared
+    torch.testing.assert_close(consensus(tasks[::-1]), consensus(tasks), atol=1e-12, rtol=0)
+    with pytest.raises(ValueError, match="min_tasks"):
+        consensus(tasks, min_tasks=1.5)
+    with pytest.raises(ValueError, match="mask_lambda"):
+        consensus(tasks, mask_lambda=-1.0)
+
+
+# ------------------------------------------------------------------------------------ NAN
+
+
+def test_nan_by_hand():
+    base = torch.tensor([1.0, 1.0], dtype=f64)
+    tau = [torch.tensor([2.0, 3.0], dtype=f64), torch.tensor([-1.0, 11.0], dtype=f64)]  # ‖θ_1‖ = 5, ‖θ_2‖ = 12
+    assert nan_coefficients(tau, base) == pytest.approx([12 / 17, 5 / 17], rel=1e-15)
+    torch.testing.assert_close(nan(tau, base_weight=base), 12 / 17 * tau[0] + 5 / 17 * tau[1])  # T/2 = 1
+    three = tau + [torch.tensor([2.0, 3.0], dtype=f64)]
+    torch.testing.assert_close(nan(three, base_weight=base, scaling=2.0),
+                               2.0 * 1.5 * (12 * three[0] + 5 * three[1] + 12 * three[2]) / 29)
+
+
+def test_nan_properties():
+    tasks = _random_tasks(3, (4, 5), seed=44)
+    base = torch.zeros(4, 5, dtype=f64)
+    equal = [t / torch.linalg.vector_norm(t) for t in tasks]  # equal norms: α = 1/T, NAN = (T/2)(1/T) Σ τ
+    torch.testing.assert_close(nan(equal, base_weight=base), task_arithmetic(equal, scaling=0.5))
+    torch.testing.assert_close(nan(tasks[::-1], base_weight=base), nan(tasks, base_weight=base))
+    zero_weight = [-torch.ones(2, dtype=f64), torch.ones(2, dtype=f64)]  # θ_1 = 0 takes the whole weight
+    assert nan_coefficients(zero_weight, torch.ones(2, dtype=f64)) == [1.0, 0.0]
+    with pytest.raises(ValueError, match="needs base_weight"):
+        merge_parameter("w", tasks, "nan")
+    torch.testing.assert_close(merge_parameter("w", tasks, "nan", base_weight=base), nan(tasks, base_weight=base))
+    assert not STRATEGIES["nan"].needs_data and STRATEGIES["nan"].checkpoint_inputs == ("base_weight",)
+
+
+# ---------------------------------------------------------------------------------- KnOTS
+
+
+def test_knots_with_task_arithmetic_is_task_arithmetic():
+    """U Σ V_tᵀ = Δ_t exactly, so summing the aligned parts is summing the task matrices."""
+    tasks = _random_tasks(3, (5, 4), seed=45)
+    torch.testing.assert_close(knots(tasks, base="task-arithmetic", scaling=0.7), task_arithmetic(tasks, scaling=0.7),
+                               rtol=1e-12, atol=1e-12)
+
+
+def test_knots_ties_by_hand():
+    # disjoint updates: [Δ1 Δ2] = [[2,0,0,0],[0,0,0,1]], σ = (2, 1), Σ V_1ᵀ = [[2,0],[0,0]], Σ V_2ᵀ = [[0,0],[0,1]]
+    first, second = _identity_diag(2.0, 0.0), _identity_diag(0.0, 1.0)
+    torch.testing.assert_close(knots([first, second], top_k=0.25), _identity_diag(2.0, 1.0), atol=1e-14, rtol=0)
+    # one row: [1, 0 | -3, 0] = √10 · [1, 0, -3, 0]/√10: aligned parts [1, 0] and [-3, 0]; the sign -1 is elected
+    row = [torch.tensor([[1.0, 0.0]], dtype=f64), torch.tensor([[-3.0, 0.0]], dtype=f64)]
+    torch.testing.assert_close(knots(row, top_k=1.0), torch.tensor([[-3.0, 0.0]], dtype=f64), atol=1e-14, rtol=0)
+    torch.testing.assert_close(knots(row, top_k=1.0, scaling=0.5), torch.tensor([[-1.5, 0.0]], dtype=f64))
+
+
+def test_knots_properties():
+    tasks = _random_tasks(3, (6, 4), seed=46)
+    torch.testing.assert_close(knots(tasks[::-1]), knots(tasks), atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(knots([tasks[0]], top_k=1.0), tasks[0], atol=1e-12, rtol=1e-12)  # one task: itself
+    assert torch.equal(knots([torch.zeros(3, 2, dtype=f64)] * 2), torch.zeros(3, 2, dtype=f64))
+    low_rank = [_random((6, 1), seed=47) @ _random((1, 4), seed=48 + i) for i in range(2)]  # k = 2 directions
+    torch.testing.assert_close(knots(low_rank, base="task-arithmetic"), low_rank[0] + low_rank[1], atol=1e-12,
+                               rtol=1e-12)
+    with pytest.raises(ValueError, match="knots base"):
+        knots(tasks, base="dare")
+    assert STRATEGIES["knots"].matrix_only
+
+
+# --------------------------------------------------------------------------- Fisher merging
+
+
+def test_fisher_by_hand():
+    tau = [torch.tensor([1.0, 2.0], dtype=f64), torch.tensor([3.0, -2.0], dtype=f64)]
+    diagonals = [torch.tensor([1.0, 3.0], dtype=f64), torch.tensor([3.0, 1.0], dtype=f64)]
+    torch.testing.assert_close(fisher(tau, fisher_diagonals=diagonals), torch.tensor([2.5, 1.0], dtype=f64))
+    # the floor: an entry no Fisher sees is the mean; a Fisher below the floor counts as the floor
+    tiny = [torch.tensor([0.0, 1e-9], dtype=f64), torch.tensor([0.0, 3e-6], dtype=f64)]
+    torch.testing.assert_close(fisher(tau, fisher_diagonals=tiny),
+                               torch.tensor([2.0, (1e-6 * 2 + 3e-6 * -2) / 4e-6], dtype=f64))
+    torch.testing.assert_close(fisher(tau, fisher_diagonals=[torch.zeros(2)] * 2, fisher_floor=0.0),
+                               torch.tensor([2.0, 0.0], dtype=f64))
+
+
+def test_fisher_properties():
+    tasks = _random_tasks(3, (4, 5), seed=49)
+    diagonals = [d.abs() for d in _random_tasks(3, (4, 5), seed=50)]
+    merged = fisher(tasks, fisher_diagonals=diagonals)
+    torch.testing.assert_close(fisher(tasks[::-1], fisher_diagonals=diagonals[::-1]), merged)
+    torch.testing.assert_close(fisher(tasks, fisher_diagonals=[torch.ones(4, 5)] * 3), weight_average(tasks))
+    torch.testing.assert_close(fisher([tasks[0]], fisher_diagonals=[diagonals[0]]), tasks[0])
+    torch.testing.assert_close(fisher(tasks, fisher_diagonals=[7 * d for d in diagonals]), merged)  # scale-free
+    torch.testing.assert_close(fisher(tasks, fisher_diagonals=diagonals, scaling=2.0), 2 * merged)
+    with pytest.raises(ValueError, match="one Fisher diagonal per task"):
+        fisher(tasks, fisher_diagonals=diagonals[:2])
+    with pytest.raises(ValueError, match="needs fisher_diagonals"):
+        merge_parameter("w", tasks, "fisher")
+    torch.testing.assert_close(merge_parameter("w", tasks, "fisher", {"seed": 3}, fisher_diagonals=diagonals),
+                               merged)
+    with pytest.raises(ValueError, match="fisher_diagonals are only used by fisher"):
+        merge_parameter("w", tasks, "ties", fisher_diagonals=diagonals)
+
+
+def test_learned_weight_methods_apply_their_weights():
+    tasks = _random_tasks(3, (4, 5), seed=51)
+    for method in (adamerging, lorahub):
+        torch.testing.assert_close(method(tasks, [0.2, -0.5, 1.0]), 0.2 * tasks[0] - 0.5 * tasks[1] + tasks[2])
+    for name in ("adamerging", "lorahub"):
+        with pytest.raises(ValueError, match="needs weights from data"):
+            merge_parameter("w", tasks, name)
+
+
 # ---------------------------------------------------------------------- dtype, shape, registry
 
 
 def _options_for(name, tasks):
     if name == "regmean":
         return {"gram_matrices": [torch.eye(tasks[0].shape[1]) * (index + 1) for index in range(len(tasks))]}
-    if name == "closed-form":
+    if name in ("closed-form", "adamerging", "lorahub"):
         return {"weights": [0.5, -0.25, 1.0]}
+    if name == "fisher":
+        return {"fisher_diagonals": [task.abs() + index for index, task in enumerate(tasks)]}
+    if name == "nan":
+        return {"base_weight": torch.ones_like(tasks[0])}
     return {}
 
 
@@ -455,10 +674,18 @@ def test_registry_contents():
     expected = {
         "weight-average", "task-arithmetic", "ties", "dare", "breadcrumbs", "della", "tsv-m",
         "iso-c", "iso-cts", "cart", "star", "sftm", "regmean", "closed-form",
+        "pcb", "consensus", "nan", "knots", "fisher", "adamerging", "lorahub",
     }  # fmt: skip
     assert set(STRATEGIES) == expected
     matrix_only = {name for name, method in STRATEGIES.items() if method.matrix_only}
-    assert matrix_only == {"tsv-m", "iso-c", "iso-cts", "cart", "star", "sftm", "regmean"}
+    assert matrix_only == {"tsv-m", "iso-c", "iso-cts", "cart", "star", "sftm", "regmean", "knots"}
+    assert STRATEGIES["pcb"].defaults == {"top_k": 0.1, "scaling": 1.0}
+    assert STRATEGIES["consensus"].defaults == {"mask_lambda": 0.4, "min_tasks": 2, "scaling": 1.0}
+    assert STRATEGIES["knots"].defaults == {"base": "ties", "top_k": 0.2, "scaling": 1.0}
+    assert STRATEGIES["fisher"].inputs == ("fisher_diagonals",) and STRATEGIES["fisher"].data_options == {"seed": 0}
+    assert STRATEGIES["adamerging"].data_options == {"granularity": "layer", "steps": 500, "learning_rate": 1e-3,
+                                                     "initial": 0.3}
+    assert STRATEGIES["lorahub"].data_options == {"steps": 40, "l1_weight": 0.05, "bound": 1.5, "seed": 42}
     assert STRATEGIES["ties"].defaults == {"top_k": 0.2, "scaling": 1.0}
     assert STRATEGIES["iso-cts"].defaults["common_fraction"] == 0.8
     assert STRATEGIES["star"].defaults["energy_fraction"] == 0.4
@@ -467,7 +694,8 @@ def test_registry_contents():
     assert STRATEGIES["closed-form"].inputs == ("weights",)
     assert STRATEGIES["closed-form"].defaults == {"granularity": "attn-mlp", "balance": True}
     assert STRATEGIES["closed-form"].function is weighted_task_arithmetic
-    assert {name for name, method in STRATEGIES.items() if method.needs_data} == {"regmean", "closed-form"}
+    assert {name for name, method in STRATEGIES.items() if method.needs_data} == {
+        "regmean", "closed-form", "fisher", "adamerging", "lorahub"}
     for method in STRATEGIES.values():
         assert method.description and method.function.__doc__
 
@@ -668,6 +896,7 @@ _ELEMENT_WISE = {
     "dare-ties": {"drop_rate": 0.3, "seed": 5, "base": "ties", "top_k": 0.4},
     "breadcrumbs": {"beta": 0.2, "gamma": 0.9},
     "della": {"drop_rate": 0.4, "epsilon": 0.2, "seed": 6},
+    "consensus": {"mask_lambda": 0.3, "min_tasks": 2, "scaling": 0.8},
 }
 
 

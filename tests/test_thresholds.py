@@ -16,6 +16,7 @@ both sides in tests/test_linearity_drivers.py and tests/test_models.py.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from pathlib import Path
 
@@ -31,6 +32,9 @@ from submerge.merge.strategies import STRATEGIES
 
 TASKS = ("math", "code")
 SETTINGS = {"samples": 4, "max_tokens": 32, "batch_size": 2}
+#: The thresholds are the merge writer's; the searches of the learned weights do not depend on them (their result
+#: is tested in tests/test_learned.py), so they run short here: the same paths, a fraction of the time.
+SHORT_SEARCH = {"adamerging": {"steps": 3}, "lorahub": {"steps": 5}}
 
 
 @pytest.fixture(scope="module")
@@ -79,8 +83,9 @@ def test_every_method_merges_full_finetunes_the_same_on_both_sides_of_the_thresh
     thresholds (row blocks, row chunks) is bitwise the merge below them, finite, and every tensor is written."""
     base, finetuned, data = full
     settings = DataSettings(data=data, **SETTINGS)
-    whole = run_merge(tmp_path / "whole", method=method, base=base, finetuned=finetuned, data=settings,
-                      progress=False)
+    options = SHORT_SEARCH.get(method, {})
+    whole = run_merge(tmp_path / "whole", method=method, options=options, base=base, finetuned=finetuned,
+                      data=settings, progress=False)
     calls = []
     original = tensor_merge.merge_row_blocks
 
@@ -91,8 +96,8 @@ def test_every_method_merges_full_finetunes_the_same_on_both_sides_of_the_thresh
 
     _lower_thresholds(monkeypatch, below=True)
     monkeypatch.setattr(tensor_merge, "merge_row_blocks", spy)
-    blocks = run_merge(tmp_path / "blocks", method=method, base=base, finetuned=finetuned, data=settings,
-                       progress=False)
+    blocks = run_merge(tmp_path / "blocks", method=method, options=options, base=base, finetuned=finetuned,
+                       data=settings, progress=False)
     expected, got = _tensors(whole), _tensors(blocks)
     assert expected.keys() == got.keys() == _tensors(Path(base)).keys()
     for name in expected:
@@ -142,6 +147,10 @@ def test_compare_at_its_default_methods_runs_on_full_finetunes_on_both_sides_of_
     base, finetuned, data = full
     run = {"fit": 4, "samples": 3, "max_tokens": 32, "batch_size": 2, "dtype": "float32", "device": "cpu",
            "progress": False, "evidence_options": {"folds": 2}}
+    for name, options in SHORT_SEARCH.items():  # compare runs each method at its registered defaults
+        registered = STRATEGIES[name]
+        monkeypatch.setitem(STRATEGIES, name, dataclasses.replace(
+            registered, data_options={**registered.data_options, **options}))
     results = {}
     for below in (False, True):
         with monkeypatch.context() as patch:
