@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from submerge.cli.common import command_line, console, out, resolve_inputs, user_errors
@@ -208,12 +209,22 @@ def report(
     store_path: Annotated[Path, typer.Argument(help="A store written by the diag commands.")],
     out_dir: Annotated[Optional[Path], typer.Option("--out", "-o", help="Folder for the PNG figures "
                                                     "(default: <store>-figures).")] = None,
+    consolidate: Annotated[bool, typer.Option(
+        "--consolidate", help="First write the store's consolidated metadata (stores written before submerge "
+                              "consolidated them, left by a run that stopped, or changed by hand), so that "
+                              "xr.open_datatree(STORE, engine='zarr') opens it from one file, without a warning. "
+                              "Takes the store's lock: refused while a run writes the store.")] = False,
 ):
     """Tables in the terminal and seaborn figures (PNG) of every group in a store.
 
     Groups not marked complete (a run that stopped) and absent chunks are listed as partial data;
-    a damaged store file is named."""
-
+    a damaged store file is named. A store without (current) consolidated metadata gets a one-line hint."""
+    store = Store(store_path)
+    if consolidate:
+        store.consolidate()
+        out.print(f"Consolidated the metadata of {store_path}")
+    elif hint := store.consolidation_hint():
+        out.print(f"[yellow]note:[/] {escape(hint)}", highlight=False)
     figures = draw(store_path, out_dir or store_path.with_name(store_path.stem + "-figures"), console=out)
     out.print(f"Wrote {len(figures)} figure(s) to {figures[0].parent if figures else out_dir}")
 
