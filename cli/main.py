@@ -36,6 +36,7 @@ from submerge.diagnostics.task_vectors import open_finetunes
 from submerge.merge.compare import compare as run_compare
 from submerge.merge.compare import leaderboard
 from submerge.merge.plan import MERGEKIT_HEADER, is_plan_file, make_plan
+from submerge.merge.recipe import Recipe, is_recipe_file
 from submerge.merge.run import DataSettings, needs_data, run_merge
 from submerge.merge.strategies import MergedTaskVector, resolve_method
 
@@ -295,7 +296,9 @@ def plan(
 @run_options(*MODELS, "data", "samples", "max_tokens", "device", "offload", "force", "progress", *SCALE_OUT,
              device="cpu")
 def merge(
-    plan_path: Annotated[Optional[Path], typer.Argument(help="Plan from diag plan (or use --method).")] = None,
+    plan_path: Annotated[Optional[Path], typer.Argument(
+        help="Plan from diag plan, or a mergekit config (merge_method linear, task_arithmetic, ties, dare_ties, "
+             "dare_linear, breadcrumbs or della; it names its models), or use --method.")] = None,
     out_dir: Annotated[Path, typer.Option("--out", "-o", help="Directory for the merged checkpoint.")] = Path("merged"),
     method: Annotated[Optional[str], typer.Option(
         "--method", help="Merge method without a plan: weight-average, task-arithmetic, ties, dare, breadcrumbs, "
@@ -306,18 +309,27 @@ def merge(
         "--option", help="KEY=VALUE method option (e.g. scaling=0.5, top_k=0.2). Repeat.")] = None,
     granularity: Annotated[str, typer.Option("--granularity", help="For --method closed-form.")] = "attn-mlp",
     shard_size: Annotated[str, typer.Option("--shard-size", help="Largest safetensors shard, e.g. 2GB.")] = "2GB",
-    out_dtype: Annotated[str, typer.Option("--out-dtype", help="dtype of the written tensors: base (each base "
-                                           "tensor's), float32, bfloat16, float16. Merges compute in float32 "
-                                           "(float64 for SVDs and solves).")] = "base",
+    out_dtype: Annotated[Optional[str], typer.Option(
+        "--out-dtype", help="dtype of the written tensors: base (each base tensor's), float32, bfloat16, float16. "
+                            "Default: base, or a mergekit config's out_dtype / dtype. Merges compute in float32 "
+                            "(float64 for SVDs and solves).")] = None,
     *,
     model, finetuned, data, samples, max_tokens, device, offload, allow_pickle, vocab, force, progress,  # run_options
     ray, workers, gpus_per_worker, threads,
 ):
     """Write a merged Hugging Face checkpoint, streaming tensor by tensor (sharded safetensors + config +
-    tokenizer + submerge_merge.yaml)."""
+    tokenizer + submerge_merge.yaml), from a plan, a mergekit config or --method."""
 
     if (plan_path is None) == (method is None):
-        raise typer.BadParameter("give either a PLAN file or --method")
+        raise typer.BadParameter("give either a PLAN file (or mergekit config) or --method")
+    recipe = None
+    if plan_path is not None and not is_plan_file(plan_path) and is_recipe_file(plan_path):
+        recipe, plan_path = plan_path, None
+        if model or finetuned:
+            raise typer.BadParameter(f"{recipe} is a mergekit config: it names its models (leave out --model and "
+                                     "--finetuned)")
+        for note in Recipe.load(recipe).notes():
+            out.print(f"  [yellow]note:[/] {note}", highlight=False)
     options = parse_named(option, "option") if option else {}
     settings, base, named_finetuned = None, None, None
     if method is not None:
@@ -326,7 +338,7 @@ def merge(
         settings = DataSettings(named_data, samples, max_tokens) if with_data else None
         if "granularity" in resolve_method(method)[0].data_options:  # closed-form's unit of α
             options = {"granularity": granularity, **options}
-    out_dir = run_merge(out_dir, plan=plan_path, method=method, options=options, base=base,
+    out_dir = run_merge(out_dir, plan=plan_path, method=method, recipe=recipe, options=options, base=base,
                         finetuned=named_finetuned, data=settings, shard_size=shard_size, device=device, offload=offload,
                         allow_pickle=allow_pickle, vocab=vocab, force=force, progress=progress, out_dtype=out_dtype,
                         engine=engine_of(ray, workers, gpus_per_worker, threads))
