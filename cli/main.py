@@ -53,6 +53,20 @@ app = typer.Typer(
 )
 
 LevelsOption = Annotated[str, typer.Option("--levels", help="Comma-separated: model, layer, attn, mlp, head.")]
+LmEvalOption = Annotated[Optional[str], typer.Option(
+    "--lm-eval", help="Also score task accuracy with lm-evaluation-harness (pip install \"submerge[eval]\"): task "
+                      "names separated by commas — the demo kit's offline tasks demo_gsm8k, demo_trivia, "
+                      "demo_humaneval (on the held-out records of the math, trivia and code data), or any task "
+                      "lm_eval knows (gsm8k, humaneval ...; --samples limits each). Each model is built in memory, "
+                      "one at a time; results go to the store per model and task (resumable).")]
+CodeExecutionOption = Annotated[bool, typer.Option(
+    "--allow-code-execution", help="Let code tasks (demo_humaneval, humaneval, mbpp ...) EXECUTE the code the models "
+                                   "generate, to score pass@1. Without it such tasks are refused. Only on a machine "
+                                   "where running untrusted generated code is acceptable.")]
+MaxGenToksOption = Annotated[Optional[int], typer.Option(
+    "--max-gen-toks", min=1, help="Cap every generation of --lm-eval at N tokens (default: each task's own).")]
+LmEvalBatchOption = Annotated[int, typer.Option("--lm-eval-batch-size", min=1,
+                                                help="Batch size of the harness's generation.")]
 _experiment = load_experiment  # the merge command's name for it
 
 
@@ -356,11 +370,17 @@ def evaluate_command(
     skip: Annotated[int, typer.Option("--skip", min=0, help="Held-out records start after the first N (used for "
                                                             "fitting).")] = 30,
     samples: Annotated[int, typer.Option("--samples", min=1, help="Held-out records per task.")] = 100,
+    lm_eval: LmEvalOption = None,
+    allow_code_execution: CodeExecutionOption = False,
+    max_gen_toks: MaxGenToksOption = None,
+    lm_eval_batch_size: LmEvalBatchOption = 8,
     run: RunOptions = None,
 ):
     """Per-task mean token loss and perplexity on held-out records, for the base, each fine-tune and
-    merged models, in one table. Writes store group `eval`."""
+    merged models, in one table. Writes store group `eval`; with --lm-eval also task accuracy (group `accuracy`)."""
 
+    harness = _harness_settings(lm_eval, allow_code_execution, max_gen_toks, lm_eval_batch_size, samples,
+                                run.offload)
     base, named_finetuned, named_data = run.inputs()
     models = {**named_finetuned, **parse_named(merged, "merged")}
     dataset = evaluate(base, models, named_data, skip=skip, samples=samples, max_tokens=run.max_tokens,
@@ -374,6 +394,31 @@ def evaluate_command(
         frame[f"ppl {task}"] = dataset.perplexity.sel(task=task).to_pandas()
     _print_frame(frame, "Held-out mean token loss (nats) and perplexity")
     out.print(f"Wrote group [bold]eval[/] of {run.out}")
+    if harness is not None:
+        from submerge.diagnostics.harness import accuracy, accuracy_frame
+
+        scores = accuracy(base, models, named_data, harness, skip=skip, dtype=run.dtype,
+                          compute_dtype=run.compute_dtype, device=run.device, allow_pickle=run.allow_pickle,
+                          trust_remote_code=run.trust_remote_code, store=Store(run.out), force=run.force,
+                          progress=run.progress, command=command_line())
+        _print_frame(accuracy_frame(scores), "Task accuracy (lm-evaluation-harness)")
+        out.print(f"Wrote group [bold]accuracy[/] of {run.out}")
+
+
+def _harness_settings(tasks: str | None, allow_code_execution: bool, max_gen_toks: int | None, batch_size: int,
+                      samples: int | None, offload: bool):
+    """The --lm-eval settings (None without --lm-eval); checked before any work."""
+    if tasks is None:
+        if allow_code_execution or max_gen_toks is not None:
+            raise typer.BadParameter("--allow-code-execution and --max-gen-toks go with --lm-eval")
+        return None
+    from submerge.diagnostics.harness import HarnessError, HarnessSettings, parse_tasks, require_harness
+
+    if offload:
+        raise HarnessError("--lm-eval builds each model whole on the device; it does not work with --offload")
+    require_harness()
+    return HarnessSettings(parse_tasks(tasks), allow_code_execution=allow_code_execution, max_gen_toks=max_gen_toks,
+                           batch_size=batch_size, samples=samples)
 
 
 demo_app = typer.Typer(help="The embedded demo kit: SmolLM2-135M-Instruct + LoRA fine-tunes on math, code and "
@@ -428,6 +473,16 @@ def compare(
                                                                         "diag merge.")] = None,
     keep: Annotated[Optional[Path], typer.Option("--keep", help="Keep every merged checkpoint under this "
                                                                 "directory (default: deleted after evaluation).")] = None,
+    recipe: Annotated[Optional[list[str]], typer.Option(
+        "--recipe", help="NAME=FILE: a mergekit config (linear, task_arithmetic, ties, dare_ties, dare_linear, "
+                         "breadcrumbs, della) on the same base and fine-tunes, ranked as NAME beside the strategies "
+                         "and the plan. Repeat.")] = None,
+    lm_eval: LmEvalOption = None,
+    allow_code_execution: CodeExecutionOption = False,
+    max_gen_toks: MaxGenToksOption = None,
+    lm_eval_batch_size: LmEvalBatchOption = 8,
+    rank_by: Annotated[str, typer.Option("--rank-by", help="Leaderboard order: gain (mean normalised gain) or "
+                                                           "accuracy (mean of the --lm-eval metrics).")] = "gain",
     run: RunOptions = None,
 ):
     """Every merge strategy at its paper's defaults, task arithmetic with λ tuned on the fit records, closed-form
@@ -435,6 +490,10 @@ def compare(
 
     Writes store group `compare` (loss and normalised gain per method × task) and prints the leaderboard."""
 
+    if rank_by not in ("gain", "accuracy") or (rank_by == "accuracy" and lm_eval is None):
+        raise typer.BadParameter("--rank-by is gain, or accuracy with --lm-eval")
+    harness = _harness_settings(lm_eval, allow_code_execution, max_gen_toks, lm_eval_batch_size, samples,
+                                run.offload)
     base, named_finetuned, named_data = run.inputs()
     grid = _numbers(lambdas, "--lambdas")
     evidence = {"candidates": tuple(c.strip() for c in candidates.split(",") if c.strip()), "folds": folds,
@@ -446,10 +505,13 @@ def compare(
                           keep=keep, store=Store(run.out), force=run.force, dtype=run.dtype, device=run.device,
                           offload=run.offload,
                           allow_pickle=run.allow_pickle, vocab=run.vocab, progress=run.progress,
-                          command=command_line())
-    _print_frame(leaderboard(dataset), "Held-out loss and normalised gain (0 = base, 1 = the task's own fine-tune), "
-                                       "best mean gain first")
-    out.print(f"Wrote group [bold]compare[/] of {run.out}" + (f"; plan → {plan_out}" if plan_out else ""))
+                          command=command_line(), recipes=parse_named(recipe, "recipe") if recipe else None,
+                          lm_eval=harness)
+    _print_frame(leaderboard(dataset, rank_by=rank_by),
+                 "Held-out loss and normalised gain (0 = base, 1 = the task's own fine-tune)"
+                 + (" and task accuracy (lm-evaluation-harness)" if harness else "") + f", best mean {rank_by} first")
+    out.print(f"Wrote group [bold]compare[/] of {run.out}" + (" and [bold]compare_accuracy[/]" if harness else "")
+              + (f"; plan → {plan_out}" if plan_out else ""))
 
 
 def main() -> None:  # pragma: no cover

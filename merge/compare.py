@@ -12,7 +12,9 @@ Methods (labels along dimension ``method`` of the store group ``compare``):
 - ``plan``: by default the evidence plan (`submerge.merge.plan.choose_by_evidence`: granularity per block by
   cross-validated Eq. 10 objective, interference-steered matrices when the store has an
   ``interference`` group); ``choose="thresholds"`` takes `diag plan`'s threshold choice from the
-  store (needs its ``linearity`` and ``alpha`` groups); a `Plan` or plan file may be given instead.
+  store (needs its ``linearity`` and ``alpha`` groups); a `Plan` or plan file may be given instead;
+- a user's mergekit recipes (`recipes`: label → config, `submerge.merge.recipe.Recipe`), each merged with its own
+  rule per tensor and ranked beside the rest (kind ``recipe``).
 
 Records: the first `fit` records of each task fit α, λ, RegMean's Grams and the evidence choice; the
 `samples` records after the first `skip` (≥ `fit`) are held out, and every loss in the group is on
@@ -25,6 +27,11 @@ Streaming: one merged checkpoint at a time is written to a temporary directory, 
 block over the base (one block's weights at a time, as `diag eval`) and deleted (kept under
 ``keep/<method>`` when `keep` is given). The group is written one method at a time, so a killed run
 resumes after the last finished method.
+
+Accuracy (`lm_eval`: `submerge.diagnostics.harness.HarnessSettings`): each reference and each merge is also scored
+with lm-evaluation-harness on the held-out records (built in memory from its checkpoint, before that is deleted),
+into the group ``compare_accuracy`` one (model, task) at a time; the returned dataset gets ``accuracy``
+(method × benchmark) and the leaderboard can rank by it.
 """
 
 from __future__ import annotations
@@ -111,8 +118,10 @@ def check_methods(methods: list[str]) -> list[str]:
     return list(methods)
 
 
-def leaderboard(dataset: xr.Dataset) -> pd.DataFrame:
-    """One row per method: loss and normalised gain per task and the mean gain, best mean gain first."""
+def leaderboard(dataset: xr.Dataset, rank_by: str = "gain") -> pd.DataFrame:
+    """One row per method: loss and normalised gain per task and the mean gain, and with ``accuracy`` (``compare``
+    with ``lm_eval``) each benchmark's accuracy and their mean; best mean gain (``rank_by="accuracy"``: best mean
+    accuracy) first."""
     tasks = [str(t) for t in dataset.task.values]
     frame = pd.DataFrame(index=pd.Index([str(m) for m in dataset.method.values], name="method"))
     for task in tasks:
@@ -120,7 +129,13 @@ def leaderboard(dataset: xr.Dataset) -> pd.DataFrame:
     for task in tasks:
         frame[f"gain {task}"] = dataset.gain.sel(task=task).values
     frame["mean gain"] = dataset.mean_gain.values
-    return frame.sort_values("mean gain", ascending=False, na_position="last")
+    if "accuracy" in dataset:
+        for benchmark in dataset.benchmark.values:
+            frame[str(benchmark)] = dataset.accuracy.sel(benchmark=benchmark).values
+        frame["mean accuracy"] = np.nanmean(dataset.accuracy.values, axis=1) if dataset.sizes["benchmark"] else np.nan
+    if rank_by not in ("gain", "accuracy") or (rank_by == "accuracy" and "accuracy" not in dataset):
+        raise CompareError(f"--rank-by {rank_by}: rank by gain, or by accuracy when compare ran with --lm-eval")
+    return frame.sort_values(f"mean {rank_by}", ascending=False, na_position="last")
 
 
 # ------------------------------------------------------------------ what each method merges with
@@ -134,6 +149,33 @@ class Merge:
     detail: str
     record: dict
     gram_matrices: Callable | None = None
+    kind: str | None = None  # the store's `kind` (default: strategy, closed-form or plan by label)
+
+
+def load_recipes(recipes, base_spec: str, methods: list[str]) -> dict:
+    """label → `Recipe` of `recipes` (label → file or Recipe); a label that names a method, or a recipe on another
+    base model, is a CompareError."""
+    from submerge.merge.recipe import Recipe, _same_path
+
+    loaded = {}
+    for label, recipe in (recipes or {}).items():
+        if label in methods or label in default_methods() or label == "base" or label.startswith("finetuned:"):
+            raise CompareError(f"--recipe {label}: the label names a method or reference of compare; choose another")
+        loaded[label] = recipe if isinstance(recipe, Recipe) else Recipe.load(recipe)
+        if not _same_path(loaded[label].base, base_spec):
+            raise CompareError(f"--recipe {label}: its base model {loaded[label].base} is not compare's {base_spec}")
+    return loaded
+
+
+def _recipe_merge(label: str, recipe, base_spec: str, finetuned: dict[str, str], allow_pickle: bool) -> Merge:
+    """A recipe's rules over the base's tensor table, bound to compare's fine-tunes (matched by path)."""
+    from submerge.diagnostics.tensors import TensorTable
+
+    table = TensorTable.from_checkpoint(base_spec, allow_pickle=allow_pickle)
+    rules = recipe.rules(table, recipe.bind(finetuned))
+    models = ", ".join(f"{task}: {spec}" for task, spec in recipe.finetuned().items())
+    return Merge(rules, f"mergekit {recipe.merge_method} recipe ({models})",
+                 {"method": label, "mergekit": recipe.to_mergekit(), "notes": recipe.notes()}, kind="recipe")
 
 
 def _strategy(name: str) -> Merge:
@@ -320,14 +362,20 @@ def compare(
     progress: bool = True,
     command: str | None = None,
     on_unit: Callable[[str], None] | None = None,
+    recipes: dict | None = None,
+    lm_eval=None,
 ) -> xr.Dataset:
     """Merge with every method in turn and evaluate each on held-out records (see the module docstring).
 
     Returns the ``compare`` dataset (method × task loss and normalised gain, mean gain, seconds);
-    with `store`, writes it as group ``compare`` method by method (resumable).
+    with `store`, writes it as group ``compare`` method by method (resumable). `recipes` (label → mergekit
+    config file or `Recipe`) adds users' recipes, ranked under their labels. `lm_eval` (`HarnessSettings`)
+    also scores every model's task accuracy (group ``compare_accuracy``; ``accuracy`` in the result).
     """
 
     methods = check_methods(list(methods) if methods else default_methods())
+    loaded_recipes = load_recipes(recipes, base_spec, methods)
+    methods += list(loaded_recipes)
     skip = fit if skip is None else skip
     if skip < fit:
         raise CompareError(f"--skip {skip} < --fit {fit}: held-out records would include fit records")
@@ -341,7 +389,9 @@ def compare(
     settings = {**experiment.settings, "fit": fit, "held_out_skip": skip, "held_out_samples": samples,
                 "methods": methods, "lambdas": [float(v) for v in lambdas], "choose": choose,
                 "plan": str(plan) if isinstance(plan, (str, Path)) else None,
-                "evidence": {k: (list(v) if isinstance(v, tuple) else v) for k, v in (evidence_options or {}).items()}}
+                "evidence": {k: (list(v) if isinstance(v, tuple) else v) for k, v in (evidence_options or {}).items()},
+                **({"recipes": {label: r.to_mergekit() for label, r in loaded_recipes.items()}} if recipes else {}),
+                **({"lm_eval": lm_eval.record()} if lm_eval is not None else {})}
     writer = UnitWriter(store, GROUP, settings, dim="method", force=force, on_unit=on_unit,
                         root=experiment.root_attrs(command),
                         attrs=experiment.group_attrs(command, held_out={t: d.provenance() for t, d in held_data.items()}))
@@ -349,6 +399,8 @@ def compare(
     _check_outputs(pending, keep, plan_out, store, force)
     merges, used_plan = prepare(experiment, finetuned, [m for m in pending if m != TUNED], plan=plan, choose=choose,
                                 store=store, evidence_options=evidence_options, progress=progress, command=command)
+    merges.update({label: _recipe_merge(label, recipe, base_spec, finetuned, allow_pickle)
+                   for label, recipe in loaded_recipes.items() if label in pending})
     if plan_out is not None and used_plan is not None:
         used_plan.save(plan_out, force=True)  # checked by _check_outputs
     elif plan_out is not None and PLAN in methods:
@@ -356,9 +408,19 @@ def compare(
                       f"is not written: run with --force to recompute, or write a plan with `diag plan`")
     evaluator = _Evaluator(experiment, held_out, allow_pickle=allow_pickle)
     references = _references(evaluator, writer, finetuned, tasks)
-    notes = _run_methods(pending, merges, evaluator, writer, references, base_spec, finetuned,
-                         lambdas=lambdas, keep=keep, allow_pickle=allow_pickle, vocab=vocab, progress=progress,
-                         store=store)
+    scorer = None if lm_eval is None else _accuracy_scorer(experiment, lm_eval, data, skip, store=store, force=force,
+                                                           command=command, progress=progress, allow_pickle=allow_pickle)
+    try:
+        if scorer is not None:
+            for label, spec in {"base": None, **{f"finetuned:{t}": s for t, s in finetuned.items()}}.items():
+                scorer.run(label, spec)
+        notes = _run_methods(pending, merges, evaluator, writer, references, base_spec, finetuned,
+                             lambdas=lambdas, keep=keep, allow_pickle=allow_pickle, vocab=vocab, progress=progress,
+                             store=store, accuracy=scorer.run if scorer is not None else None)
+        scores = scorer.finish() if scorer is not None else None
+    finally:
+        if scorer is not None:
+            scorer.close()
     result = writer.finish({
         "loss": "mean next-token cross-entropy over real tokens on held-out records, nats",
         "gain": "(loss_base - loss_model) / (loss_base - loss_finetune_of_the_task): 0 = base, 1 = own fine-tune",
@@ -370,7 +432,49 @@ def compare(
                          "finetuned_loss": {t: float(references[f"finetuned:{t}"][i]) for i, t in enumerate(tasks)}})
     if store is not None:
         store.finish(GROUP, {"base_loss": result.attrs["base_loss"], "finetuned_loss": result.attrs["finetuned_loss"]})
+    if scores is not None:
+        from submerge.diagnostics.harness import accuracy_frame
+
+        frame = accuracy_frame(scores).reindex([str(m) for m in result.method.values])
+        result["accuracy"] = xr.DataArray(frame.to_numpy(dtype=np.float64), dims=("method", "benchmark"),
+                                          coords={"benchmark": np.array(frame.columns, dtype=object)})
     return result
+
+
+class _AccuracyScorer:
+    """`diag compare --lm-eval`: the harness runner over compare's base and held-out records, group
+    ``compare_accuracy``."""
+
+    def __init__(self, runner, writer):
+        self.runner, self.writer = runner, writer
+
+    def run(self, label: str, spec: str | None) -> None:
+        self.runner.run(label, spec)
+
+    def finish(self) -> xr.Dataset:
+        return self.writer.finish({"value": "each task's metric as lm-evaluation-harness computes it",
+                                   "records": "local tasks: compare's held-out records"})
+
+    def close(self) -> None:
+        self.runner.close()
+
+
+def _accuracy_scorer(experiment, settings, data: dict[str, str], skip: int, *, store, force, command, progress,
+                     allow_pickle) -> _AccuracyScorer:
+    from submerge.diagnostics.harness import AccuracyRunner
+
+    writer = UnitWriter(store, "compare_accuracy", {**settings.record(), "skip": skip,
+                                                    "compute_dtype": str(experiment.compute_dtype)},
+                        dim="result", force=force, root=experiment.root_attrs(command),
+                        attrs=experiment.group_attrs(command))
+
+    def report(text: str) -> None:
+        if ":" in text and progress:
+            print(f"  lm-eval {text}", flush=True)
+
+    runner = AccuracyRunner(experiment.base, settings, data, writer, skip=skip, compute=experiment.compute_dtype,
+                            allow_pickle=allow_pickle, progress=progress, report=report)
+    return _AccuracyScorer(runner, writer)
 
 
 def _kept_by(store: Store | None, label: str) -> Callable[[Path], bool]:
@@ -407,7 +511,7 @@ def _check_outputs(pending: list[str], keep, plan_out, store: Store | None, forc
 
 
 def _run_methods(pending, merges, evaluator, writer, references, base_spec, finetuned, *, lambdas, keep,
-                 allow_pickle, vocab, progress, store=None) -> dict:
+                 allow_pickle, vocab, progress, store=None, accuracy: Callable | None = None) -> dict:
     """Write, load, evaluate and (unless kept) delete each pending method's merge; returns notes for attrs."""
 
     notes = {}
@@ -441,9 +545,11 @@ def _run_methods(pending, merges, evaluator, writer, references, base_spec, fine
                 directory = write(label, merge)
                 evaluator.load(str(directory))
                 losses = evaluator.losses()
+                if accuracy is not None:  # before the loss unit: a killed run redoes this merge and resumes here
+                    accuracy(label, str(directory))
                 if keep is None:
                     shutil.rmtree(directory, ignore_errors=True)
-                kind = "plan" if label == PLAN else "closed-form" if label in CLOSED_FORM else "strategy"
+                kind = merge.kind or ("plan" if label == PLAN else "closed-form" if label in CLOSED_FORM else "strategy")
                 writer.add(_piece(label, kind, merge.detail, losses, references, evaluator.tasks,
                                   time.perf_counter() - start), label)
                 bar.advance(job)

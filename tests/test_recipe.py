@@ -118,8 +118,8 @@ def _reference(kit, method: str, weights, densities, *, normalize: bool, scale: 
 
 def _assert_close(ours: dict, theirs: dict, tolerance: float = 2e-6) -> None:
     assert set(ours) == set(theirs)
-    for name in ours:
-        difference = float((ours[name].double() - theirs[name]).abs().max())
+    for name, tensor in ours.items():
+        difference = float((tensor.double() - theirs[name]).abs().max())
         assert difference <= tolerance * max(1.0, float(theirs[name].abs().max())), (name, difference)
 
 
