@@ -200,3 +200,32 @@ def test_cli_refuses_code_tasks_without_the_flag_and_says_why(kit):
                                  "--data", "math=/nonexistent.jsonl", "--lm-eval", "demo_humaneval"],
                            env={"COLUMNS": "300"})
     assert result.exit_code == 2 and "--allow-code-execution" in result.output and "Traceback" not in result.output
+
+
+def test_compare_scores_every_model_and_ranks_by_accuracy(kit, tmp_path):
+    """diag compare --lm-eval: the references and each merge get accuracy rows (group compare_accuracy); the
+    leaderboard has the accuracy columns and ranks by their mean with rank_by="accuracy"; a killed compare resumes
+    the accuracy per (model, task)."""
+    from submerge.merge.compare import compare, leaderboard
+
+    records = [{"prompt": p, "completion": "x"} for p in PROMPTS[:4]]
+    data = {"math": _write(tmp_path / "math.jsonl", [{"text": f"{r['prompt']}7"} | r for r in records]),
+            "trivia": _write(tmp_path / "trivia.jsonl", [{"text": f"{r['prompt']}7"} | r for r in records])}
+    settings = HarnessSettings(("demo_trivia",), max_gen_toks=GENERATION, batch_size=2)
+    run = {"methods": ["task-arithmetic"], "fit": 2, "samples": 2, "max_tokens": 32, "batch_size": 2,
+           "dtype": "float32", "device": "cpu", "progress": False, "lm_eval": settings}
+    store = Store(tmp_path / "compare.zarr")
+    result = compare(kit["base"], kit["tuned"], data, store=store, **run)
+    labels = ["base", "finetuned:math", "finetuned:trivia", "task-arithmetic"]
+    assert list(result.method.values) == labels and list(result.benchmark.values) == ["demo_trivia exact_match"]
+    scores = store.dataset("compare_accuracy")
+    assert list(scores.model.values) == labels and (scores.documents.values == 2).all()
+    np.testing.assert_array_equal(result.accuracy.values[:, 0], scores.value.values)
+    table = leaderboard(result, rank_by="accuracy")
+    assert list(table.columns[-2:]) == ["demo_trivia exact_match", "mean accuracy"]
+    assert table["mean accuracy"].is_monotonic_decreasing
+    # the merge's accuracy is that of its checkpoint scored on its own (diag eval --lm-eval on the kept merge)
+    kept = compare(kit["base"], kit["tuned"], data, keep=tmp_path / "kept", **{**run, "methods": ["task-arithmetic"]})
+    alone = accuracy(kit["base"], {"ta": str(tmp_path / "kept" / "task-arithmetic")}, data, settings, skip=2,
+                     device="cpu", progress=False)
+    assert accuracy_frame(alone).loc["ta"].tolist() == kept.accuracy.sel({"method": "task-arithmetic"}).values.tolist()
