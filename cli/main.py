@@ -23,6 +23,14 @@ from submerge.diagnostics import demo
 from submerge.diagnostics.checkpoints import local_path, open_checkpoint
 from submerge.diagnostics.data import parse_named
 from submerge.diagnostics.evaluate import evaluate
+from submerge.diagnostics.harness import (
+    HarnessError,
+    HarnessSettings,
+    accuracy,
+    accuracy_frame,
+    parse_tasks,
+    require_harness,
+)
 from submerge.diagnostics.interference import interference as run_interference
 from submerge.diagnostics.interference import summarize_interference
 from submerge.diagnostics.linearity import GRANULARITIES, nonlinearity, summarize_nonlinearity
@@ -395,12 +403,9 @@ def evaluate_command(
     _print_frame(frame, "Held-out mean token loss (nats) and perplexity")
     out.print(f"Wrote group [bold]eval[/] of {run.out}")
     if harness is not None:
-        from submerge.diagnostics.harness import accuracy, accuracy_frame
-
         scores = accuracy(base, models, named_data, harness, skip=skip, dtype=run.dtype,
                           compute_dtype=run.compute_dtype, device=run.device, allow_pickle=run.allow_pickle,
-                          trust_remote_code=run.trust_remote_code, store=Store(run.out), force=run.force,
-                          progress=run.progress, command=command_line())
+                          trust_remote_code=run.trust_remote_code, run=run.run_settings())
         _print_frame(accuracy_frame(scores), "Task accuracy (lm-evaluation-harness)")
         out.print(f"Wrote group [bold]accuracy[/] of {run.out}")
 
@@ -412,8 +417,6 @@ def _harness_settings(tasks: str | None, allow_code_execution: bool, max_gen_tok
         if allow_code_execution or max_gen_toks is not None:
             raise typer.BadParameter("--allow-code-execution and --max-gen-toks go with --lm-eval")
         return None
-    from submerge.diagnostics.harness import HarnessError, HarnessSettings, parse_tasks, require_harness
-
     if offload:
         raise HarnessError("--lm-eval builds each model whole on the device; it does not work with --offload")
     require_harness()
@@ -481,8 +484,9 @@ def compare(
     allow_code_execution: CodeExecutionOption = False,
     max_gen_toks: MaxGenToksOption = None,
     lm_eval_batch_size: LmEvalBatchOption = 8,
-    rank_by: Annotated[str, typer.Option("--rank-by", help="Leaderboard order: gain (mean normalised gain) or "
-                                                           "accuracy (mean of the --lm-eval metrics).")] = "gain",
+    rank_by: Annotated[str, typer.Option("--rank-by", help="Leaderboard order, best first: gain (mean normalised "
+                                                           "gain), accuracy (mean of the --lm-eval metrics) or one "
+                                                           "benchmark's column, e.g. 'demo_gsm8k exact_match'.")] = "gain",
     run: RunOptions = None,
 ):
     """Every merge strategy at its paper's defaults, task arithmetic with λ tuned on the fit records, closed-form
@@ -490,8 +494,8 @@ def compare(
 
     Writes store group `compare` (loss and normalised gain per method × task) and prints the leaderboard."""
 
-    if rank_by not in ("gain", "accuracy") or (rank_by == "accuracy" and lm_eval is None):
-        raise typer.BadParameter("--rank-by is gain, or accuracy with --lm-eval")
+    if rank_by != "gain" and lm_eval is None:
+        raise typer.BadParameter("--rank-by is gain, or with --lm-eval accuracy or a benchmark")
     harness = _harness_settings(lm_eval, allow_code_execution, max_gen_toks, lm_eval_batch_size, samples,
                                 run.offload)
     base, named_finetuned, named_data = run.inputs()
@@ -509,7 +513,8 @@ def compare(
                           lm_eval=harness)
     _print_frame(leaderboard(dataset, rank_by=rank_by),
                  "Held-out loss and normalised gain (0 = base, 1 = the task's own fine-tune)"
-                 + (" and task accuracy (lm-evaluation-harness)" if harness else "") + f", best mean {rank_by} first")
+                 + (" and task accuracy (lm-evaluation-harness)" if harness else "")
+                 + (f", best mean {rank_by} first" if rank_by in ("gain", "accuracy") else f", best {rank_by} first"))
     out.print(f"Wrote group [bold]compare[/] of {run.out}" + (" and [bold]compare_accuracy[/]" if harness else "")
               + (f"; plan → {plan_out}" if plan_out else ""))
 

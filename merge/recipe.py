@@ -242,13 +242,13 @@ class Recipe:
     def _is_base(self, model: RecipeModel, index: int) -> bool:
         if self.base_model is None:
             return index == 0
-        return model.model == self.base_model or _same_path(self.resolve(model.model), self.base)
+        return model.model == self.base_model or same_model(self.resolve(model.model), self.base)
 
     def bind(self, finetuned: Mapping[str, str]) -> dict[str, str | None]:
         """The recipe's task for each of `finetuned` (task → spec, e.g. `diag compare`'s), matched by path; None for
         a fine-tune the recipe does not merge (it gets weight 0). A recipe model that is not among them is an error."""
         own = self.finetuned()
-        bound = {task: next((name for name, mine in own.items() if _same_path(mine, spec)), None)
+        bound = {task: next((name for name, mine in own.items() if same_model(mine, spec)), None)
                  for task, spec in finetuned.items()}
         missing = [f"{name} ({spec})" for name, spec in own.items() if name not in bound.values()]
         if missing:
@@ -293,7 +293,7 @@ _RESCALE_REASON = {
 }
 
 
-def _same_path(first: str, second: str) -> bool:
+def same_model(first: str, second: str) -> bool:
     """Whether two model specs name the same model (equal, or existing paths that resolve to one folder)."""
     if first == second:
         return True

@@ -206,7 +206,7 @@ def test_compare_scores_every_model_and_ranks_by_accuracy(kit, tmp_path):
     """diag compare --lm-eval: the references and each merge get accuracy rows (group compare_accuracy); the
     leaderboard has the accuracy columns and ranks by their mean with rank_by="accuracy"; a killed compare resumes
     the accuracy per (model, task)."""
-    from submerge.merge.compare import compare, leaderboard
+    from submerge.merge.compare import CompareError, compare, leaderboard
 
     records = [{"prompt": p, "completion": "x"} for p in PROMPTS[:4]]
     data = {"math": _write(tmp_path / "math.jsonl", [{"text": f"{r['prompt']}7"} | r for r in records]),
@@ -224,8 +224,31 @@ def test_compare_scores_every_model_and_ranks_by_accuracy(kit, tmp_path):
     table = leaderboard(result, rank_by="accuracy")
     assert list(table.columns[-2:]) == ["demo_trivia exact_match", "mean accuracy"]
     assert table["mean accuracy"].is_monotonic_decreasing
+    assert leaderboard(result, rank_by="demo_trivia exact_match")["demo_trivia exact_match"].is_monotonic_decreasing
+    with pytest.raises(CompareError, match="one of \\['demo_trivia exact_match'\\]"):
+        leaderboard(result, rank_by="demo_gsm8k exact_match")
     # the merge's accuracy is that of its checkpoint scored on its own (diag eval --lm-eval on the kept merge)
     kept = compare(kit["base"], kit["tuned"], data, keep=tmp_path / "kept", **{**run, "methods": ["task-arithmetic"]})
     alone = accuracy(kit["base"], {"ta": str(tmp_path / "kept" / "task-arithmetic")}, data, settings, skip=2,
                      device="cpu", progress=False)
     assert accuracy_frame(alone).loc["ta"].tolist() == kept.accuracy.sel({"method": "task-arithmetic"}).values.tolist()
+
+
+def test_diag_eval_lm_eval_writes_the_accuracy_group(kit, tmp_path):
+    from typer.testing import CliRunner
+
+    from submerge.cli.main import app
+
+    data = _write(tmp_path / "trivia.jsonl", [{"prompt": p, "completion": "x"} for p in PROMPTS[:3]])
+    out = tmp_path / "eval.zarr"
+    arguments = ["eval", "--model", kit["base"], "--finetuned", f"math={kit['tuned']['math']}", "--data",
+                 f"trivia={data}", "--skip", "1", "--samples", "2", "--max-tokens", "32", "--device", "cpu",
+                 "--dtype", "float32", "--no-progress", "--out", str(out), "--lm-eval", "demo_trivia",
+                 "--max-gen-toks", str(GENERATION), "--lm-eval-batch-size", "2"]
+    result = CliRunner().invoke(app, arguments, env={"COLUMNS": "300"})
+    assert result.exit_code == 0, result.output
+    assert "Task accuracy (lm-evaluation-harness)" in result.output and "Wrote group accuracy" in result.output
+    stored = Store(out)
+    assert stored.is_complete("eval") and stored.is_complete("accuracy") and stored.consolidation() == "current"
+    scores = stored.dataset("accuracy")
+    assert list(scores.model.values) == ["base", "math"] and (scores.documents.values == 2).all()
