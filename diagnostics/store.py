@@ -22,6 +22,17 @@ disk at any point leaves a store that resumes to exactly the uninterrupted
 result. One process writes a store at a time (`StoreLock`, the file
 ``.submerge.lock`` in the store).
 
+Consolidated metadata: when a group completes, the metadata of every group and
+array is copied into the root's ``zarr.json`` (zarr v3's inline consolidated
+metadata), so ``xr.open_datatree(path, engine="zarr")`` opens the store from one
+file and without a warning. The first write of any later run removes it before
+touching anything else, and it is written again when that run's group completes:
+consolidated metadata, when present, always equals what is on disk. A run that is
+killed leaves none (a reader then falls back to the files themselves, with
+xarray's warning), never a copy that would hide or misdescribe arrays written
+after it. Stores written before consolidation existed, or left by a killed run,
+are consolidated by `Store.consolidate` (``diag report --consolidate``).
+
 Strings (coordinates such as ``module`` or ``level``) are stored fixed-width,
 so they read back as ordinary numpy unicode arrays.
 
@@ -404,7 +415,7 @@ class Store:
     def _root(self, mode: str = "a") -> zarr.Group:
         with _quiet():
             try:
-                return zarr.open_group(self._zarr_store(), mode=mode, zarr_format=3)
+                return zarr.open_group(self._zarr_store(), mode=mode, zarr_format=3, use_consolidated=False)
             except (ValueError, OSError) as exc:
                 _read_json(self.path / "zarr.json")  # names the damaged file, if that is the cause
                 raise StoreError(f"cannot open the store {self.path}: {exc}") from None
@@ -530,11 +541,17 @@ class Store:
     # ------------------------------------------------------------------ writing
 
     @contextlib.contextmanager
-    def _writing(self):
-        """Hold the lock; an OS error (full disk, file-size limit, permissions) becomes a StoreError."""
+    def _writing(self, *, consolidating: bool = False):
+        """Hold the lock; an OS error (full disk, file-size limit, permissions) becomes a StoreError.
+
+        Any write but the consolidation itself first removes the root's consolidated metadata (one atomic
+        write), so that it never describes a store that has changed since (see the module docstring).
+        """
         self.lock.acquire()
         try:
             with _quiet(), _interrupts_deferred():
+                if not consolidating:
+                    self._drop_consolidated()
                 yield
         except OSError as exc:
             self.lock.release()
@@ -647,7 +664,7 @@ class Store:
             for array_dir in self._arrays(group):
                 shutil.rmtree(array_dir)
             return set()
-        node = zarr.open_group(self._zarr_store(), path=group, mode="a", zarr_format=3)
+        node = zarr.open_group(self._zarr_store(), path=group, mode="a", zarr_format=3, use_consolidated=False)
         for name, array in node.arrays():
             dims = array.metadata.dimension_names or ()
             if dim in dims and not attrs.get("complete"):
@@ -697,9 +714,79 @@ class Store:
             self._put_attrs(group, {**self.group_attrs(group), **jsonable(extra)})
 
     def finish(self, group: str, extra: dict | None = None) -> None:
-        """Mark `group` complete and store extra attrs (e.g. choices the metric made); releases the lock."""
+        """Mark `group` complete, store extra attrs (e.g. choices the metric made) and consolidate the store's
+        metadata; releases the lock."""
         self.annotate(group, {**(extra or {}), "complete": True})
+        with self._writing(consolidating=True):
+            self._write_consolidated()
         self.lock.release()
+
+    # ------------------------------------------------------------------ consolidated metadata
+
+    def consolidate(self) -> None:
+        """Write the root's consolidated metadata now (a store written before it existed, or left by a killed
+        run): `xr.open_datatree` then opens it without a warning. Takes the store's lock; a store being written
+        by another process is refused (its writer consolidates when its group completes)."""
+        if not self.exists():
+            raise StoreError(f"no store at {self.path}")
+        with self._writing(consolidating=True):
+            self._write_consolidated()
+        self.lock.release()
+
+    def consolidation(self) -> str:
+        """``current`` (the root's consolidated metadata equals the files), ``absent`` or ``stale`` (the store
+        was changed behind the toolkit's back, e.g. a group deleted by hand)."""
+        recorded = _read_json(self.path / "zarr.json").get("consolidated_metadata")
+        if not recorded:
+            return "absent"
+        return "current" if recorded.get("metadata") == self._members() else "stale"
+
+    def consolidation_hint(self) -> str | None:
+        """One line for a store whose consolidated metadata is absent or stale (None when it is current)."""
+        state = self.consolidation() if self.exists() else "current"
+        if state == "current":
+            return None
+        why = ("has no consolidated metadata (written before submerge consolidated its stores, or by a run that "
+               "stopped), so xr.open_datatree warns when it opens it" if state == "absent" else
+               "has consolidated metadata that no longer matches its files (changed outside submerge, e.g. a group "
+               "deleted by hand), so xr.open_datatree shows the store as it was")
+        return f"store {self.path} {why}: `diag report {self.path} --consolidate` consolidates it"
+
+    def _members(self) -> dict[str, dict]:
+        """The metadata of every group and array below the root, keyed by path, as zarr consolidates it (a
+        group's own ``consolidated_metadata`` empty). Hidden entries (``.name``: the lock, groups being deleted)
+        are not part of the hierarchy; arrays are not descended into (their chunks hold no metadata)."""
+        members: dict[str, dict] = {}
+        pending = [""]
+        while pending:
+            prefix = pending.pop()
+            for child in sorted((self.path / prefix).iterdir()):
+                meta_path = child / "zarr.json"
+                if child.name.startswith(".") or not child.is_dir() or not meta_path.exists():
+                    continue
+                key = f"{prefix}/{child.name}" if prefix else child.name
+                meta = _read_json(meta_path)
+                if meta.get("node_type") == "group":
+                    meta["consolidated_metadata"] = {"kind": "inline", "must_understand": False, "metadata": {}}
+                    pending.append(key)
+                elif meta.get("node_type") != "array":
+                    continue
+                members[key] = meta
+        return members
+
+    def _write_consolidated(self) -> None:
+        meta = _read_json(self.path / "zarr.json")
+        meta["consolidated_metadata"] = {"kind": "inline", "must_understand": False, "metadata": self._members()}
+        _atomic_write(self.path / "zarr.json", json.dumps(meta, indent=2).encode())
+
+    def _drop_consolidated(self) -> None:
+        path = self.path / "zarr.json"
+        if not path.exists():
+            return
+        meta = _read_json(path)
+        if meta.get("consolidated_metadata") is not None:
+            meta["consolidated_metadata"] = None
+            _atomic_write(path, json.dumps(meta, indent=2).encode())
 
     # ------------------------------------------------------------------ strings
 

@@ -14,7 +14,9 @@ Methods (labels along dimension ``method`` of the store group ``compare``):
   cross-validated Eq. 10 objective, interference-steered matrices when the store has an
   ``interference`` group; the evidence is written to the store's group ``evidence``, so a killed run
   resumes it too); ``choose="thresholds"`` takes `diag plan`'s threshold choice from the
-  store (needs its ``linearity`` and ``alpha`` groups); a `Plan` or plan file may be given instead.
+  store (needs its ``linearity`` and ``alpha`` groups); a `Plan` or plan file may be given instead;
+- a user's mergekit recipes (`recipes`: label → config, `submerge.merge.recipe.Recipe`), each merged with its own
+  rule per tensor and ranked beside the rest (kind ``recipe``).
 
 Records: the first `fit` records of each task fit α, λ, RegMean's Grams, the Fishers, the AdaMerging and LoraHub
 weights and the evidence choice; the
@@ -29,12 +31,18 @@ block over the base (one block's weights at a time, as `diag eval`) and deleted 
 ``keep/<method>`` when `keep` is given). The group is written one method at a time, so a killed run
 resumes after the last finished method.
 
+Accuracy (`lm_eval`: `submerge.diagnostics.harness.HarnessSettings`): each reference and each merge is also scored
+with lm-evaluation-harness on the held-out records (built in memory from its checkpoint, before that is deleted),
+into the group ``compare_accuracy`` one (model, task) at a time; the returned dataset gets ``accuracy``
+(method × benchmark) and the leaderboard can rank by it.
+
 This module owns the store group ``compare`` (`COMPARE`): its layout, its summary table (the leaderboard) and its
 figure.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import shutil
 import tempfile
@@ -57,6 +65,7 @@ from submerge.diagnostics.evaluate import checkpoint_source, scaled_source, stre
 from submerge.diagnostics.execution import RunSettings
 from submerge.diagnostics.experiment import Experiment
 from submerge.diagnostics.groups import StoreGroup
+from submerge.diagnostics.harness import AccuracyRunner, accuracy_frame
 from submerge.diagnostics.outputs import (
     MERGE_MARKER,
     OutputError,
@@ -67,8 +76,10 @@ from submerge.diagnostics.outputs import (
 from submerge.diagnostics.progress import progress_bar
 from submerge.diagnostics.store import Store, UnitWriter
 from submerge.diagnostics.tables import long_frame, strings
+from submerge.diagnostics.tensors import TensorTable
 from submerge.merge.learned import LEARNED_METHODS, learn
 from submerge.merge.plan import Plan, PlanError, evidence_plan, is_plan_file, make_plan
+from submerge.merge.recipe import Recipe, same_model
 from submerge.merge.rules import regmean_rule
 from submerge.merge.strategies import STRATEGIES
 from submerge.merge.writer import ParameterRule, write_merge
@@ -133,6 +144,29 @@ class Merge:
     detail: str
     record: dict
     gram_matrices: Callable | None = None
+    kind: str | None = None  # the store's `kind` (default: strategy, closed-form or plan by label)
+
+
+def load_recipes(recipes, base_spec: str, methods: list[str]) -> dict:
+    """label → `Recipe` of `recipes` (label → file or Recipe); a label that names a method, or a recipe on another
+    base model, is a CompareError."""
+    loaded = {}
+    for label, recipe in (recipes or {}).items():
+        if label in methods or label in default_methods() or label == "base" or label.startswith("finetuned:"):
+            raise CompareError(f"--recipe {label}: the label names a method or reference of compare; choose another")
+        loaded[label] = recipe if isinstance(recipe, Recipe) else Recipe.load(recipe)
+        if not same_model(loaded[label].base, base_spec):
+            raise CompareError(f"--recipe {label}: its base model {loaded[label].base} is not compare's {base_spec}")
+    return loaded
+
+
+def _recipe_merge(label: str, recipe, base_spec: str, finetuned: dict[str, str], allow_pickle: bool) -> Merge:
+    """A recipe's rules over the base's tensor table, bound to compare's fine-tunes (matched by path)."""
+    table = TensorTable.from_checkpoint(base_spec, allow_pickle=allow_pickle)
+    rules = recipe.rules(table, recipe.bind(finetuned))
+    models = ", ".join(f"{task}: {spec}" for task, spec in recipe.finetuned().items())
+    return Merge(rules, f"mergekit {recipe.merge_method} recipe ({models})",
+                 {"method": label, "mergekit": recipe.to_mergekit(), "notes": recipe.notes()}, kind="recipe")
 
 
 def _strategy(name: str) -> Merge:
@@ -334,14 +368,22 @@ def compare(
     progress: bool = True,
     command: str | None = None,
     on_unit: Callable[[str], None] | None = None,
+    recipes: dict | None = None,
+    lm_eval=None,
 ) -> xr.Dataset:
     """Merge with every method in turn and evaluate each on held-out records (see the module docstring).
 
     Returns the ``compare`` dataset (method × task loss and normalised gain, mean gain, seconds);
-    with `store`, writes it as group ``compare`` method by method (resumable).
+    with `store`, writes it as group ``compare`` method by method (resumable). `recipes` (label → mergekit
+    config file or `Recipe`) adds users' recipes, ranked under their labels. `lm_eval` (`HarnessSettings`)
+    also scores every model's task accuracy (group ``compare_accuracy``; ``accuracy`` in the result).
     """
 
     methods = check_methods(list(methods) if methods else default_methods())
+    loaded_recipes = load_recipes(recipes, base_spec, methods)
+    methods += list(loaded_recipes)
+    if lm_eval is not None and lm_eval.samples is None:  # the local tasks score compare's held-out records
+        lm_eval = dataclasses.replace(lm_eval, samples=samples)
     skip = fit if skip is None else skip
     if skip < fit:
         raise CompareError(f"--skip {skip} < --fit {fit}: held-out records would include fit records")
@@ -355,7 +397,9 @@ def compare(
     settings = {**experiment.settings, "fit": fit, "held_out_skip": skip, "held_out_samples": samples,
                 "methods": methods, "lambdas": [float(v) for v in lambdas], "choose": choose,
                 "plan": str(plan) if isinstance(plan, (str, Path)) else None,
-                "evidence": {k: (list(v) if isinstance(v, tuple) else v) for k, v in (evidence_options or {}).items()}}
+                "evidence": {k: (list(v) if isinstance(v, tuple) else v) for k, v in (evidence_options or {}).items()},
+                **({"recipes": {label: r.to_mergekit() for label, r in loaded_recipes.items()}} if recipes else {}),
+                **({"lm_eval": lm_eval.record()} if lm_eval is not None else {})}
     writer = UnitWriter(store, COMPARE.name, settings, dim=COMPARE.dim, force=force, on_unit=on_unit,
                         root=experiment.root_attrs(command),
                         attrs=experiment.group_attrs(command, held_out={t: d.provenance() for t, d in held_data.items()}))
@@ -364,6 +408,8 @@ def compare(
     merges, used_plan = prepare(experiment, finetuned, [m for m in pending if m != TUNED], plan=plan, choose=choose,
                                 store=store, evidence_options=evidence_options, progress=progress, command=command,
                                 force=force)
+    merges.update({label: _recipe_merge(label, recipe, base_spec, finetuned, allow_pickle)
+                   for label, recipe in loaded_recipes.items() if label in pending})
     if plan_out is not None and used_plan is not None:
         used_plan.save(plan_out, force=True)  # checked by _check_outputs
     elif plan_out is not None and PLAN in methods:
@@ -371,9 +417,19 @@ def compare(
                       f"is not written: run with --force to recompute, or write a plan with `diag plan`")
     evaluator = _Evaluator(experiment, held_out, allow_pickle=allow_pickle)
     references = _references(evaluator, writer, finetuned, tasks)
-    notes = _run_methods(pending, merges, evaluator, writer, references, base_spec, finetuned,
-                         lambdas=lambdas, keep=keep, allow_pickle=allow_pickle, vocab=vocab, progress=progress,
-                         store=store)
+    scorer = None if lm_eval is None else _accuracy_scorer(experiment, lm_eval, data, skip, store=store, force=force,
+                                                           command=command, progress=progress, allow_pickle=allow_pickle)
+    try:
+        if scorer is not None:
+            for label, spec in {"base": None, **{f"finetuned:{t}": s for t, s in finetuned.items()}}.items():
+                scorer.run(label, spec)
+        notes = _run_methods(pending, merges, evaluator, writer, references, base_spec, finetuned,
+                             lambdas=lambdas, keep=keep, allow_pickle=allow_pickle, vocab=vocab, progress=progress,
+                             store=store, accuracy=scorer.run if scorer is not None else None)
+        scores = scorer.finish() if scorer is not None else None
+    finally:
+        if scorer is not None:
+            scorer.close()
     result = writer.finish({
         "loss": "mean next-token cross-entropy over real tokens on held-out records, nats",
         "gain": "(loss_base - loss_model) / (loss_base - loss_finetune_of_the_task): 0 = base, 1 = own fine-tune",
@@ -385,7 +441,45 @@ def compare(
                          "finetuned_loss": {t: float(references[f"finetuned:{t}"][i]) for i, t in enumerate(tasks)}})
     if store is not None:
         store.finish(COMPARE.name, {key: result.attrs[key] for key in ("base_loss", "finetuned_loss")})
+    if scores is not None:
+        frame = accuracy_frame(scores).reindex([str(m) for m in result.method.values])
+        result["accuracy"] = xr.DataArray(frame.to_numpy(dtype=np.float64), dims=("method", "benchmark"),
+                                          coords={"benchmark": np.array(frame.columns, dtype=object)})
     return result
+
+
+class _AccuracyScorer:
+    """`diag compare --lm-eval`: the harness runner over compare's base and held-out records, group
+    ``compare_accuracy``."""
+
+    def __init__(self, runner, writer):
+        self.runner, self.writer = runner, writer
+
+    def run(self, label: str, spec: str | None) -> None:
+        self.runner.run(label, spec)
+
+    def finish(self) -> xr.Dataset:
+        return self.writer.finish({"value": "each task's metric as lm-evaluation-harness computes it",
+                                   "records": "local tasks: compare's held-out records"})
+
+    def close(self) -> None:
+        self.runner.close()
+
+
+def _accuracy_scorer(experiment, settings, data: dict[str, str], skip: int, *, store, force, command, progress,
+                     allow_pickle) -> _AccuracyScorer:
+    writer = UnitWriter(store, "compare_accuracy", {**settings.record(), "skip": skip,
+                                                    "compute_dtype": str(experiment.compute_dtype)},
+                        dim="result", force=force, root=experiment.root_attrs(command),
+                        attrs=experiment.group_attrs(command))
+
+    def report(text: str) -> None:
+        if ":" in text and progress:
+            print(f"  lm-eval {text}", flush=True)
+
+    runner = AccuracyRunner(experiment.base, settings, data, writer, skip=skip, compute=experiment.compute_dtype,
+                            allow_pickle=allow_pickle, progress=progress, report=report)
+    return _AccuracyScorer(runner, writer)
 
 
 def _kept_by(store: Store | None, label: str) -> Callable[[Path], bool]:
@@ -422,7 +516,7 @@ def _check_outputs(pending: list[str], keep, plan_out, store: Store | None, forc
 
 
 def _run_methods(pending, merges, evaluator, writer, references, base_spec, finetuned, *, lambdas, keep,
-                 allow_pickle, vocab, progress, store=None) -> dict:
+                 allow_pickle, vocab, progress, store=None, accuracy: Callable | None = None) -> dict:
     """Write, load, evaluate and (unless kept) delete each pending method's merge; returns notes for attrs."""
 
     notes = {}
@@ -456,9 +550,11 @@ def _run_methods(pending, merges, evaluator, writer, references, base_spec, fine
                 directory = write(label, merge)
                 evaluator.load(str(directory))
                 losses = evaluator.losses()
+                if accuracy is not None:  # before the loss unit: a killed run redoes this merge and resumes here
+                    accuracy(label, str(directory))
                 if keep is None:
                     shutil.rmtree(directory, ignore_errors=True)
-                kind = "plan" if label == PLAN else "closed-form" if label in CLOSED_FORM else "strategy"
+                kind = merge.kind or ("plan" if label == PLAN else "closed-form" if label in CLOSED_FORM else "strategy")
                 writer.add(_piece(label, kind, merge.detail, losses, references, evaluator.tasks,
                                   time.perf_counter() - start), label)
                 bar.advance(job)
@@ -470,9 +566,11 @@ def _run_methods(pending, merges, evaluator, writer, references, base_spec, fine
 # ------------------------------------------------------------------ the store group
 
 
-def summary(dataset: xr.Dataset) -> pd.DataFrame:
-    """The leaderboard: one row per method, its loss and normalised gain per task and the mean gain, best mean
-    gain first (NaN last)."""
+def summary(dataset: xr.Dataset, rank_by: str = "gain") -> pd.DataFrame:
+    """The leaderboard: one row per method, its loss and normalised gain per task and the mean gain, and with
+    ``accuracy`` (``compare`` with ``lm_eval``) each benchmark's accuracy and their mean. Sorted by `rank_by`, best
+    first (NaN last): ``gain`` (the mean gain), ``accuracy`` (the mean accuracy) or one benchmark's column (e.g.
+    ``"demo_gsm8k exact_match"``)."""
     tasks = strings(dataset.task.values)
     frame = pd.DataFrame(index=pd.Index(strings(dataset.method.values), name="method"))
     for task in tasks:
@@ -480,7 +578,19 @@ def summary(dataset: xr.Dataset) -> pd.DataFrame:
     for task in tasks:
         frame[f"gain {task}"] = dataset.gain.sel(task=task).values
     frame["mean gain"] = dataset.mean_gain.values
-    return frame.sort_values("mean gain", ascending=False, na_position="last")
+    if "accuracy" in dataset:
+        for benchmark in dataset.benchmark.values:
+            frame[str(benchmark)] = dataset.accuracy.sel(benchmark=benchmark).values
+        frame["mean accuracy"] = np.nanmean(dataset.accuracy.values, axis=1) if dataset.sizes["benchmark"] else np.nan
+    column = f"mean {rank_by}" if rank_by in ("gain", "accuracy") else rank_by
+    if column not in frame or (rank_by != "gain" and "accuracy" not in dataset):
+        benchmarks = strings(dataset.benchmark.values) if "accuracy" in dataset else []
+        raise CompareError(f"--rank-by {rank_by!r}: rank by gain, or with --lm-eval by accuracy or one of "
+                           f"{benchmarks or 'the benchmarks'}")
+    return frame.sort_values(column, ascending=False, na_position="last")
+
+
+leaderboard = summary  # the name the Python API has used
 
 
 _KIND_COLOURS = {"plan": "#c0392b", "closed-form": "#e67e22", "strategy": "#7f8c8d", "base": "#34495e",

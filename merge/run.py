@@ -1,6 +1,7 @@
-"""The merge driver behind `diag merge`: a plan or a registered method → rules → the streaming writer.
+"""The merge driver behind `diag merge`: a plan, a mergekit recipe or a registered method → rules → the streaming writer.
 
-`run_merge` takes either a plan file (`submerge.merge.plan.Plan`) or a method name (any of
+`run_merge` takes a plan file (`submerge.merge.plan.Plan`), a mergekit config (`submerge.merge.recipe.Recipe`:
+its models, its rule per tensor, its output dtype) or a method name (any of
 ``submerge.merge.strategies.STRATEGIES`` or a mergekit alias). Methods that need data (``inputs`` in the
 registry) get them here, on the base model θ0 and the task data:
 
@@ -28,8 +29,10 @@ from submerge.diagnostics.checkpoints import local_path
 from submerge.diagnostics.execution import Engine
 from submerge.diagnostics.experiment import Experiment
 from submerge.diagnostics.linearity import alpha
+from submerge.diagnostics.tensors import TensorTable
 from submerge.merge.learned import LEARNED_METHODS, learn
 from submerge.merge.plan import Plan, plan_from_alpha
+from submerge.merge.recipe import Recipe
 from submerge.merge.rules import RuleFunction, checked_method, method_rule, regmean_rule
 from submerge.merge.strategies import STRATEGIES
 from submerge.merge.writer import MergeError, check_not_an_input, check_output, parse_size, write_merge
@@ -65,6 +68,7 @@ def run_merge(
     *,
     plan: str | Path | None = None,
     method: str | None = None,
+    recipe: str | Path | None = None,
     options: dict | None = None,
     base: str | None = None,
     finetuned: dict[str, str] | None = None,
@@ -79,16 +83,23 @@ def run_merge(
     out_dtype: str | torch.dtype | None = None,
     engine: Engine | None = None,
 ) -> Path:
-    """Write the merged checkpoint of a plan file or of `method` (+ `options`) on `base` + `finetuned`.
+    """Write the merged checkpoint of a plan file, of a mergekit config (`recipe`: it names the models) or of
+    `method` (+ `options`) on `base` + `finetuned`.
 
     Every setting is checked before any work (output, shard size, out dtype, outputs that would
-    overwrite an input); tensors are written in `out_dtype` ("base" or None: each base tensor's dtype).
+    overwrite an input); tensors are written in `out_dtype` ("base": each base tensor's dtype; None: a
+    recipe's ``out_dtype`` / ``dtype``, else each base tensor's).
     ``engine``: where the tensors are merged (`submerge.diagnostics.execution`; default this process).
     """
     out_dir = Path(out_dir)
-    if (plan is None) == (method is None):
-        raise ValueError("give either a plan or a method")
+    if sum(given is not None for given in (plan, method, recipe)) != 1:
+        raise ValueError("give one of a plan, a mergekit recipe or a method")
     parse_size(shard_size)
+    if recipe is not None:
+        the_recipe = recipe if isinstance(recipe, Recipe) else Recipe.load(recipe)
+        base, finetuned = the_recipe.base, the_recipe.finetuned()
+        setup = recipe_setup(the_recipe, allow_pickle=allow_pickle, path=None if isinstance(recipe, Recipe) else recipe)
+        out_dtype = the_recipe.output_dtype() if out_dtype is None else out_dtype
     dtype = parse_out_dtype(out_dtype)
     if plan is not None:
 
@@ -97,7 +108,7 @@ def run_merge(
         setup = MergeSetup(the_plan.rule_for, {"plan": str(plan), "granularity": the_plan.granularity})
     _refuse_inputs(out_dir, base, finetuned, allow_pickle)
     check_output(out_dir, force)
-    if plan is None:
+    if method is not None:
         setup = method_setup(method, options or {}, base, finetuned, data or DataSettings(), device=device,
                              offload=offload, allow_pickle=allow_pickle, vocab=vocab, progress=progress)
     setup.record["out_dtype"] = str(dtype).removeprefix("torch.") if dtype else "base"
@@ -129,6 +140,14 @@ def _refuse_inputs(out_dir: Path, base: str, finetuned: dict[str, str], allow_pi
         with contextlib.suppress(Exception):  # an input that cannot be resolved fails with its own message later
             inputs[what] = local_path(spec, allow_pickle=allow_pickle)
     check_not_an_input(out_dir, inputs)
+
+
+def recipe_setup(recipe: Recipe, *, allow_pickle: bool = False, path: str | Path | None = None) -> MergeSetup:
+    """Rules of a mergekit recipe over its base model's tensor table (every tensor's rule is checked now)."""
+    table = TensorTable.from_checkpoint(recipe.base, allow_pickle=allow_pickle)
+    record = {"recipe": str(path) if path is not None else None, "mergekit": recipe.to_mergekit(),
+              "notes": recipe.notes()}
+    return MergeSetup(recipe.rules(table), record)
 
 
 def method_setup(method: str, options: dict, base: str, finetuned: dict[str, str], data: DataSettings, *,

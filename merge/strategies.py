@@ -29,6 +29,14 @@ The final scaling coefficient is called ``scaling`` everywhere (λ in Task Arith
 TIES, DARE, Breadcrumbs, DELLA and CART; α in TSV-M and Iso-C/CTS; γ in SFTM).
 Fractions are fractions (``top_k=0.2`` means the paper's "top-20 %").
 
+Per-task options (mergekit's per-model ``weight`` and ``density``, `submerge.merge.recipe`):
+TIES, DARE, Breadcrumbs and DELLA take their fractions either as one number or as one number
+per task, and ``weights`` w_t (default None: every task 1) and ``normalize``. The weights
+multiply each (sparsified) task vector before the sign election, and the merge divides by the
+weights of the tasks that enter an entry when ``normalize`` (mergekit's generalised task
+arithmetic). The defaults are each paper's equation, unchanged: TIES and DELLA take the
+disjoint mean (``normalize=True``), Breadcrumbs and DARE over task arithmetic the sum.
+
 Papers: "survey" is seed 003 (a survey of model merging whose section for each method
 gives the equations quoted here; its equations are labelled, not numbered, so the label
 is cited), "SFTM" is seed 001 (Qiu et al., Superpose Singular Features for Model Merging).
@@ -164,6 +172,41 @@ def _check_fraction(value: float, name: str, *, low_open: bool = False, high_ope
 def _count_from_fraction(fraction: float, total: int) -> int:
     """round(fraction · total), rounding half up (⌊x + ½⌋), clipped to [0, total]."""
     return min(total, max(0, math.floor(fraction * total + 0.5)))
+
+
+def _per_task(value: float | Sequence[float], count: int, name: str) -> list[float]:
+    """One value per task: a number for every task, or a sequence of `count` numbers (a recipe's per-model one)."""
+    def number(v) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    if number(value):
+        return [float(value)] * count
+    if isinstance(value, (list, tuple)) and len(value) == count and all(number(v) for v in value):
+        return [float(v) for v in value]
+    raise ValueError(f"{name} must be a number or one number per task ({count} tasks), got {value!r}")
+
+
+def _task_weights(weights: Sequence[float] | None, count: int) -> list[float] | None:
+    """The per-task weights w_t (None: every task 1), checked: one finite number per task."""
+    if weights is None:
+        return None
+    values = _per_task(weights, count, "weights") if isinstance(weights, (list, tuple)) else None
+    if values is None or not all(math.isfinite(v) for v in values):
+        raise ValueError(f"weights must be one finite number per task ({count} tasks), got {weights!r}")
+    return values
+
+
+def _weighted_sum(pieces: Sequence[torch.Tensor], weights: list[float] | None, normalize: bool) -> torch.Tensor:
+    """Σ_t w_t τ_t, divided by Σ_t w_t when `normalize` (by 1 when |Σ w| < 1e-8, as mergekit); without weights and
+    normalisation the plain sum."""
+    if weights is None and not normalize:
+        return _sum(pieces)
+    weights = weights or [1.0] * len(pieces)
+    total = pieces[0] * weights[0]
+    for weight, piece in zip(weights[1:], pieces[1:]):
+        total += piece * weight
+    divisor = math.fsum(weights)
+    return total.div_(divisor) if normalize and abs(divisor) >= 1e-8 else total
 
 
 def _thin_svd(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -317,13 +360,20 @@ def keep_top_magnitude(task_vector: torch.Tensor, top_k: float) -> torch.Tensor:
     return torch.where(mask, values, torch.zeros_like(values))
 
 
-def elect_sign_disjoint_mean(task_vectors: torch.Tensor) -> torch.Tensor:
+def elect_sign_disjoint_mean(task_vectors: torch.Tensor, *, weights: Sequence[float] | None = None,
+                             normalize: bool = True) -> torch.Tensor:
     """TIES steps (2) Elect Sign and (3) Disjoint Merge on a (T, ...) stack.
 
     Survey §TIES-Merging: γ_m = sgn(Σ_t τ̂_t); for each entry p, A_p = {t : sgn(τ̂_t^p) = γ_m^p}
     and τ_m^p = (1/|A_p|) Σ_{t∈A_p} τ̂_t^p, zeros ignored. An entry whose sum is exactly 0
     gets γ_m = 0 and merges to 0 (the equation as written). Also DELLA's Elect and Fuse.
+
+    With per-task `weights` w_t the signs are elected on the weighted vectors w_t τ̂_t, and the disjoint
+    mean becomes Σ_{t∈A_p} w_t τ̂_t^p / Σ_{t∈A_p} w_t (a zero divisor counts as 1); with ``normalize=False``
+    the disjoint sum Σ_{t∈A_p} w_t τ̂_t^p (mergekit's generalised task arithmetic with sign consensus).
     """
+    if weights is not None or not normalize:
+        return _weighted_elect(task_vectors, weights, normalize)
     elected_sign = torch.sign(task_vectors.sum(dim=0))
     agrees = (torch.sign(task_vectors) == elected_sign) & (task_vectors != 0)
     selected = torch.where(agrees, task_vectors, torch.zeros_like(task_vectors))
@@ -331,23 +381,42 @@ def elect_sign_disjoint_mean(task_vectors: torch.Tensor) -> torch.Tensor:
     return selected.sum(dim=0) / count
 
 
-def _trimmed_elect(pieces: list[torch.Tensor], masks: Sequence[_TopMagnitude], scaling: float) -> torch.Tensor:
+def _weighted_elect(task_vectors: torch.Tensor, weights: Sequence[float] | None, normalize: bool) -> torch.Tensor:
+    count = task_vectors.shape[0]
+    weight = torch.tensor(weights if weights is not None else [1.0] * count, dtype=task_vectors.dtype,
+                          device=task_vectors.device).reshape(count, *([1] * (task_vectors.ndim - 1)))
+    weighted = task_vectors * weight
+    elected_sign = torch.sign(weighted.sum(dim=0))
+    agrees = (torch.sign(weighted) == elected_sign) & (weighted != 0)
+    mixed = torch.where(agrees, weighted, 0.0).sum(dim=0)
+    if not normalize:
+        return mixed
+    divisor = torch.where(agrees, weight, 0.0).sum(dim=0)
+    return mixed / torch.where(divisor == 0, 1.0, divisor)
+
+
+def _trimmed_elect(pieces: list[torch.Tensor], masks: Sequence[_TopMagnitude], scaling: float,
+                   weights: list[float] | None = None, normalize: bool = True) -> torch.Tensor:
     trimmed = torch.stack([torch.where(mask(piece), piece, 0.0) for piece, mask in zip(pieces, masks)])
-    return float(scaling) * elect_sign_disjoint_mean(trimmed)
+    return float(scaling) * elect_sign_disjoint_mean(trimmed, weights=weights, normalize=normalize)
 
 
-def ties(task_vectors: Sequence[torch.Tensor], *, top_k: float = 0.2, scaling: float = 1.0) -> torch.Tensor:
+def ties(task_vectors: Sequence[torch.Tensor], *, top_k: float | Sequence[float] = 0.2, scaling: float = 1.0,
+         weights: Sequence[float] | None = None, normalize: bool = True) -> torch.Tensor:
     """TIES-Merging (Yadav et al. 2023, Algorithm 1): trim, elect sign, disjoint mean, scale by λ.
 
     Survey §TIES-Merging steps (1)–(3) and θ_M = θ0 + λ τ_M. Defaults k = 20 % (the survey's
     "e.g., k = 20") and λ = 1 (the TIES paper's choice without a validation set; not in the
     seed survey).
     Trimming is per parameter tensor (the writer streams one tensor at a time); the paper
-    trims over the whole model's task vector.
+    trims over the whole model's task vector. ``top_k`` may give one k per task; per-task
+    ``weights`` and ``normalize=False`` are mergekit's generalisation (`elect_sign_disjoint_mean`).
     """
     _check_task_vectors(task_vectors)
-    masks = [_TopMagnitude(tv, _top_count(top_k, tv.numel())) for tv in task_vectors]
-    return _by_chunks(task_vectors, lambda pieces: _trimmed_elect(pieces, masks, scaling))
+    fractions = _per_task(top_k, len(task_vectors), "top_k")
+    weights = _task_weights(weights, len(task_vectors))
+    masks = [_TopMagnitude(tv, _top_count(k, tv.numel())) for tv, k in zip(task_vectors, fractions)]
+    return _by_chunks(task_vectors, lambda pieces: _trimmed_elect(pieces, masks, scaling, weights, bool(normalize)))
 
 
 def _generator(seed: int, device: torch.device) -> torch.Generator:
@@ -405,11 +474,13 @@ class _Drawn:
 def dare(
     task_vectors: Sequence[torch.Tensor],
     *,
-    drop_rate: float = 0.9,
+    drop_rate: float | Sequence[float] = 0.9,
     seed: int = 0,
     base: str = "task-arithmetic",
-    top_k: float = 1.0,
+    top_k: float | Sequence[float] = 1.0,
     scaling: float = 1.0,
+    weights: Sequence[float] | None = None,
+    normalize: bool | None = None,
 ) -> torch.Tensor:
     """DARE (Yu et al. 2024) as a plug-in before Task Arithmetic or TIES.
 
@@ -419,28 +490,41 @@ def dare(
     sign and disjoint mean, scaled by λ). Defaults: p = 0.9 (the DARE paper's usual drop
     rate for merging SFT LMs; the survey's App. mentions rates up to 0.99), λ = 1. One ``torch.Generator`` seeded with ``seed`` draws the
     tasks' masks in task order, so a seed gives one result.
+    ``drop_rate`` and ``top_k`` may give one value per task; ``weights`` w_t weight each τ̂_t (before the sign
+    election over TIES), and ``normalize`` divides by the weights that enter (None: the base's own — the
+    disjoint mean for TIES, the plain sum for task arithmetic).
     """
     _check_task_vectors(task_vectors)
     if base not in ("task-arithmetic", "ties"):
         raise ValueError(f"dare base must be 'task-arithmetic' or 'ties', got {base!r}")
-    drop_rate = _check_fraction(drop_rate, "drop_rate", high_open=True)
+    rates = [_check_fraction(p, "drop_rate", high_open=True)
+             for p in _per_task(drop_rate, len(task_vectors), "drop_rate")]
+    weights = _task_weights(weights, len(task_vectors))
+    normalize = (base == "ties") if normalize is None else bool(normalize)
     generator = _generator(seed, task_vectors[0].device)
     shape, device = tuple(task_vectors[0].shape), task_vectors[0].device
-    drawn = [_Drawn(None if drop_rate == 0 else _draw_kept(shape, lambda rows: drop_rate, generator, device),
-                    lambda piece, rows: drop_rate) for _ in task_vectors]
+    drawn = [_Drawn(None if p == 0 else _draw_kept(shape, lambda rows, p=p: p, generator, device),
+                    lambda piece, rows, p=p: p) for p in rates]
     if base == "task-arithmetic":
-        return _by_chunks(task_vectors, lambda pieces: float(scaling) * _sum([d(p) for d, p in zip(drawn, pieces)]))
-    # TIES on τ̂_t: every kept entry is rescaled by the same 1/(1 − p), so the trim ranks, the elected signs
-    # and the disjoint mean are those of the unscaled kept entries, times 1/(1 − p) (rounding makes no ties)
+        return _by_chunks(task_vectors, lambda pieces: float(scaling) * _weighted_sum(
+            [d(p) for d, p in zip(drawn, pieces)], weights, normalize))
+    fractions = _per_task(top_k, len(task_vectors), "top_k")
+    trim = [_check_fraction(k, "top_k") < 1 for k in fractions]
+
     def unscaled():
         return [_Drawn(d.kept, lambda piece, rows: 0.0) for d in drawn]  # fresh row positions
 
-    trim = _check_fraction(top_k, "top_k") < 1
-    masks = [_TopMagnitude(kept(_compute(tv)) if trim else tv, _top_count(top_k, tv.numel()))
-             for kept, tv in zip(unscaled(), task_vectors)]
-    kept = unscaled()
-    return _by_chunks(task_vectors, lambda pieces: _trimmed_elect([k(p) for k, p in zip(kept, pieces)], masks,
-                                                                  float(scaling) / (1 - drop_rate)))
+    masks = [_TopMagnitude(kept(_compute(tv)) if cut else tv, _top_count(k, tv.numel()))
+             for kept, tv, k, cut in zip(unscaled(), task_vectors, fractions, trim)]
+    if len(set(rates)) == 1 and weights is None and normalize:
+        # TIES on τ̂_t: every kept entry is rescaled by the same 1/(1 − p), so the trim ranks, the elected signs
+        # and the disjoint mean are those of the unscaled kept entries, times 1/(1 − p) (rounding makes no ties)
+        kept = unscaled()
+        return _by_chunks(task_vectors, lambda pieces: _trimmed_elect([k(p) for k, p in zip(kept, pieces)], masks,
+                                                                      float(scaling) / (1 - rates[0])))
+    rescaled = [_Drawn(d.kept, d.probability) for d in drawn]  # τ̂_t = kept τ_t / (1 − p_t): the trim ranks stay
+    return _by_chunks(task_vectors, lambda pieces: _trimmed_elect([d(p) for d, p in zip(rescaled, pieces)], masks,
+                                                                  scaling, weights, normalize))
 
 
 def _breadcrumbs_bounds(beta: float, gamma: float) -> tuple[float, float]:
@@ -478,20 +562,25 @@ def breadcrumbs_mask(task_vector: torch.Tensor, beta: float, gamma: float) -> to
 
 
 def breadcrumbs(
-    task_vectors: Sequence[torch.Tensor], *, beta: float = 0.85, gamma: float = 0.993, scaling: float = 1.0
+    task_vectors: Sequence[torch.Tensor], *, beta: float | Sequence[float] = 0.85,
+    gamma: float | Sequence[float] = 0.993, scaling: float = 1.0, weights: Sequence[float] | None = None,
+    normalize: bool = False,
 ) -> torch.Tensor:
     """Model Breadcrumbs (Davari & Belilovsky 2024): τ_M = λ Σ_t m_t^{β,γ} ⊙ τ_t.
 
     Survey eqs. (mask) and (breadcrumbs-merge); the mask is layer-wise, i.e. per parameter
     tensor. Defaults β = 0.85 (drop the smallest 85 %) and γ = 0.993 (drop the largest
     0.7 %) are the Breadcrumbs paper's reported setting (not in the seed survey, which gives
-    no values); λ = 1.
+    no values); λ = 1. ``beta`` and ``gamma`` may give one value per task; ``weights`` w_t make
+    it λ Σ_t w_t m_t ⊙ τ_t, divided by Σ_t w_t with ``normalize`` (mergekit's per-model weights).
     """
     _check_task_vectors(task_vectors)
-    beta, gamma = _breadcrumbs_bounds(beta, gamma)
-    masks = [_BreadcrumbsMask(task_vector, beta, gamma) for task_vector in task_vectors]
-    return _by_chunks(task_vectors, lambda pieces: float(scaling) * _sum(
-        [torch.where(mask(piece), piece, 0.0) for mask, piece in zip(masks, pieces)]))
+    count = len(task_vectors)
+    bounds = [_breadcrumbs_bounds(b, g) for b, g in zip(_per_task(beta, count, "beta"), _per_task(gamma, count, "gamma"))]
+    weights = _task_weights(weights, count)
+    masks = [_BreadcrumbsMask(task_vector, b, g) for task_vector, (b, g) in zip(task_vectors, bounds)]
+    return _by_chunks(task_vectors, lambda pieces: float(scaling) * _weighted_sum(
+        [torch.where(mask(piece), piece, 0.0) for mask, piece in zip(masks, pieces)], weights, bool(normalize)))
 
 
 def _check_della(drop_rate: float, epsilon: float) -> tuple[float, float]:
@@ -545,10 +634,12 @@ def magprune(task_vector: torch.Tensor, drop_rate: float, epsilon: float, genera
 def della(
     task_vectors: Sequence[torch.Tensor],
     *,
-    drop_rate: float = 0.5,
-    epsilon: float = 0.1,
+    drop_rate: float | Sequence[float] = 0.5,
+    epsilon: float | Sequence[float] = 0.1,
     seed: int = 0,
     scaling: float = 1.0,
+    weights: Sequence[float] | None = None,
+    normalize: bool = True,
 ) -> torch.Tensor:
     """DELLA-Merging (Deep et al. 2024): MAGPRUNE drop-and-rescale, elect sign, fuse, scale.
 
@@ -556,13 +647,18 @@ def della(
     τ^avg = mean over C, θ_M = θ0 + λ τ^avg. ε = 0 reduces the drop to DARE. The survey
     gives no values; the defaults p = 0.5, ε = 0.1 are the middle of the DELLA paper's
     grid, λ = 1. A seeded ``torch.Generator`` draws the masks in task order.
+    ``drop_rate`` and ``epsilon`` may give one value per task; ``weights`` and ``normalize`` as in
+    `elect_sign_disjoint_mean` (mergekit's per-model weights).
     """
     _check_task_vectors(task_vectors)
-    drop_rate, epsilon = _check_della(drop_rate, epsilon)
+    count = len(task_vectors)
+    settings = [_check_della(p, e) for p, e in zip(_per_task(drop_rate, count, "drop_rate"),
+                                                   _per_task(epsilon, count, "epsilon"))]
+    weights = _task_weights(weights, count)
     generator = _generator(seed, task_vectors[0].device)
-    drawn = [_magprune_draw(task_vector, drop_rate, epsilon, generator) for task_vector in task_vectors]
+    drawn = [_magprune_draw(task_vector, p, e, generator) for task_vector, (p, e) in zip(task_vectors, settings)]
     return _by_chunks(task_vectors, lambda pieces: float(scaling) * elect_sign_disjoint_mean(
-        torch.stack([draw(piece) for draw, piece in zip(drawn, pieces)])))
+        torch.stack([draw(piece) for draw, piece in zip(drawn, pieces)]), weights=weights, normalize=bool(normalize)))
 
 
 def _min_max(values: torch.Tensor) -> torch.Tensor:

@@ -28,10 +28,14 @@ if not STORE.exists():
     raise FileNotFoundError(f"no store at {STORE}: build the example with "
                             "`python notebooks/make_example_store.py --out runs/demo.zarr`, "
                             "or point SUBMERGE_STORE at your own store")
+from submerge.diagnostics.store import Store
+
+hint = Store(STORE).consolidation_hint()
+if hint:  # a store written before submerge consolidated its metadata, or changed by hand
+    print("note:", hint)
 try:
-    tree = xr.open_datatree(STORE, engine="zarr", consolidated=False)
+    tree = xr.open_datatree(STORE, engine="zarr")  # the consolidated metadata: one file read, no warning
 except Exception:  # older xarray: go through the toolkit's reader
-    from submerge.diagnostics.store import Store
     tree = Store(STORE).open()
 groups = sorted(node.path for node in tree.subtree if node.has_data)
 print(f"store {STORE}\\nbase model: {(tree.attrs.get('base_model') or {}).get('spec')}\\ngroups: {groups}")

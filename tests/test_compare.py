@@ -794,3 +794,45 @@ def test_compare_plan_by_thresholds_reads_the_store(trained_kit, tmp_path):
     assert plan.granularity == expected.granularity and plan.alpha == expected.alpha
     assert plan.decision["reasons"] == expected.decision["reasons"]
     assert str(result.detail.sel({"method": "plan"}).values) == expected.granularity
+
+
+def test_compare_ranks_a_users_mergekit_recipe(trained_kit, tmp_path):
+    """--recipe NAME=FILE: a mergekit TIES recipe with TIES' defaults is the registered ties merge (the same loss,
+    bitwise); a weighted task-arithmetic recipe on one fine-tune is θ0 + w τ; both ranked, kind 'recipe'."""
+    import yaml
+
+    from submerge.merge.compare import CompareError, compare
+    from submerge.merge.recipe import RecipeError
+
+    _, base, finetuned, data = trained_kit
+    ties = {"merge_method": "ties", "base_model": base, "parameters": {"lambda": 1.0},
+            "models": [{"model": finetuned[t], "parameters": {"weight": 1.0, "density": 0.2}} for t in TASKS]}
+    single = {"merge_method": "task_arithmetic", "base_model": base,
+              "models": [{"model": finetuned["math"], "parameters": {"weight": 0.5}}]}
+    paths = {}
+    for name, config in (("my-ties", ties), ("half-math", single)):
+        paths[name] = tmp_path / f"{name}.yaml"
+        paths[name].write_text(yaml.safe_dump(config))
+    dataset = compare(base, finetuned, data, methods=["ties"], recipes=paths, **RUN)
+    assert list(dataset.method.values)[-3:] == ["ties", "my-ties", "half-math"]
+    assert list(dataset.kind.values)[-2:] == ["recipe", "recipe"]
+    np.testing.assert_array_equal(dataset.loss.sel({"method": "my-ties"}).values,
+                                  dataset.loss.sel({"method": "ties"}).values)
+    held = _experiment(trained_kit, skip=FIT)
+    state = _task_sum_state(trained_kit, held, 0.0)
+    math_only = _task_sum_state(trained_kit, held, 0.5)  # θ0 + 0.5 (τ_math + τ_code) − 0.5 τ_code below
+    code_half = {n: v for n, v in _task_sum_state(trained_kit, held, 0.0).items()}
+    from safetensors.torch import load_file
+
+    code = load_file(str(Path(finetuned["code"]) / "model.safetensors"))
+    for name in state:
+        key = held.base.checkpoint_name(name)
+        code_half[name] = math_only[name] - 0.5 * (code[key] - state[name])
+    np.testing.assert_allclose(_losses_of(held, code_half), dataset.loss.sel({"method": "half-math"}).values,
+                               rtol=1e-5)
+    with pytest.raises(CompareError, match="the label names a method"):
+        compare(base, finetuned, data, methods=["ties"], recipes={"ties": paths["my-ties"]}, **RUN)
+    other = tmp_path / "other.yaml"
+    other.write_text(yaml.safe_dump({**single, "models": [{"model": str(tmp_path), "parameters": {"weight": 1}}]}))
+    with pytest.raises(RecipeError, match="not among the given fine-tunes"):
+        compare(base, finetuned, data, methods=["ties"], recipes={"other": other}, **RUN)

@@ -173,6 +173,7 @@ def _assert_same_store(path: Path, reference: Path, group: str) -> None:
     assert written.attrs["complete"] is True
     assert not (path / ".submerge.lock").exists()
     assert not list(path.rglob("*.partial"))
+    assert Store(path).consolidation() == "current"  # consolidated again by the resumed run
 
 
 @pytest.fixture(scope="module")
@@ -212,6 +213,8 @@ def _fault_then_resume(kit, diag, references, tmp_path, driver: str, action: str
         assert not (out / ".submerge.lock").exists()  # released on the way out
     if action == "nospace":
         assert "could not write the store" in output and "File too large" in output and "Traceback" not in output
+    if Store(out).exists():  # consolidated metadata, if any, describes the files as they are
+        assert Store(out).consolidation() != "stale", f"write {point}/{writes}"
     code, output = diag(*argv(kit), "--out", out)
     assert code == 0, f"resume after {action} at write {point} ({group}'s {index}/{len(points)}):\n{output}"
     _assert_same_store(out, reference, group)
@@ -236,6 +239,32 @@ def test_every_write_point(kit, diag, references, tmp_path, driver, action):
     offset = {"kill": 0, "interrupt": 1, "nospace": 2}[action] % stride
     for index in range(1 + offset, len(points) + 1, stride):
         _fault_then_resume(kit, diag, references, tmp_path, driver, action, index / len(points))
+
+
+def test_fault_in_a_consolidated_store(kit, diag, references, tmp_path):
+    """A run into a store that holds a consolidated group, killed at its first write (removing the consolidated
+    metadata), in the middle, or at its last (consolidating again): the store never holds consolidated metadata
+    that differs from its files, and the resumed run equals an uninterrupted one and consolidates the store."""
+    import shutil
+
+    group, argv = DRIVERS["alpha"]
+    earlier = references["interference"][0]
+    counted, log = tmp_path / "counted.zarr", tmp_path / "counted.writes"
+    shutil.copytree(earlier, counted)
+    code, output = diag(*argv(kit), "--out", counted, env={"SUBMERGE_WRITE_LOG": str(log)})
+    assert code == 0, output
+    writes = [line for line in log.read_text().splitlines() if line.startswith("write")]
+    assert writes[0].endswith(f"{counted}/zarr.json") and writes[-1].endswith(f"{counted}/zarr.json")
+    for point, state in ((1, "current"), (len(writes) // 2, "absent"), (len(writes), "absent")):
+        out = tmp_path / f"point{point}.zarr"
+        shutil.copytree(earlier, out)
+        code, output = diag(*argv(kit), "--out", out, env={"SUBMERGE_FAULT_AT": f"write:{point}:kill"})
+        assert code == -signal.SIGKILL, output
+        assert Store(out).consolidation() == state, f"write {point}/{len(writes)}"
+        code, output = diag(*argv(kit), "--out", out)
+        assert code == 0, output
+        _assert_same_store(out, references["alpha"][0], group)
+        _assert_same_store(out, earlier, "interference")
 
 
 def test_killed_run_leaves_a_stale_lock_that_is_taken_over(kit, diag, references, tmp_path):

@@ -9,6 +9,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from submerge.diagnostics.store import Store
+
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 NAMES = ["01_linearity", "02_interference", "03_choose_granularity_and_merge"]
 
@@ -50,12 +52,19 @@ def test_notebook_runs(name, store_path, monkeypatch):
     assert len(_outputs(notebook, "image/png")) >= 3, "figures were drawn"
     text = "".join(o.get("text", "") for o in _outputs(notebook, "stream"))
     assert str(store_path) in text
+    # xr.open_datatree(STORE, engine="zarr"), as the README opens a store, reads the consolidated metadata: no
+    # warning (xarray's "Failed to open Zarr store with consolidated metadata" went to stderr), no hint
+    errors = "".join(o.get("text", "") for o in _outputs(notebook, "stream") if o.get("name") == "stderr")
+    assert "Warning" not in errors and "consolidated" not in errors, errors
+    assert "note:" not in text
 
 
 def test_interference_notebook_without_the_group(store_path, tmp_path, monkeypatch):
     store = tmp_path / "no_interference.zarr"
     shutil.copytree(store_path, store)
     shutil.rmtree(store / "interference")
+    assert Store(store).consolidation() == "stale"  # deleted by hand: the notebook's first cell says so
+    Store(store).consolidate()  # what that note asks for (diag report --consolidate)
     notebook = _execute("02_interference", store, monkeypatch)
     text = "".join(o.get("text", "") for o in _outputs(notebook, "stream"))
     assert "no 'interference' group" in text

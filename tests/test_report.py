@@ -295,3 +295,33 @@ def test_each_command_prints_the_table_the_report_prints(two_tasks, tmp_path):
     tables = reports.summary_tables(store)
     assert list(tables) == list(commands)
     assert "STI/Σσ" in tables["interference"].columns and "STI/Σσ" in printed["interference"]
+
+
+def test_diag_report_offers_to_consolidate_an_older_store(store_path, tmp_path):
+    import warnings
+
+    import xarray as xr
+    from typer.testing import CliRunner
+
+    from submerge.cli.main import app
+
+    old = tmp_path / "old.zarr"
+    shutil.copytree(store_path, old)
+    Store(old)._drop_consolidated()  # as every store written before consolidation
+    runner, wide = CliRunner(), {"COLUMNS": "400"}
+    result = runner.invoke(app, ["report", str(old), "--out", str(tmp_path / "figures")], env=wide)
+    assert result.exit_code == 0, result.output
+    hints = [line for line in result.output.splitlines() if "--consolidate" in line]
+    assert len(hints) == 1 and "no consolidated metadata" in hints[0], result.output
+    assert Store(old).consolidation() == "absent"  # nothing written without the option
+
+    result = runner.invoke(app, ["report", str(old), "--consolidate", "--out", str(tmp_path / "figures2")], env=wide)
+    assert result.exit_code == 0, result.output
+    assert f"Consolidated the metadata of {old}" in result.output and "no consolidated metadata" not in result.output
+    assert Store(old).consolidation() == "current"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tree = xr.open_datatree(str(old), engine="zarr")
+    xr.testing.assert_identical(tree, xr.open_datatree(str(old), engine="zarr", consolidated=False))
+    result = runner.invoke(app, ["report", str(old), "--out", str(tmp_path / "figures3")], env=wide)
+    assert "--consolidate" not in result.output

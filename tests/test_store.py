@@ -123,10 +123,12 @@ def test_other_settings_need_force(experiment, reference, tmp_path):
     assert not np.allclose(after.nonlinearity_score.values, before.nonlinearity_score.values)
 
 
-@pytest.mark.filterwarnings("ignore:Failed to open Zarr store with consolidated metadata")
 def test_store_opens_as_datatree_with_provenance(reference, llama_kit):
     store, _ = reference
-    tree = xr.open_datatree(str(store.path), engine="zarr")
+    assert store.consolidation() == "current"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the README's way opens the consolidated metadata: no warning
+        tree = xr.open_datatree(str(store.path), engine="zarr")
     assert "linearity" in tree.children
     scores = tree["linearity"].ds.nonlinearity_score
     assert scores.dims == ("task", "module", "sample")
@@ -390,7 +392,8 @@ def test_strings_read_back_as_unicode_and_widen(tmp_path):
     store.finish("g")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # reading a store needs no filter of the reader's own
-        tree = xr.open_datatree(str(store.path), engine="zarr", consolidated=False)
+        tree = xr.open_datatree(str(store.path), engine="zarr")
+    xr.testing.assert_identical(tree, xr.open_datatree(str(store.path), engine="zarr", consolidated=False))
     level = tree["g"].ds.level.values
     assert level.dtype.kind == "U" and list(level.astype(str)) == ["attn"] * 4
     assert list(tree["g"].ds.module.values.astype(str)) == ["layers.0.attn", "layers.1.attn", long_name,
@@ -477,3 +480,99 @@ def test_import_leaves_the_global_warnings_filter_alone():
     code = ("import warnings, torch, xarray, zarr; before = list(warnings.filters); import submerge.diagnostics.store; "
             "assert warnings.filters == before, warnings.filters[:3]")  # the libraries' own filters come first
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# --------------------------------------------------------------------------- consolidated metadata
+
+
+def _open_quietly(path: Path) -> xr.DataTree:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        return xr.open_datatree(str(path), engine="zarr")
+
+
+def _open_as_files_say(path: Path) -> xr.DataTree:
+    return xr.open_datatree(str(path), engine="zarr", consolidated=False)
+
+
+@pytest.mark.filterwarnings("ignore:Object at .submerge.lock")  # a reader while the lock is held
+def test_consolidated_as_each_group_completes_and_dropped_while_writing(tmp_path):
+    store = Store(tmp_path / "s.zarr")
+    writer = UnitWriter(store, "first", {}, dim="module")
+    writer.add(_unit(["a"], 1.0), "a")
+    assert store.consolidation() == "absent"
+    writer.finish({})
+    assert store.consolidation() == "current"
+    xr.testing.assert_identical(_open_quietly(store.path), _open_as_files_say(store.path))
+
+    second = UnitWriter(store, "alpha/layer", {}, dim="module")  # a nested group, in a consolidated store
+    assert store.consolidation() == "absent"  # removed before anything of the new run was written
+    second.add(_unit(["b"], 2.0), "b")
+    second.add(_unit(["c" * 90], 3.0), "c")  # widened strings: new chunk keys, new array metadata
+    with pytest.warns(RuntimeWarning, match="consolidated metadata"):  # a reader meanwhile sees the files
+        seen = xr.open_datatree(str(store.path), engine="zarr")
+    assert list(seen["alpha/layer"].ds.module.values) == ["b", "c" * 90]
+    second.finish({"note": "done"})
+    tree = _open_quietly(store.path)
+    xr.testing.assert_identical(tree, _open_as_files_say(store.path))
+    assert tree["alpha/layer"].attrs["note"] == "done" and tree["alpha/layer"].attrs["complete"] is True
+
+
+@pytest.mark.filterwarnings("ignore:Object at .submerge.lock")  # a reader while the lock is held
+def test_killed_run_leaves_no_consolidated_metadata_that_hides_later_arrays(tmp_path):
+    store = Store(tmp_path / "s.zarr")
+    UnitWriter(store, "first", {}, dim="module").finish({}, empty=_unit([], 0.0))
+    assert store.consolidation() == "current"
+    writer = UnitWriter(store, "second", {}, dim="module", on_unit=_killer(2, []))
+    writer.add(_unit(["a"], 1.0), "a")
+    with pytest.raises(Killed):
+        writer.add(_unit(["b"], 2.0), "b")
+    assert store.consolidation() == "absent"
+    with pytest.warns(RuntimeWarning):
+        tree = xr.open_datatree(str(store.path), engine="zarr")
+    assert list(tree["second"].ds.module.values) == ["a", "b"]  # every array as written, none hidden
+    resumed = UnitWriter(store, "second", {}, dim="module")
+    assert resumed.done == {"a", "b"}
+    resumed.add(_unit(["c"], 3.0), "c")
+    resumed.finish({})
+    assert list(_open_quietly(store.path)["second"].ds.module.values) == ["a", "b", "c"]
+
+
+def test_consolidate_an_older_or_edited_store(tmp_path):
+    import shutil
+
+    store = Store(tmp_path / "s.zarr")
+    for group in ("kept", "deleted"):
+        writer = UnitWriter(store, group, {}, dim="module")
+        writer.add(_unit(["a"], 1.0), "a")
+        writer.finish({})
+    store._drop_consolidated()  # a store written before consolidation
+    assert store.consolidation() == "absent"
+    hint = store.consolidation_hint()
+    assert "no consolidated metadata" in hint and f"diag report {store.path} --consolidate" in hint
+    store.consolidate()
+    assert store.consolidation() == "current" and store.consolidation_hint() is None
+    assert sorted(_open_quietly(store.path).children) == ["deleted", "kept"]
+    assert not (store.path / ".submerge.lock").exists()
+
+    shutil.rmtree(store.path / "deleted")  # edited by hand: the consolidated copy still lists the group
+    assert store.consolidation() == "stale" and "no longer matches its files" in store.consolidation_hint()
+    store.consolidate()
+    assert sorted(_open_quietly(store.path).children) == ["kept"]
+
+
+def test_consolidate_is_refused_while_another_process_writes(tmp_path):
+    import json
+    import platform
+
+    from submerge.diagnostics.store import LOCK_NAME, _process_start
+
+    store = Store(tmp_path / "s.zarr")
+    UnitWriter(store, "g", {}, dim="module").finish({}, empty=_unit([], 0.0))
+    store._drop_consolidated()
+    holder = {"pid": os.getppid(), "host": platform.node(), "process_start": _process_start(os.getppid()),
+              "started": "now", "command": "diag linearity"}
+    (store.path / LOCK_NAME).write_text(json.dumps(holder))
+    with pytest.raises(StoreError, match="being written by process"):
+        store.consolidate()
+    assert store.consolidation() == "absent"

@@ -123,6 +123,50 @@ def test_ties_sign_election_without_trim():
     )
 
 
+def test_ties_with_weights_per_task_top_k_and_normalize():
+    """Per-task weights (mergekit's per-model weight) elect signs on w_t τ_t and weight the disjoint mean.
+
+    τ1 = [1, −2, 3], τ2 = [−3, 1, 1], w = [2, 1], no trim: w τ = [2, −4, 6], [−3, 1, 1]; Σ = [−1, −3, 7] elects
+    [−, −, +]. Entry 0: only τ2 agrees → −3 / 1; entry 1: only τ1 → −4 / 2; entry 2: both → (6 + 1) / (2 + 1).
+    """
+    tasks = [torch.tensor([1.0, -2.0, 3.0], dtype=f64), torch.tensor([-3.0, 1.0, 1.0], dtype=f64)]
+    torch.testing.assert_close(ties(tasks, top_k=1.0, weights=[2.0, 1.0]), torch.tensor([-3.0, -2.0, 7 / 3], dtype=f64))
+    torch.testing.assert_close(ties(tasks, top_k=1.0, weights=[2.0, 1.0], normalize=False),
+                               torch.tensor([-3.0, -4.0, 7.0], dtype=f64))  # the disjoint sum
+    # equal weights cancel in the disjoint mean; weights of 1 are the unweighted merge bitwise
+    torch.testing.assert_close(ties(tasks, top_k=0.5, weights=[3.0, 3.0]), ties(tasks, top_k=0.5))
+    assert torch.equal(ties(tasks, top_k=0.5, weights=[1.0, 1.0]), ties(tasks, top_k=0.5))
+    # per-task k: τ1 keeps its largest (3) only, τ2 keeps all: Σ = [−3, 1, 4] → [−3, 1, (3 + 1)/2]
+    torch.testing.assert_close(ties(tasks, top_k=[1 / 3, 1.0]), torch.tensor([-3.0, 1.0, 2.0], dtype=f64))
+    with pytest.raises(ValueError, match="one number per task"):
+        ties(tasks, weights=[1.0])
+    with pytest.raises(ValueError, match="top_k must be a number or one number per task"):
+        ties(tasks, top_k=[0.5, 0.5, 0.5])
+
+
+def test_weights_and_per_task_fractions_of_dare_breadcrumbs_della():
+    tasks = [torch.tensor([1.0, -2.0, 3.0, 0.5], dtype=f64), torch.tensor([-3.0, 1.0, 1.0, 2.0], dtype=f64)]
+    weights = [2.0, 0.5]
+    # without drops DARE over task arithmetic is Σ w τ (÷ Σ w with normalize), over TIES the weighted election
+    torch.testing.assert_close(dare(tasks, drop_rate=0.0, weights=weights), 2.0 * tasks[0] + 0.5 * tasks[1])
+    torch.testing.assert_close(dare(tasks, drop_rate=[0.0, 0.0], weights=weights, normalize=True, scaling=2.0),
+                               2.0 * (2.0 * tasks[0] + 0.5 * tasks[1]) / 2.5)
+    torch.testing.assert_close(dare(tasks, drop_rate=0.0, base="ties", weights=weights),
+                               ties(tasks, top_k=1.0, weights=weights))
+    # a per-task drop rate: task 1 dropped at p = 0.5 (kept entries × 2), task 0 kept whole
+    merged = dare(tasks, drop_rate=[0.0, 0.5], seed=4)
+    rest = merged - tasks[0]
+    assert bool(((rest == 0) | torch.isclose(rest, 2 * tasks[1])).all())
+    # Breadcrumbs: β/γ per task (task 0 keeps its two middle magnitudes, task 1 all), weighted and normalised
+    masks = [torch.tensor([True, True, False, False]), torch.ones(4, dtype=torch.bool)]
+    expected = (2.0 * torch.where(masks[0], tasks[0], 0.0) + 0.5 * tasks[1]) / 2.5
+    torch.testing.assert_close(breadcrumbs(tasks, beta=[0.25, 0.0], gamma=[0.75, 1.0], weights=weights,
+                                           normalize=True), expected)
+    # DELLA without drops is the weighted sign election
+    torch.testing.assert_close(della(tasks, drop_rate=[0.0, 0.0], epsilon=0.0, weights=weights),
+                               ties(tasks, top_k=1.0, weights=weights))
+
+
 def test_keep_top_magnitude_counts_exactly():
     values = torch.arange(1, 21, dtype=f64) * torch.tensor([1.0, -1.0] * 10, dtype=f64)
     kept = keep_top_magnitude(values, 0.2)
@@ -686,7 +730,7 @@ def test_registry_contents():
     assert STRATEGIES["adamerging"].data_options == {"granularity": "layer", "steps": 500, "learning_rate": 1e-3,
                                                      "initial": 0.3}
     assert STRATEGIES["lorahub"].data_options == {"steps": 40, "l1_weight": 0.05, "bound": 1.5, "seed": 42}
-    assert STRATEGIES["ties"].defaults == {"top_k": 0.2, "scaling": 1.0}
+    assert STRATEGIES["ties"].defaults == {"top_k": 0.2, "scaling": 1.0, "weights": None, "normalize": True}
     assert STRATEGIES["iso-cts"].defaults["common_fraction"] == 0.8
     assert STRATEGIES["star"].defaults["energy_fraction"] == 0.4
     assert STRATEGIES["regmean"].defaults == {"off_diagonal_scale": 0.9}

@@ -1,0 +1,254 @@
+"""Task accuracy through lm-evaluation-harness (`submerge.diagnostics.harness`): the demo kit's local tasks score what
+their definitions say (known answers built from the model's own greedy generations), each model is the base instance
+with θ0 + τ written into it, code runs only when allowed, results land in the store per (model, task) and resume.
+
+Tiny toy models, a few records, short generations (the tests run on 2 shared CPU cores).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("lm_eval")
+
+from submerge.diagnostics import toy
+from submerge.diagnostics.harness import (
+    HarnessError,
+    HarnessSettings,
+    TaskFiles,
+    accuracy,
+    accuracy_frame,
+    model_in_memory,
+)
+from submerge.diagnostics.models import load_base_model
+from submerge.diagnostics.store import Store
+
+GENERATION = 12  # tokens per generation (bytes of the toy tokenizer)
+
+
+@pytest.fixture(scope="module")
+def kit(tmp_path_factory):
+    """A toy Llama trained a little on arithmetic text (so it writes digits), two fine-tunes, task data files."""
+    import warnings
+
+    root = tmp_path_factory.mktemp("harness")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        random_init = toy.build_model(root / "random", "llama", layers=2, hidden=32, heads=4, kv_heads=2)
+        base = toy.finetune(random_init, root / "base", "math", steps=20, lr=1e-2, seed=3)
+        tuned = {task: toy.finetune(base, root / task, task, steps=6, lr=3e-3, seed=i)
+                 for i, task in enumerate(("math", "trivia"))}
+    return {"root": root, "base": str(base), "tuned": {t: str(p) for t, p in tuned.items()}}
+
+
+def _write(path, records) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def _generations(kit, task: str, data: dict[str, str], model_dir: str | None = None) -> list[str]:
+    """The harness's own filtered responses of `task` on `data` (its records in order), by the model `model_dir`."""
+    import lm_eval
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    files = TaskFiles([task], data, skip=0, samples=None)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_dir or kit["base"], dtype=torch.float32).eval()
+        lm = HFLM(pretrained=model, tokenizer=AutoTokenizer.from_pretrained(kit["base"]), batch_size=2)
+        results = lm_eval.simple_evaluate(model=lm, tasks=[task], task_manager=TaskManager(
+            include_path=str(files.directory)), gen_kwargs={"max_gen_toks": GENERATION}, log_samples=True,
+            confirm_run_unsafe_code=True)
+    finally:
+        files.close()
+    samples = sorted(results["samples"][task], key=lambda s: s["doc_id"])
+    return [s["filtered_resps"][0] for s in samples]
+
+
+PROMPTS = [f"Q: what is {a} plus {b}? A: " for a, b in ((3, 4), (12, 30), (7, 8), (41, 2), (5, 5), (60, 9))]
+
+
+def test_local_tasks_score_their_definitions(kit, tmp_path):
+    """Trivia: the normalised first line against the answer; GSM8K: the last number against the number after ####.
+    Half the records are given the model's own answer (from a first pass), half another one: the accuracy is
+    known before the second pass runs."""
+    probe = {"trivia": _write(tmp_path / "probe_trivia.jsonl", [{"prompt": p, "completion": "x"} for p in PROMPTS]),
+             "math": _write(tmp_path / "probe_math.jsonl", [{"prompt": p, "completion": "#### 0"} for p in PROMPTS])}
+    said = {"trivia": _generations(kit, "demo_trivia", probe), "math": _generations(kit, "demo_gsm8k", probe)}
+
+    def normal(text: str) -> str:
+        text = re.sub(r"\s+", "", re.sub(r"(?i)\b(?:a|an|the)\b", "", text)).lower()
+        return text.translate(str.maketrans("", "", "!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~"))
+
+    trivia = [{"prompt": p, "completion": s if i % 2 == 0 else "zebra crossing"}
+              for i, (p, s) in enumerate(zip(PROMPTS, said["trivia"]))]
+    numbers = [re.sub(r"[,$]|\.$", "", s) for s in said["math"]]  # the regex filter took the last number already
+    math = [{"prompt": p, "completion": f"work\n#### {n if i % 2 == 0 else '987654'}"}
+            for i, (p, n) in enumerate(zip(PROMPTS, numbers))]
+    expected = {"demo_trivia": np.mean([normal(s) == normal(r["completion"]) for s, r in zip(said["trivia"], trivia)]),
+                "demo_gsm8k": np.mean([i % 2 == 0 and n != "[invalid]" for i, n in enumerate(numbers)])}
+    data = {"trivia": _write(tmp_path / "trivia.jsonl", trivia), "math": _write(tmp_path / "math.jsonl", math)}
+    settings = HarnessSettings(("demo_trivia", "demo_gsm8k"), max_gen_toks=GENERATION, batch_size=2)
+    scores = accuracy(kit["base"], {}, data, settings, skip=0, device="cpu", progress=False)
+    table = accuracy_frame(scores)
+    assert table.loc["base", "demo_trivia exact_match"] == pytest.approx(expected["demo_trivia"])
+    assert table.loc["base", "demo_gsm8k exact_match"] == pytest.approx(expected["demo_gsm8k"])
+    assert expected["demo_trivia"] >= 0.5 and (scores.documents.values == len(PROMPTS)).all()
+
+
+def test_the_model_is_the_base_instance_with_the_finetune_written_in(kit):
+    from safetensors.torch import load_file
+
+    base = load_base_model(kit["base"], dtype="float32", device="cpu")
+    before = {name: (p.data_ptr(), p.dtype) for name, p in base.model.named_parameters()}
+    tuned = load_file(f"{kit['tuned']['math']}/model.safetensors")
+    with model_in_memory(base, kit["tuned"]["math"], torch.float64) as model:
+        for name, parameter in model.named_parameters():
+            assert parameter.dtype == torch.float64  # the compute dtype
+            torch.testing.assert_close(parameter.data, tuned[base.checkpoint_name(name)].double(), rtol=0, atol=1e-6)
+    assert {name: (p.data_ptr(), p.dtype) for name, p in base.model.named_parameters()} == before  # put back
+    # the same generations as the fine-tune loaded from its folder
+    data = {"trivia": kit["root"] / "same.jsonl"}
+    _write(data["trivia"], [{"prompt": p, "completion": "x"} for p in PROMPTS[:3]])
+    from_disk = _generations(kit, "demo_trivia", {"trivia": str(data["trivia"])}, kit["tuned"]["math"])
+    scores = accuracy(kit["base"], {"math": kit["tuned"]["math"]}, {"trivia": str(data["trivia"])},
+                      HarnessSettings(("demo_trivia",), max_gen_toks=GENERATION, batch_size=2), skip=0, device="cpu",
+                      progress=False)
+    assert list(dict.fromkeys(scores.model.values)) == ["base", "math"]
+    assert len(from_disk) == 3
+
+
+def test_code_execution_needs_the_flag_and_pass_at_1_runs_the_tests(kit, tmp_path):
+    import importlib.util
+
+    from submerge.diagnostics.harness import TASK_CONFIGS
+
+    with pytest.raises(HarnessError, match="EXECUTING the code"):
+        HarnessSettings(("demo_humaneval",))
+    with pytest.raises(HarnessError, match="humaneval"):
+        HarnessSettings(("demo_trivia", "humaneval"))
+    spec = importlib.util.spec_from_file_location("humaneval_utils", TASK_CONFIGS / "utils.py")
+    utils = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(utils)
+    doc = {"prompt": "def add(a, b):\n", "test": "def check(f):\n    assert f(2, 3) == 5\n", "entry_point": "add"}
+    assert utils.pass_at_1(doc, ["    return a + b\n"]) == {"pass@1": 1.0}
+    assert utils.pass_at_1(doc, ["    return a * b\n"]) == {"pass@1": 0.0}
+    assert utils.pass_at_1(doc, ["    return (\n"]) == {"pass@1": 0.0}  # a syntax error
+    assert not utils.passes("while True:\n    pass\n", time_limit=1.0)  # out of time
+    # end to end: the toy model's completions run against the tests; the canonical one is not given to it
+    records = [{**doc, "completion": "    return a + b\n"}, {**doc, "prompt": doc["prompt"] + "    return a + b\n"}]
+    data = {"code": _write(tmp_path / "code.jsonl", records)}
+    said = _generations(kit, "demo_humaneval", data)
+    expected = np.mean([utils.passes(f"{r['prompt']}{s}\n\n{r['test']}\n\ncheck({r['entry_point']})\n")
+                        for r, s in zip(records, said)])
+    settings = HarnessSettings(("demo_humaneval",), allow_code_execution=True, max_gen_toks=GENERATION, batch_size=2)
+    scores = accuracy(kit["base"], {}, data, settings, skip=0, device="cpu", progress=False)
+    assert accuracy_frame(scores).loc["base", "demo_humaneval pass@1"] == pytest.approx(expected)
+
+
+def test_results_go_to_the_store_per_model_and_task_and_resume(kit, tmp_path):
+    data = {"trivia": _write(tmp_path / "trivia.jsonl", [{"prompt": p, "completion": "x"} for p in PROMPTS[:4]]),
+            "math": _write(tmp_path / "math.jsonl", [{"prompt": p, "completion": "#### 7"} for p in PROMPTS[:4]])}
+    settings = HarnessSettings(("demo_trivia", "demo_gsm8k"), max_gen_toks=GENERATION, batch_size=2)
+    models = dict(kit["tuned"])
+    arguments = {"skip": 1, "device": "cpu", "progress": False}
+    reference = accuracy(kit["base"], models, data, settings, store=Store(tmp_path / "ref.zarr"), **arguments)
+    assert list(zip(reference.model.values, reference.task.values)) == [
+        (m, t) for m in ("base", "math", "trivia") for t in ("demo_trivia", "demo_gsm8k")]
+    stored = Store(tmp_path / "ref.zarr")
+    attrs = stored.group_attrs("accuracy")
+    assert attrs["settings"]["harness"] and attrs["settings"]["tasks"] == ["demo_trivia", "demo_gsm8k"]
+    assert "exact_match" in attrs["task_configs"]["demo_gsm8k"]["config"]
+    assert attrs["task_configs"]["demo_trivia"]["records"] == 3  # the records after the first (skip 1)
+    assert stored.consolidation() == "current"
+
+    class Killed(Exception):
+        pass
+
+    seen = []
+
+    def kill_after_three(label):
+        seen.append(label)
+        if len(seen) == 3:
+            raise Killed
+
+    store = Store(tmp_path / "resumed.zarr")
+    with pytest.raises(Killed):
+        accuracy(kit["base"], models, data, settings, store=store, on_unit=kill_after_three, **arguments)
+    resumed = []
+    result = accuracy(kit["base"], models, data, settings, store=store, on_unit=resumed.append, **arguments)
+    assert resumed == ["math · demo_gsm8k", "trivia · demo_trivia", "trivia · demo_gsm8k"]  # the pairs not stored
+    np.testing.assert_array_equal(result.value.values, reference.value.values)
+    assert list(result.result.values) == list(reference.result.values)
+
+
+def test_cli_refuses_code_tasks_without_the_flag_and_says_why(kit):
+    from typer.testing import CliRunner
+
+    from submerge.cli.main import app
+
+    runner = CliRunner()
+    help_text = " ".join(runner.invoke(app, ["eval", "--help"], env={"COLUMNS": "300"}).output.split())
+    assert "EXECUTE the code" in help_text and "--allow-code-execution" in help_text
+    result = runner.invoke(app, ["eval", "--model", kit["base"], "--finetuned", f"math={kit['tuned']['math']}",
+                                 "--data", "math=/nonexistent.jsonl", "--lm-eval", "demo_humaneval"],
+                           env={"COLUMNS": "300"})
+    assert result.exit_code == 2 and "--allow-code-execution" in result.output and "Traceback" not in result.output
+
+
+def test_compare_scores_every_model_and_ranks_by_accuracy(kit, tmp_path):
+    """diag compare --lm-eval: the references and each merge get accuracy rows (group compare_accuracy); the
+    leaderboard has the accuracy columns and ranks by their mean with rank_by="accuracy"; a killed compare resumes
+    the accuracy per (model, task)."""
+    from submerge.merge.compare import CompareError, compare, leaderboard
+
+    records = [{"prompt": p, "completion": "x"} for p in PROMPTS[:4]]
+    data = {"math": _write(tmp_path / "math.jsonl", [{"text": f"{r['prompt']}7"} | r for r in records]),
+            "trivia": _write(tmp_path / "trivia.jsonl", [{"text": f"{r['prompt']}7"} | r for r in records])}
+    settings = HarnessSettings(("demo_trivia",), max_gen_toks=GENERATION, batch_size=2)
+    run = {"methods": ["task-arithmetic"], "fit": 2, "samples": 2, "max_tokens": 32, "batch_size": 2,
+           "dtype": "float32", "device": "cpu", "progress": False, "lm_eval": settings}
+    store = Store(tmp_path / "compare.zarr")
+    result = compare(kit["base"], kit["tuned"], data, store=store, **run)
+    labels = ["base", "finetuned:math", "finetuned:trivia", "task-arithmetic"]
+    assert list(result.method.values) == labels and list(result.benchmark.values) == ["demo_trivia exact_match"]
+    scores = store.dataset("compare_accuracy")
+    assert list(scores.model.values) == labels and (scores.documents.values == 2).all()
+    np.testing.assert_array_equal(result.accuracy.values[:, 0], scores.value.values)
+    table = leaderboard(result, rank_by="accuracy")
+    assert list(table.columns[-2:]) == ["demo_trivia exact_match", "mean accuracy"]
+    assert table["mean accuracy"].is_monotonic_decreasing
+    assert leaderboard(result, rank_by="demo_trivia exact_match")["demo_trivia exact_match"].is_monotonic_decreasing
+    with pytest.raises(CompareError, match="one of \\['demo_trivia exact_match'\\]"):
+        leaderboard(result, rank_by="demo_gsm8k exact_match")
+    # the merge's accuracy is that of its checkpoint scored on its own (diag eval --lm-eval on the kept merge)
+    kept = compare(kit["base"], kit["tuned"], data, keep=tmp_path / "kept", **{**run, "methods": ["task-arithmetic"]})
+    alone = accuracy(kit["base"], {"ta": str(tmp_path / "kept" / "task-arithmetic")}, data, settings, skip=2,
+                     device="cpu", progress=False)
+    assert accuracy_frame(alone).loc["ta"].tolist() == kept.accuracy.sel({"method": "task-arithmetic"}).values.tolist()
+
+
+def test_diag_eval_lm_eval_writes_the_accuracy_group(kit, tmp_path):
+    from typer.testing import CliRunner
+
+    from submerge.cli.main import app
+
+    data = _write(tmp_path / "trivia.jsonl", [{"prompt": p, "completion": "x"} for p in PROMPTS[:3]])
+    out = tmp_path / "eval.zarr"
+    arguments = ["eval", "--model", kit["base"], "--finetuned", f"math={kit['tuned']['math']}", "--data",
+                 f"trivia={data}", "--skip", "1", "--samples", "2", "--max-tokens", "32", "--device", "cpu",
+                 "--dtype", "float32", "--no-progress", "--out", str(out), "--lm-eval", "demo_trivia",
+                 "--max-gen-toks", str(GENERATION), "--lm-eval-batch-size", "2"]
+    result = CliRunner().invoke(app, arguments, env={"COLUMNS": "300"})
+    assert result.exit_code == 0, result.output
+    assert "Task accuracy (lm-evaluation-harness)" in result.output and "Wrote group accuracy" in result.output
+    stored = Store(out)
+    assert stored.is_complete("eval") and stored.is_complete("accuracy") and stored.consolidation() == "current"
+    scores = stored.dataset("accuracy")
+    assert list(scores.model.values) == ["base", "math"] and (scores.documents.values == 2).all()
