@@ -8,9 +8,10 @@ subprocess so peak memory is its own:
 
 - ``read``:          read every 2-D weight of the base and of each fine-tune once
                      (the same tensors the driver reads), nothing else;
-- ``svd``:           the same reads plus the driver's 2T + 1 bare SVDs per matrix
-                     (T task matrices, T centred, the merged one) — its floor;
-- ``interference``:  ``submerge.diagnostics.interference.interference`` over all of them.
+- ``svd``:           the same reads plus the exact route's 2T + 1 bare SVDs per matrix
+                     (T task matrices, T centred, the merged one) — that route's floor;
+- ``exact``:         ``submerge.diagnostics.interference.interference(exact_svd=True)`` over all of them;
+- ``interference``:  the same with its default route (Gram matrices, no full SVDs).
 
 Printed: wall time, peak RSS (VmHWM) and peak anonymous RSS (RssAnon sampled
 every 2 ms; file-backed pages of the memory-mapped safetensors are excluded —
@@ -128,7 +129,8 @@ def run_phase(phase: str, directory: Path, svd_dtype: str, threads: int) -> dict
                 for matrix in [*deltas, *(d - mean for d in deltas), sum(deltas)]:
                     checksum += float(torch.linalg.svd(matrix, full_matrices=False)[1][0])
         else:
-            dataset = interference(base, finetuned, svd_dtype=svd_dtype, device="cpu", progress=False)
+            dataset = interference(base, finetuned, svd_dtype=svd_dtype, device="cpu", progress=False,
+                                   exact_svd=phase == "exact")
             checksum = float(dataset["sti_normalized"].mean())
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     return {
@@ -144,7 +146,7 @@ def main() -> None:
     parser.add_argument("--svd-dtype", default="float32", choices=("float32", "float64"))
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (1 by default: MKL's multi-threaded SVD of small matrices is slow on a busy box)")
-    parser.add_argument("--phase", choices=("read", "svd", "interference"), help=argparse.SUPPRESS)
+    parser.add_argument("--phase", choices=("read", "svd", "exact", "interference"), help=argparse.SUPPRESS)
     parser.add_argument("--dir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.phase:
@@ -155,7 +157,7 @@ def main() -> None:
         directory = Path(tmp)
         sizes = build(directory, args.layers, args.hidden)
         results = {}
-        for phase in ("read", "svd", "interference"):
+        for phase in ("read", "svd", "exact", "interference"):
             out = subprocess.run(
                 [sys.executable, __file__, "--phase", phase, "--dir", str(directory), "--svd-dtype", args.svd_dtype,
                  "--threads", str(args.threads)],
@@ -187,10 +189,14 @@ def main() -> None:
     svd_anon = svd["peak_anon_mib"] - svd["before_anon_mib"]
     print(f"ratios interference / bare SVDs: wall {full['wall_s'] / svd['wall_s']:.2f}x, "
           f"CPU {full['cpu_s'] / svd['cpu_s']:.2f}x, extra anon {extra_anon / svd_anon:.2f}x")
+    exact = results["exact"]
+    print(f"ratios interference (Gram route) / exact_svd=True: wall {full['wall_s'] / exact['wall_s']:.2f}x, "
+          f"CPU {full['cpu_s'] / exact['cpu_s']:.2f}x, peak anon {full['peak_anon_mib'] / exact['peak_anon_mib']:.2f}x")
     print(f"interference extra anonymous memory: {extra_anon:.1f} MiB = {extra_anon / layer_mib:.1f} layers "
           f"= {extra_anon / largest_mib:.1f} x the largest matrix = {extra_anon / model_mib:.2f} of one model")
     print(f"per matrix: {full['wall_s'] / sizes['matrices'] * 1000:.0f} ms wall, "
-          f"{full['cpu_s'] / sizes['matrices'] * 1000:.0f} ms CPU (2T + 1 = {2 * len(TASKS) + 1} SVDs each)")
+          f"{full['cpu_s'] / sizes['matrices'] * 1000:.0f} ms CPU (2T + 1 = {2 * len(TASKS) + 1} Gram "
+          f"eigendecompositions each)")
 
 
 if __name__ == "__main__":

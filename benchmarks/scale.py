@@ -7,12 +7,15 @@ stored in float16 like real checkpoints) plus one set of three rank-16 LoRA adap
 process, with peak RSS (wait4 ru_maxrss), peak anonymous RSS (sampled) and wall time:
 
     diag linearity   (levels model, layer, attn, mlp, head)     diag alpha --granularity attn-mlp
-    diag interference                                          diag merge --method task-arithmetic | ties | plan
+    diag interference (Gram route) and --exact-svd             diag merge --method task-arithmetic | ties | plan
                                                                diag merge --method regmean (Grams of the fit data)
     diag eval (base, fine-tunes, the TA merge)                 diag merge RECIPE.yaml (a mergekit TIES recipe)
 
 Per command it fits peak RSS = a + b·L and wall = c + d·L over the slices (b ≈ 0 means memory does not grow with
-depth), and projects Llama-2-7B (32 blocks) + 3 fine-tunes: peak a + 32·b, wall c + 32·d on this machine. FLOPs per
+depth), and projects Llama-2-7B (32 blocks) + 3 fine-tunes: peak a + 32·b, wall c + 32·d on this machine.
+When both interference routes ran on a slice, their figures are compared (largest relative difference of STI, SAR,
+I(k), R(k) and the effective rank, the Gram route against --exact-svd) and their walls and peaks set side by side;
+``--matrices`` restricts both to some matrices (names or glob patterns, as diag interference takes them). FLOPs per
 block are counted from the shapes (matrix products only: 2·params·tokens per replayed block, as a GPU-time basis).
 With ``--mergekit-python`` (a venv with mergekit 0.1.5), mergekit runs task_arithmetic and ties on the same slices
 and the ratios ours/mergekit (wall, peak RSS) and the largest |ours − mergekit| are printed. ``merge-recipe`` is a
@@ -21,7 +24,8 @@ RECIPE.yaml`` and, with ``--mergekit-python``, by ``mergekit-yaml`` from the sam
 float32, and the entries TIES' equations do not decide are counted apart (`ties_differences_explained`).
 
     python benchmarks/scale.py [--layers 1,2,4] [--samples 2] [--max-tokens 64] [--mergekit-python /work/mkvenv/bin/python]
-        [--commands linearity,alpha,interference,merge-ta,merge-ties,merge-plan,merge-regmean,eval] [--keep DIR] [--results FILE]
+        [--commands linearity,alpha,interference,interference-exact,merge-ta,merge-ties,merge-plan,merge-regmean,eval]
+        [--matrices PATTERNS] [--keep DIR] [--results FILE]
 
 ``--results FILE`` accumulates the measurements in a JSON file (slice → command → figures) across invocations, so
 slices or commands can be measured in separate runs (e.g. the cheap merges at a deeper slice than the data-driven
@@ -77,6 +81,31 @@ def _largest_difference(first: Path, second: Path) -> float:
     """max |first − second| over two checkpoints; run in a spawned process (`in_fresh_process`), since reading
     them here would raise this process's RSS high-water mark, which every later child would report as its own."""
     return max_difference(first, second)[0]
+
+
+def interference_differences(gram_store: Path, exact_store: Path) -> dict:
+    """Largest relative difference, Gram route against --exact-svd, of STI, STI/Σσ, SAR, I(k), R(k) (R relative to
+    max(R(k), 1e-2·R(0)), as gram.py states its bound) and the effective rank, over every matrix both measured."""
+    import xarray as xr
+
+    gram = xr.open_datatree(str(gram_store), engine="zarr")["interference"].ds
+    exact = xr.open_datatree(str(exact_store), engine="zarr")["interference"].ds
+    common = [m for m in gram["matrix"].values if m in set(exact["matrix"].values)]
+    gram, exact = gram.sel(matrix=common), exact.sel(matrix=common)
+
+    def largest(key, scale=None):
+        first, second = gram[key].values, exact[key].values
+        scale = np.abs(second) if scale is None else scale
+        with np.errstate(invalid="ignore", divide="ignore"):
+            ratio = np.abs(first - second) / scale
+        ratio = ratio[~(np.isnan(first) & np.isnan(second))]
+        return float(np.max(ratio)) if ratio.size else 0.0
+
+    reconstruction = exact["reconstruction_error"].values
+    floor = np.maximum(np.abs(reconstruction), 1e-2 * reconstruction[:, :1, :])
+    return {"matrices": len(common), "sti": largest("sti"), "sti_normalized": largest("sti_normalized"),
+            "sar": largest("sar"), "I(k)": largest("row_space_interference"),
+            "R(k)": largest("reconstruction_error", floor), "effective_rank": largest("effective_rank")}
 
 
 HIDDEN, INTERMEDIATE, HEADS = 4096, 11008, 32
@@ -191,14 +220,26 @@ def _svd_flops(m: int, n: int) -> float:
     return 4.0 * m * n * n + 22.0 * n**3
 
 
+def _gram_route_flops(m: int, n: int, tasks: int) -> float:
+    """The Gram route's FLOPs for one matrix: T(T+1)/2 cross-Gram products 2·L·r² (L = max, r = min), 2T + 1
+    symmetric eigendecompositions with vectors at 9·r³ each (Golub & Van Loan's tridiagonal QR count — an upper
+    estimate for divide and conquer), and the r-sized products after them (STI blocks, I(k) at k ≤ 0.64 r, SAR's
+    projections: about 12·r³ for T = 3)."""
+    big, r = max(m, n), min(m, n)
+    return tasks * (tasks + 1) / 2 * 2.0 * big * r * r + (2 * tasks + 1) * 9.0 * r**3 + 12.0 * r**3
+
+
 def flops_per_block(tokens: int, command: str, steps: int = 10) -> float:
     """FLOPs per block: matrix products, 2 · parameters · tokens for each block-sized replay of the command; for
-    interference the SVDs, 2T + 1 per matrix (T task matrices, T centred ones, the merged one for SAR)."""
+    interference --exact-svd the SVDs, 2T + 1 per matrix (T task matrices, T centred ones, the merged one for SAR);
+    for interference (the Gram route) `_gram_route_flops`."""
     attn, mlp = 4 * HIDDEN * HIDDEN, 3 * HIDDEN * INTERMEDIATE
     variants = steps + 1
     tasks = len(TASKS)
-    if command.startswith("interference"):
+    if command == "interference-exact":
         return (2 * tasks + 1) * (4 * _svd_flops(HIDDEN, HIDDEN) + 3 * _svd_flops(INTERMEDIATE, HIDDEN))
+    if command.startswith("interference"):
+        return 4 * _gram_route_flops(HIDDEN, HIDDEN, tasks) + 3 * _gram_route_flops(INTERMEDIATE, HIDDEN, tasks)
     replays = {
         # capture (1 forward) + N+1 replays of layer, attn, mlp (heads come from the attn replay) + model level
         "linearity": tasks * (attn + mlp + variants * ((attn + mlp) + attn + mlp + (attn + mlp))),
@@ -209,7 +250,8 @@ def flops_per_block(tokens: int, command: str, steps: int = 10) -> float:
     return 2.0 * tokens * replays.get(command, 0)
 
 
-def commands(paths: dict[str, Path], data: dict[str, Path], work: Path, samples: int, max_tokens: int) -> dict:
+def commands(paths: dict[str, Path], data: dict[str, Path], work: Path, samples: int, max_tokens: int,
+             matrices: str | None = None) -> dict:
     diag = [sys.executable, "-m", "submerge.cli.main"]
     dense = [arg for t in TASKS for arg in ("-f", f"{t}={paths[t]}")]
     lora = [arg for t in TASKS for arg in ("-f", f"{t}={paths['lora_' + t]}")]
@@ -217,14 +259,17 @@ def commands(paths: dict[str, Path], data: dict[str, Path], work: Path, samples:
     common = ["--model", str(paths["base"]), "--samples", str(samples), "--max-tokens", str(max_tokens),
               "--no-progress", "--dtype", "float16"]
     store = str(work / "scale.zarr")
+    selected = ["--matrices", matrices] if matrices else []
     # --force everywhere: with --keep a second invocation must measure the work again, not a resume that skips it
     return {name: command + ["--force"] for name, command in {
         "linearity": diag + ["linearity", *common, *dense, *tasks_data, "--levels", "model,layer,attn,mlp,head",
                              "--out", store],
         "alpha": diag + ["alpha", *common, *dense, *tasks_data, "--granularity", "attn-mlp", "--out", store],
-        "interference": diag + ["interference", "--model", str(paths["base"]), *dense, "--out", store,
-                                "--no-progress"],
-        "interference-lora": diag + ["interference", "--model", str(paths["base"]), *lora,
+        "interference": diag + ["interference", "--model", str(paths["base"]), *dense, *selected,
+                                "--out", str(work / "interference.zarr"), "--no-progress"],
+        "interference-exact": diag + ["interference", "--model", str(paths["base"]), *dense, *selected,
+                                      "--exact-svd", "--out", str(work / "interference-exact.zarr"), "--no-progress"],
+        "interference-lora": diag + ["interference", "--model", str(paths["base"]), *lora, *selected,
                                      "--out", str(work / "lora.zarr"), "--no-progress"],
         "merge-ta": diag + ["merge", "--model", str(paths["base"]), *dense, "--method", "task-arithmetic",
                             "--out", str(work / "ta"), "--no-progress"],
@@ -291,7 +336,7 @@ def run_slice(layers: int, directory: Path, args, tokenizer_dir: Path, data: dic
     print(f"L = {layers}: built base + 3 dense fine-tunes + 3 LoRA adapters in {time.perf_counter() - start:.0f} s",
           flush=True)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    runs = commands(paths, data, work, args.samples, args.max_tokens)
+    runs = commands(paths, data, work, args.samples, args.max_tokens, args.matrices)
     results = {}
     for name in args.commands:
         if name == "merge-plan":
@@ -306,6 +351,11 @@ def run_slice(layers: int, directory: Path, args, tokenizer_dir: Path, data: dic
         r = results[name]
         print(f"  {name:<18} wall {r['wall_s']:8.1f} s   peak RSS {r['peak_rss_mib']:8.0f} MiB   "
               f"peak anon {r['peak_anon_mib']:8.0f} MiB", flush=True)
+    if "interference" in results and "interference-exact" in results:
+        results["interference:accuracy"] = in_fresh_process(interference_differences, work / "interference.zarr",
+                                                            work / "interference-exact.zarr")
+        print(f"  {'':<18} Gram route vs --exact-svd, largest relative difference: "
+              + ", ".join(f"{key} {value:.2g}" for key, value in results["interference:accuracy"].items()), flush=True)
     if args.mergekit_python:
         compared = [name for name in ("merge-ta", "merge-ties", "merge-recipe") if name in args.commands]
         for name, r in mergekit_runs(args.mergekit_python, paths, work, compared).items():
@@ -334,7 +384,8 @@ def report(by_layers: dict[int, dict], tokens: int) -> None:
     print(f"\n{'command':<24}{'slices':>8}{'RSS slope MiB/block':>20}{'anon slope':>11}{'7B peak GiB':>13}"
           f"{'7B wall min':>13}{'GFLOP/block':>13}")
     for name in names:
-        layers = np.array(sorted(L for L, commands in by_layers.items() if name in commands), dtype=float)
+        layers = np.array(sorted(L for L, commands in by_layers.items() if "wall_s" in commands.get(name, {})),
+                          dtype=float)
         if len(layers) < 2:
             continue
         rss, anon, wall = (np.array([by_layers[int(L)][name][key] for L in layers])
@@ -346,6 +397,12 @@ def report(by_layers: dict[int, dict], tokens: int) -> None:
         flops = flops_per_block(tokens, name.split(":")[0]) / 1e9
         print(f"{name:<24}{','.join(str(int(L)) for L in layers):>8}{rss_slope:>20.0f}{anon_slope:>11.0f}"
               f"{peak:>13.1f}{minutes:>13.1f}{flops:>13.1f}")
+    for L in sorted(L for L, commands in by_layers.items() if "interference:accuracy" in commands):
+        gram, exact = by_layers[L]["interference"], by_layers[L]["interference-exact"]
+        print(f"L={L} interference: wall Gram route / --exact-svd {gram['wall_s'] / exact['wall_s']:.2f} "
+              f"({gram['wall_s']:.0f} / {exact['wall_s']:.0f} s), peak RSS {gram['peak_rss_mib'] / 1024:.1f} / "
+              f"{exact['peak_rss_mib'] / 1024:.1f} GiB; largest relative difference "
+              + ", ".join(f"{k} {v:.2g}" for k, v in by_layers[L]["interference:accuracy"].items()))
     for name in ("merge-ta", "merge-ties", "merge-recipe"):
         theirs = f"{name}:mergekit"
         for L in sorted(L for L, commands in by_layers.items() if name in commands and theirs in commands):
@@ -365,6 +422,8 @@ def main() -> None:
     parser.add_argument("--commands", default="linearity,alpha,interference,interference-lora,merge-ta,merge-ties,"
                         "merge-plan,merge-regmean,eval")
     parser.add_argument("--mergekit-python", help="Python of a venv with mergekit 0.1.5 (task_arithmetic, ties).")
+    parser.add_argument("--matrices", help="diag interference --matrices for the interference commands (names or glob "
+                        "patterns, comma-separated): measure some matrices only.")
     parser.add_argument("--keep", type=Path, help="Build here and keep the checkpoints (default: a temp dir).")
     parser.add_argument("--results", type=Path, help="JSON file that accumulates measurements across runs.")
     args = parser.parse_args()

@@ -258,6 +258,27 @@ def test_interference_matrices_option(runner, llama_kit, tmp_path):
                        "pattern '*.experts.*' matches no weight matrix")
 
 
+def test_interference_exact_svd_option(runner, llama_kit, tmp_path):
+    """--exact-svd: the exact route, recorded in the store (settings.svd); the default is the Gram route, whose figures
+    agree to its bound; --help explains the option."""
+    import numpy as np
+
+    from submerge.diagnostics.store import Store
+
+    common = ["interference", "--model", llama_kit.base_dir, "--finetuned", f"{TASK}={llama_kit.finetuned_dir}",
+              "--device", "cpu", "--no-progress", "--rank-fracs", "0.5,1", "--matrices", "*.layers.0.*"]
+    for name, extra in (("exact.zarr", ["--exact-svd"]), ("gram.zarr", [])):
+        result = _invoke(runner, [*common, "--out", tmp_path / name, *extra])
+        assert result.exit_code == 0, result.output
+    exact, gram = (Store(tmp_path / name) for name in ("exact.zarr", "gram.zarr"))
+    assert exact.group_attrs("interference")["settings"]["svd"] == "exact"
+    assert gram.group_attrs("interference")["settings"]["svd"] == "gram"
+    first, second = exact.dataset("interference"), gram.dataset("interference")
+    for key in ("sar", "row_space_interference", "reconstruction_error"):
+        np.testing.assert_allclose(second[key].values, first[key].values, rtol=1e-4, atol=1e-12, err_msg=key)
+    assert "--exact-svd" in _invoke(runner, ["interference", "--help"]).output
+
+
 def test_error_messages_are_one_unwrapped_line_and_not_markup(monkeypatch, capsys):
     """A long path stays whole in the error (rich would break it at the console width: a narrow console here),
     and brackets in a message are printed, not read as rich markup."""

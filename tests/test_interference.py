@@ -614,3 +614,244 @@ def test_interference_on_ray_equals_one_process_and_survives_a_killed_worker(tin
     assert stored.attrs["provenance"]["engine"] == {"engine": "ray", "address": "auto", "workers": 2, "threads": 1,
                                                     "gpus_per_worker": 0}
     assert spread.attrs == fresh.attrs
+
+
+# ------------------------------------------------------------- the two routes: exact SVDs and Gram matrices
+
+def _previous_task_matrix_interference(task_matrices, rank_fracs, merged, eps, svd_dtype):
+    """task_matrix_interference as it was before the Gram route (its body verbatim, over the same helpers)."""
+    from submerge.diagnostics.interference import metrics
+    from submerge.diagnostics.spectral import svd_dtype as to_dtype
+    from submerge.diagnostics.spectral import thin_svd
+
+    dtype = to_dtype(svd_dtype)
+    task_matrices = [delta.to(dtype) for delta in task_matrices]
+    shape = tuple(task_matrices[0].shape)
+    norms = np.array([task_vector_norm(delta) for delta in task_matrices])
+    cosine, conflict = metrics._pair_metrics(task_matrices, norms)
+    ranks = np.array([rank_from_fraction(frac, min(shape)) for frac in rank_fracs], dtype=np.int64)
+    interference, reconstruction = np.zeros((len(ranks), 2)), np.zeros((len(ranks), 2))
+    svds = [thin_svd(delta, dtype) for delta in task_matrices]
+    effective_ranks = np.array([effective_rank_from_singular_values(svd.S) for svd in svds])
+    sti_value, sti_normalized, sti_k = metrics._sti_from_svds(svds, shape, dtype)
+    interference[:, 0], reconstruction[:, 0] = metrics._rank_curves(svds, ranks)
+    del svds
+    sar_values, sar_k = metrics._sar_against_merged(task_matrices, merged, eps, dtype)
+    interference[:, 1], reconstruction[:, 1] = metrics._rank_curves(metrics._centered_spectra(task_matrices, dtype),
+                                                                    ranks)
+    return {"task_vector_norm": norms, "effective_rank": effective_ranks, "cosine": cosine, "sign_conflict": conflict,
+            "sti": sti_value, "sti_normalized": sti_normalized, "sti_k": sti_k, "sar": sar_values, "sar_k": sar_k,
+            "rank_fracs": np.asarray(rank_fracs, dtype=np.float64), "ranks": ranks,
+            "row_space_interference": interference, "reconstruction_error": reconstruction}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_exact_route_is_bitwise_the_previous_implementation(dtype):
+    from submerge.diagnostics.interference import task_matrix_interference
+
+    generator = torch.Generator().manual_seed(5)
+    cases = [random_task_matrices(1, shape=(14, 9)), random_task_matrices(2, shape=(6, 11), num_tasks=2),
+             [torch.randn(16, 3, generator=generator) @ torch.randn(3, 10, generator=generator) for _ in range(3)],
+             [torch.zeros(7, 5), torch.randn(7, 5, generator=generator)]]
+    for tasks in cases:
+        for merged in (None, torch.randn(tasks[0].shape, generator=generator)):
+            expected = _previous_task_matrix_interference(tasks, DEFAULT_RANK_FRACS, merged, 0.05, dtype)
+            result = task_matrix_interference(tasks, DEFAULT_RANK_FRACS, merged, svd_dtype=dtype, exact_svd=True)
+            assert result.keys() == expected.keys()
+            for key, value in expected.items():
+                np.testing.assert_array_equal(np.asarray(result[key]), np.asarray(value), err_msg=key)
+                assert np.asarray(result[key]).dtype == np.asarray(value).dtype
+
+
+def _spectrum_tasks(kind: str, shape: tuple[int, int], num_tasks: int = 3, seed: int = 0) -> list[torch.Tensor]:
+    """Task matrices (float32) whose spectra the Gram route must handle: flat (full fine-tunes), exactly low rank
+    (LoRA), low rank plus noise, a 4-decade decay, tasks that nearly agree (centring cancels) or cancel (Σ_t Δ_t)."""
+    generator = torch.Generator().manual_seed(seed)
+    rows, cols = shape
+
+    def gaussian(*size):
+        return torch.randn(*size, generator=generator, dtype=F64)
+
+    if kind == "flat":
+        tasks = [gaussian(rows, cols) for _ in range(num_tasks)]
+    elif kind == "low_rank":
+        tasks = [gaussian(rows, 4) @ gaussian(4, cols) for _ in range(num_tasks)]
+    elif kind == "low_rank_noise":
+        tasks = [gaussian(rows, 4) @ gaussian(4, cols) + 0.01 * gaussian(rows, cols) for _ in range(num_tasks)]
+    elif kind == "decaying":
+        rank = min(shape)
+        tasks = []
+        for _ in range(num_tasks):
+            left, right = torch.linalg.qr(gaussian(rows, rank))[0], torch.linalg.qr(gaussian(cols, rank))[0]
+            tasks.append((left * torch.logspace(0, -4, rank, dtype=F64)) @ right.T)
+    elif kind == "agreeing":
+        common = gaussian(rows, cols)
+        tasks = [common + 0.05 * gaussian(rows, cols) for _ in range(num_tasks)]
+    else:  # cancelling: Σ_t Δ_t is small
+        tasks = [gaussian(rows, cols) for _ in range(num_tasks - 1)]
+        tasks.append(-sum(tasks) + 0.05 * gaussian(rows, cols))
+    return [task.to(torch.float32) for task in tasks]
+
+
+GRAM_BOUND = 1e-4  # STI, SAR, I(k), R(k): the Gram route against the exact one (gram.py's docstring)
+
+
+def assert_within_gram_bound(fast: dict, exact: dict, *, effective_rank_bound: float = 1e-3):
+    """The bound gram.py states: relative error ≤ 1e-4 on STI, SAR, I(k) and R(k) — R(k) relative to
+    max(R(k), 1e-2 · R(0)) — ≤ 1e-3 on the effective rank; the k's equal; the SVD-free figures identical."""
+    for key in ("task_vector_norm", "cosine", "sign_conflict", "ranks", "rank_fracs"):
+        np.testing.assert_array_equal(fast[key], exact[key], err_msg=key)
+    assert fast["sti_k"] == exact["sti_k"] and fast["sar_k"] == exact["sar_k"]
+    for key in ("sti", "sti_normalized", "sar", "row_space_interference"):
+        np.testing.assert_allclose(fast[key], exact[key], rtol=GRAM_BOUND, atol=0, err_msg=key)
+    scale = np.maximum(exact["reconstruction_error"], 1e-2 * exact["reconstruction_error"][0])
+    assert np.all(np.abs(fast["reconstruction_error"] - exact["reconstruction_error"]) <= GRAM_BOUND * scale)
+    np.testing.assert_allclose(fast["effective_rank"], exact["effective_rank"], rtol=effective_rank_bound)
+
+
+@pytest.mark.parametrize("kind", ["flat", "low_rank", "low_rank_noise", "decaying", "agreeing", "cancelling"])
+@pytest.mark.parametrize("shape", [(56, 40), (40, 56), (48, 48)], ids=["tall", "wide", "square"])
+def test_gram_route_within_its_bound_of_the_exact_route(kind, shape):
+    from submerge.diagnostics.interference import task_matrix_interference
+
+    tasks = _spectrum_tasks(kind, shape)
+    fast = task_matrix_interference(tasks)
+    exact = task_matrix_interference(tasks, exact_svd=True)
+    assert_within_gram_bound(fast, exact)
+
+
+@pytest.mark.parametrize("num_tasks", [1, 2, 4])
+def test_gram_route_any_number_of_tasks_and_a_given_merge(num_tasks):
+    from submerge.diagnostics.interference import task_matrix_interference
+
+    tasks = _spectrum_tasks("low_rank_noise", (36, 30), num_tasks=num_tasks, seed=num_tasks)
+    merged = torch.randn(36, 30, generator=torch.Generator().manual_seed(9))
+    for given in (None, merged):
+        fast = task_matrix_interference(tasks, merged=given)
+        exact = task_matrix_interference(tasks, merged=given, exact_svd=True)
+        assert_within_gram_bound(fast, exact)
+
+
+@pytest.mark.parametrize("exact_svd", [True, False], ids=["exact", "gram"])
+def test_both_routes_known_answers(exact_svd):
+    """Orthogonal task subspaces: STI = 0 and I(k) = 0 (plain); Δ_1 inside Δ_M's top space: SAR = 1, Δ_2 outside: 0;
+    hand-computed σ's: R(1) = 1 + 0.5² and erank of (3, 1) = exp(H(3/4, 1/4))."""
+    from submerge.diagnostics.interference import task_matrix_interference
+
+    orthogonal = task_matrix_interference(block_orthogonal_tasks(), rank_fracs=(0.25, 0.5, 1.0),
+                                          svd_dtype="float64", exact_svd=exact_svd)
+    assert orthogonal["sti"] == pytest.approx(0.0, abs=1e-10)
+    np.testing.assert_allclose(orthogonal["row_space_interference"][:, 0], 0.0, atol=1e-10)
+    hand = task_matrix_interference([DELTA_1, DELTA_2], rank_fracs=(1 / 3, 1.0), svd_dtype="float64",
+                                    merged=DELTA_1, exact_svd=exact_svd)
+    assert hand["reconstruction_error"][0, 0] == pytest.approx(1.0 + 0.25, rel=1e-12)
+    assert hand["reconstruction_error"][1, 0] == pytest.approx(0.0, abs=1e-12)
+    assert hand["effective_rank"][0] == pytest.approx(math.exp(-(0.75 * math.log(0.75) + 0.25 * math.log(0.25))),
+                                                       rel=1e-10)
+    assert hand["sar_k"] == 2 and hand["sar"][0] == pytest.approx(1.0, abs=1e-12)
+    outside = task_matrix_interference([DELTA_1, outer([0, 0, 1], [0, 0, 1])], merged=DELTA_1, svd_dtype="float64",
+                                       exact_svd=exact_svd)
+    assert outside["sar"][1] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_gram_route_refinement_threshold_both_sides(monkeypatch):
+    """σ_a with λ_a < REFINE_BELOW · λ_max are recomputed as ‖A y_a‖: refining every σ changes nothing beyond the
+    bound; refining none leaves √λ's rounding noise, which (unless STI's SVD fallback catches it) inflates the
+    effective rank of a low-rank matrix beyond the bound."""
+    from submerge.diagnostics.interference import gram, task_matrix_interference
+
+    tasks = _spectrum_tasks("low_rank", (48, 40))
+    exact = task_matrix_interference(tasks, exact_svd=True)
+    monkeypatch.setattr(gram, "REFINE_BELOW", 1.0)
+    assert_within_gram_bound(task_matrix_interference(tasks), exact)
+    monkeypatch.setattr(gram, "_COLUMNS", 3)  # refined in many small products: the same figures
+    assert_within_gram_bound(task_matrix_interference(tasks), exact)
+    monkeypatch.setattr(gram, "REFINE_BELOW", 0.0)  # √λ noise (~√eps σ_max) now passes the numerical rank:
+    assert_within_gram_bound(task_matrix_interference(tasks), exact)  # STI keeps it, so the SVD fallback runs
+    monkeypatch.setattr(gram, "STI_RESOLVED", 0.0)  # without either guard the noise inflates the effective rank
+    unguarded = task_matrix_interference(tasks)
+    assert np.all(unguarded["effective_rank"] > (1 + 1e-3) * exact["effective_rank"])  # outside the bound
+
+
+def test_gram_route_cancellation_guard_both_sides(monkeypatch):
+    """Centred Grams come from the cross-Grams unless centring cancels (nearly equal tasks), then from Ā_t itself;
+    Σ_t K_st likewise unless the tasks cancel. Either way the figures stay within the bound."""
+    from submerge.diagnostics.interference import gram, task_matrix_interference
+
+    assert not gram.CrossGrams(_spectrum_tasks("flat", (30, 20)))._direct_centred
+    assert gram.CrossGrams(_spectrum_tasks("agreeing", (30, 20)))._direct_centred
+    assert gram.CrossGrams(_spectrum_tasks("flat", (30, 20)))._merged is None
+    assert gram.CrossGrams(_spectrum_tasks("cancelling", (30, 20)))._merged is not None
+    for kind in ("flat", "agreeing", "cancelling"):
+        tasks = _spectrum_tasks(kind, (44, 36))
+        exact = task_matrix_interference(tasks, exact_svd=True)
+        for limit in (1e9, 1.0):  # always / never form the centred and merged matrices
+            monkeypatch.setattr(gram.CrossGrams, "CANCELLATION", limit)
+            monkeypatch.setattr(gram, "_ROWS", 5)  # the mean in row blocks
+            assert_within_gram_bound(task_matrix_interference(tasks), exact)
+
+
+def test_gram_eigh_sorted_clamped_and_on_both_backends():
+    from submerge.diagnostics.spectral import gram_eigh
+
+    x = torch.randn(9, 6, generator=torch.Generator().manual_seed(4), dtype=F64)
+    values, vectors = gram_eigh(x.T @ x)
+    np.testing.assert_allclose(values.numpy(), torch.linalg.svdvals(x).numpy() ** 2, rtol=1e-12)
+    assert values.dtype == F64 and bool((values[:-1] >= values[1:]).all())
+    np.testing.assert_allclose((vectors.T @ vectors).numpy(), np.eye(6), atol=1e-12)
+    singular = torch.zeros(4, 4, dtype=F64)
+    singular[0, 0] = 1.0
+    values, _ = gram_eigh(singular - 1e-18 * torch.eye(4, dtype=F64))
+    assert float(values.min()) == 0.0  # rounding below zero is clamped
+
+
+def test_interference_driver_routes_and_store(tiny_checkpoints, tmp_path):
+    """exact_svd=True reproduces task_matrix_interference's exact route bitwise per matrix; the default is the Gram
+    route within its bound; the store records the route and refuses to resume in the other one."""
+    from submerge.diagnostics.interference import interference, task_matrix_interference
+    from submerge.diagnostics.store import Store
+
+    base, finetuned, base_tensors, finetuned_tensors = tiny_checkpoints
+    store = Store(tmp_path / "routes.zarr")
+    exact = interference(base, finetuned, rank_fracs=(0.25, 1.0), exact_svd=True, progress=False, device="cpu",
+                         store=store)
+    gram_route = interference(base, finetuned, rank_fracs=(0.25, 1.0), progress=False, device="cpu")
+    assert store.group_attrs("interference")["settings"]["svd"] == "exact"
+    assert exact.attrs["svd"].startswith("torch.linalg.svd") and gram_route.attrs["svd"].startswith("Gram route")
+    for name in exact["matrix"].values:
+        tasks = [(finetuned_tensors[t][name] - base_tensors[name]).float() for t in ("math", "code")]
+        expected = task_matrix_interference(tasks, (0.25, 1.0), exact_svd=True)
+        row = exact.sel(matrix=name)
+        assert row["sti"].item() == expected["sti"]
+        np.testing.assert_array_equal(row["row_space_interference"].values, expected["row_space_interference"])
+        np.testing.assert_array_equal(row["sar"].values, expected["sar"])
+        fast = gram_route.sel(matrix=name)
+        np.testing.assert_allclose(fast["sti"].item(), expected["sti"], rtol=GRAM_BOUND)
+        np.testing.assert_allclose(fast["row_space_interference"].values, expected["row_space_interference"],
+                                   rtol=GRAM_BOUND)
+    with pytest.raises(Exception, match="other settings"):
+        interference(base, finetuned, rank_fracs=(0.25, 1.0), progress=False, device="cpu", store=store)
+
+
+def test_gram_route_sti_falls_back_to_svds_below_its_resolution(monkeypatch):
+    """STI's entrywise norm depends on individual singular vectors. A signal over a noise floor makes STI keep noise
+    directions (σ² < STI_RESOLVED · σ_max²) that the float32 Gram does not resolve one by one: there the Δ_t are
+    decomposed by SVD. Both sides of the threshold, on spectra that need it and spectra that do not."""
+    from submerge.diagnostics.interference import gram, metrics, task_matrix_interference
+
+    noisy, flat = _spectrum_tasks("low_rank_noise", (48, 40)), _spectrum_tasks("flat", (48, 40))
+    exact_noisy = task_matrix_interference(noisy, exact_svd=True)
+    exact_flat = task_matrix_interference(flat, exact_svd=True)
+    calls, original = [], metrics.thin_svd
+    monkeypatch.setattr(metrics, "thin_svd", lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs))
+    assert_within_gram_bound(task_matrix_interference(noisy), exact_noisy)
+    assert len(calls) == 3  # one SVD per Δ_t; the centred and merged matrices stay on the Gram route
+    calls.clear()
+    assert_within_gram_bound(task_matrix_interference(flat), exact_flat)
+    assert not calls
+    monkeypatch.setattr(gram, "STI_RESOLVED", 1.0)  # every spectrum falls back: the same figures
+    assert_within_gram_bound(task_matrix_interference(flat), exact_flat)
+    assert len(calls) == 3
+    monkeypatch.setattr(gram, "STI_RESOLVED", 0.0)  # none does: the noise directions' STI is off
+    unresolved = task_matrix_interference(noisy)
+    assert abs(unresolved["sti"] - exact_noisy["sti"]) > GRAM_BOUND * exact_noisy["sti"]

@@ -2,6 +2,8 @@
 
 - :mod:`submerge.diagnostics.interference.metrics`: the pure equations (norms, effective
   rank, cosine, sign conflicts, STI, SAR, I(k), R(k)), each citing seed 003;
+- :mod:`submerge.diagnostics.interference.gram`: the same figures through the task matrices' Gram
+  matrices (the default route of :func:`task_matrix_interference`; ``exact_svd=True``: full SVDs);
 - :mod:`submerge.diagnostics.interference.driver`: :func:`interference`, which streams a
   checkpoint one matrix at a time into the store, and the group's owner ``INTERFERENCE`` (its layout, summary
   table and figures; :func:`matrix_table` has one row per matrix).

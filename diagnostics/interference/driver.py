@@ -59,9 +59,16 @@ from submerge.diagnostics.task_vectors import TaskVectorReader
 from submerge.diagnostics.tensors import TensorTable
 
 # MatrixJob, measure_matrix: from jobs
-__all__ = ["INTERFERENCE", "MatrixJob", "interference", "matrix_table", "measure_matrix"]
+__all__ = ["INTERFERENCE", "SVD_ROUTES", "MatrixJob", "interference", "matrix_table", "measure_matrix"]
 
 INTERFERENCE_RANK_FRAC = 0.08  # CART's reported optimum: the I(k) of the tables and the per-layer figure
+SVD_ROUTES = {
+    "gram": "Gram route: each matrix's singular values and short-side singular vectors from the symmetric "
+            "eigendecomposition (LAPACK syevd) of its r × r Gram matrix, built from the cross-Gram products of the task "
+            "matrices; σ < 0.1 σ_max of each Δ_t and Δ̄_t recomputed as ‖Δ y‖; STI, SAR, I(k), R(k) within 1e-4 of "
+            "the exact route (submerge.diagnostics.interference.gram)",
+    "exact": "torch.linalg.svd, full thin SVD (exact)",
+}
 
 
 def _check_settings(svd_dtype, rank_fracs: Sequence[float]) -> None:
@@ -200,7 +207,7 @@ def _notes(job: MatrixJob, device, duplicates: dict[str, str]) -> dict:
         "rank_rule": "k = max(1, floor(frac · min(m, n) + 0.5)), capped at min(m, n)",
         "row_space_interference": "seed 003, CART: I(k) = Σ_{i≠j} ‖Σ̃_i Ṽ_iᵀ Ṽ_j Σ̃_j‖_F, σ̃ = σ / sqrt(Σ_{i≤k} σ²)",
         "reconstruction_error": "seed 003, CART: R(k) = Σ_t Σ_{i>k} σ_{t,i}²",
-        "svd": "torch.linalg.svd, full thin SVD (exact)",
+        "svd": SVD_ROUTES["exact" if job.exact_svd else "gram"],
         "svd_dtype": str(_svd_dtype(job.svd_dtype)).removeprefix("torch."),
         "device": str(device),
         "tied_duplicates": dict(duplicates),
@@ -218,6 +225,7 @@ def _open_writer(store, job: MatrixJob, base, task_readers: dict, matrices, *, f
         "tasks": list(task_readers), "rank_fracs": [float(f) for f in job.rank_fracs],
         "sar_against": job.sar_against, "sar_options": dict(job.sar_options or {}), "eps": float(job.eps),
         "svd_dtype": str(_svd_dtype(job.svd_dtype)).removeprefix("torch."),
+        "svd": "exact" if job.exact_svd else "gram",
         "matrices": list(matrices) if matrices is not None else "all", "transposed": sorted(job.transposed),
     }
     inputs = {"base_model": base.fingerprint(),
@@ -268,6 +276,7 @@ def interference(
     sar_against: str | MergedMatrix = "ta",
     eps: float = SAR_EPS,
     svd_dtype: str = "float32",
+    exact_svd: bool = False,
     device: str = "auto",
     matrices: Sequence[str] | None = None,
     transposed: Sequence[str] | None = None,
@@ -281,8 +290,9 @@ def interference(
     ``base`` is a :class:`submerge.diagnostics.checkpoints.CheckpointReader`; ``finetuned`` maps task names to
     CheckpointReaders (LoRA readers included) or :class:`submerge.diagnostics.task_vectors.TaskVectorReader` objects,
     which read each Δ_t (exact LoRA updates, vocabulary cropping, NaN/Inf check).  Memory: the T task
-    matrices of one matrix (in ``svd_dtype``, on ``device``) plus about ten copies of it for the SVDs
-    and float64 products (``benchmarks/interference.py`` measures it).
+    matrices of one matrix (in ``svd_dtype``, on ``device``), their mean, and about a dozen r × r Gram matrices,
+    r = min(m, n); with ``exact_svd`` about ten copies of the matrix for the SVDs and float64 products
+    (``benchmarks/interference.py`` and ``benchmarks/scale.py`` measure it).
 
     Matrices: every weight matrix of the tensor table ``table`` (``TensorInfo.is_weight_matrix``: 2-D,
     no size cap; built from the base's config when not given), ordered by layer, or those ``matrices`` names
@@ -290,6 +300,12 @@ def interference(
     values in the base and every fine-tune (tied ``lm_head`` = embedding) is measured once
     (``attrs["tied_duplicates"]``).  Weights stored (in, out) (``TensorInfo.transposed``: GPT-2 ``Conv1D``, or
     the names in ``transposed``) are transposed to (out, in) first.
+
+    Spectra come from the r × r Gram matrices of each matrix's task matrices (the default: one symmetric
+    eigendecomposition per decomposed matrix, STI, SAR, I(k) and R(k) within 1e-4 of the exact route,
+    :mod:`submerge.diagnostics.interference.gram`) or, with ``exact_svd``, from full thin SVDs (the reference,
+    bitwise the figures of the versions before the Gram route); the store records which (``settings.svd``), and a
+    run resumes only in the route it started in.
 
     SAR is taken against task arithmetic Σ_t Δ_t (``sar_against="ta"``) or against the merged task vector of a
     merge strategy, given as a callable ``(name, task_matrices, kind) → Δ_M``:
@@ -313,7 +329,7 @@ def interference(
     target = pick_device(device)
     table, names, duplicates, transposed = _plan_matrices(base, task_readers, table, matrices, transposed)
     job = MatrixJob(tuple(rank_fracs), sar_label, sar_options, eps, svd_dtype, transposed,
-                    {name: table.get(name).kind for name in names}, sar_merge)
+                    {name: table.get(name).kind for name in names}, sar_merge, exact_svd)
 
     def make_piece(items: list[tuple]):
         return _matrices_dataset(table, [i[0] for i in items], [i[1] for i in items], [i[2] for i in items],

@@ -38,6 +38,7 @@ class MatrixJob:
     transposed: frozenset[str]
     kinds: dict[str, str] = field(default_factory=dict)  # matrix name -> TensorInfo.kind (merge fallbacks)
     sar_merge: MergedMatrix | None = None
+    exact_svd: bool = False  # full thin SVDs (the reference) instead of the Gram route
 
 
 def measure_matrix(name: str, task_readers: dict, job: MatrixJob, device) -> tuple[tuple[int, int], dict]:
@@ -52,7 +53,8 @@ def measure_matrix(name: str, task_readers: dict, job: MatrixJob, device) -> tup
         delta = reader.get(name, dtype=dtype, device=device)
         task_matrices.append(delta.T if name in job.transposed else delta)
     merged = None if job.sar_merge is None else job.sar_merge(name, task_matrices, job.kinds.get(name))
-    result = task_matrix_interference(task_matrices, job.rank_fracs, merged, eps=job.eps, svd_dtype=job.svd_dtype)
+    result = task_matrix_interference(task_matrices, job.rank_fracs, merged, eps=job.eps, svd_dtype=job.svd_dtype,
+                                      exact_svd=job.exact_svd)
     return tuple(task_matrices[0].shape), result
 
 

@@ -14,23 +14,32 @@ This module measures, per matrix:
   Sec. "Centered Arithmetic with Rank-reduced Task Vectors" and App. 14), on
   plain Δ_t and on centred Δ̄_t = W_t − mean_s W_s.
 
-SVD.  Every decomposition is a full (exact) thin SVD,
-``torch.linalg.svd(x, full_matrices=False)`` (:func:`submerge.diagnostics.spectral.thin_svd`,
-shared with the SVD merges of ``submerge.merge.strategies``), computed in ``svd_dtype``
-(float32 or float64) on the device the tensors live on — CUDA when the caller
-put them there; the streaming driver (``submerge.diagnostics.interference.driver``)
-moves them to CUDA when ``device="auto"`` finds one.  All metric arithmetic after the SVD (Gram matrices, projections,
-sums of squares, entropies) is done in float64, and results are Python floats
-or float64 numpy arrays.
+SVD.  Two routes give the same figures.  The default (``exact_svd=False``,
+:mod:`submerge.diagnostics.interference.gram`) takes each matrix's singular
+values and vectors from the eigendecomposition of its r × r Gram matrix, r =
+min(m, n), built from the T(T+1)/2 cross-Gram products of the task matrices;
+STI, SAR, I(k) and R(k) stay within 1e-4 (relative) of the exact route, as that
+module states and the tests check.  ``exact_svd=True`` is the reference: every
+decomposition a full thin SVD, ``torch.linalg.svd(x, full_matrices=False)``
+(:func:`submerge.diagnostics.spectral.thin_svd`, shared with the SVD merges of
+``submerge.merge.strategies``), with the Gram matrices of I(k), STI's UᵀU and
+VᵀV and SAR's projections in float64.  Both compute in ``svd_dtype`` (float32
+or float64) on the device the tensors live on — CUDA when the caller put them
+there; the streaming driver (``submerge.diagnostics.interference.driver``)
+moves them to CUDA when ``device="auto"`` finds one.  Metric arithmetic after
+the decompositions (sums of squares, entropies, norms) is float64, and results
+are Python floats or float64 numpy arrays.
 
-A truncated / randomised SVD (``torch.svd_lowrank``) is not used.  It would be
-exact enough only where a metric reads the top of the spectrum with a clear
-gap below it: STI (top k = min(m,n)/T per task), I(k) at small rank fractions,
-and R(k) and k_M when computed as ‖Δ‖_F² minus the energy of the top
-components.  The effective rank needs the whole spectrum, I(k) at large rank
-fractions needs nearly all of it, and a randomised SVD of a flat spectrum
-(full fine-tunes, Iso-C-like merges) has no gap to exploit — so exact SVD is
-the default and the only path here.
+What each metric needs of the spectrum.  The effective rank needs every
+singular value; R(k) the tail Σ_{i>k} σ_i²; STI the top k = ⌊min(m, n)/T⌋
+triplets of each Δ_t (a third of them for T = 3); I(k) the top k right vectors
+at every k of the grid (64 % of them at the default fraction 0.64; k = r needs
+none: it is ‖Δ_iΔ_jᵀ‖_F); SAR the top k_M left vectors of Δ_M, most of them for
+a flat spectrum.  So each of the 2T + 1 matrices needs most of its
+decomposition, and a truncated or randomised SVD (``torch.svd_lowrank``) would
+not save work — a randomised one would also need a spectral gap that the flat
+spectra of full fine-tunes do not have.  Only the standalone
+:func:`effective_rank` takes singular values alone (``svdvals``).
 
 Zero updates.  A matrix that a fine-tune did not change (common with LoRA)
 gives Δ_t = 0.  Quantities that are ratios of zero (effective rank, cosine,
@@ -46,6 +55,15 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from submerge.diagnostics.interference.gram import (
+    CrossGrams,
+    GramSpectrum,
+    gram_spectrum,
+    resolves_sti,
+    row_space_curves,
+    sar_projections,
+    sti_from_spectra,
+)
 from submerge.diagnostics.spectral import Svd, concat_top, numerical_rank, thin_svd
 from submerge.diagnostics.spectral import svd_dtype as _svd_dtype
 
@@ -395,14 +413,14 @@ def reconstruction_error(task_matrices: Sequence[torch.Tensor], k: int, *, svd_d
 
 def matrix_interference(base: torch.Tensor, finetuned: Sequence[torch.Tensor],
                         rank_fracs: Sequence[float] = DEFAULT_RANK_FRACS, merged: torch.Tensor | None = None, *,
-                        eps: float = SAR_EPS, svd_dtype: str = "float32") -> dict:
+                        eps: float = SAR_EPS, svd_dtype: str = "float32", exact_svd: bool = False) -> dict:
     """Every weight-space interference metric of one matrix, each SVD done once.
 
     ``base`` is W_0, ``finetuned`` the T fine-tuned W_t (any float dtype, one
     device); ``merged`` is the merged *task* matrix Δ_M for SAR (default: task
     arithmetic Σ_t Δ_t).  The task matrices Δ_t = W_t − W_0 are formed in
-    ``svd_dtype`` and passed to :func:`task_matrix_interference`, which
-    documents the returned dict.
+    ``svd_dtype`` and passed to :func:`task_matrix_interference` (with
+    ``exact_svd``), which documents the returned dict.
     """
     _check_matrix(base, "base")
     if len(finetuned) == 0:
@@ -415,7 +433,8 @@ def matrix_interference(base: torch.Tensor, finetuned: Sequence[torch.Tensor],
     base_cast = base.to(dtype)
     task_matrices = [weight.to(dtype) - base_cast for weight in finetuned]
     del base_cast
-    return task_matrix_interference(task_matrices, rank_fracs, merged, eps=eps, svd_dtype=svd_dtype)
+    return task_matrix_interference(task_matrices, rank_fracs, merged, eps=eps, svd_dtype=svd_dtype,
+                                    exact_svd=exact_svd)
 
 
 def task_matrix_interference(
@@ -425,12 +444,15 @@ def task_matrix_interference(
     *,
     eps: float = SAR_EPS,
     svd_dtype: str = "float32",
+    exact_svd: bool = False,
 ) -> dict:
     """Every weight-space interference metric of T task matrices Δ_t of one weight.
 
-    T SVDs of Δ_t, T of the centred Δ̄_t and one of Δ_M (``merged``, default
-    Σ_t Δ_t) are computed, and their singular vectors are reused across metrics.
-    Returns a dict (floats / float64 numpy arrays):
+    The spectra of the T task matrices Δ_t, the T centred Δ̄_t and Δ_M (``merged``, default Σ_t Δ_t) are
+    computed once each and reused across metrics: by default through their r × r Gram matrices
+    (:mod:`submerge.diagnostics.interference.gram`: one eigendecomposition each, within 1e-4 of the exact
+    route on STI, SAR, I(k) and R(k)); with ``exact_svd`` by a full thin SVD of each (the reference, bitwise the
+    results of the versions before the Gram route). Returns a dict (floats / float64 numpy arrays):
 
     - ``task_vector_norm``, ``effective_rank``: (T,)
     - ``cosine``, ``sign_conflict``: (T, T), symmetric, diagonal 1 / 0
@@ -444,12 +466,30 @@ def task_matrix_interference(
     dtype = _svd_dtype(svd_dtype)
     task_matrices = [delta.to(dtype) for delta in task_matrices]
     shape = tuple(task_matrices[0].shape)
+    if merged is not None:
+        _check_matrix(merged, "merged")
+        if tuple(merged.shape) != shape:
+            raise ValueError(f"merged has shape {tuple(merged.shape)}, the task matrices have {shape}")
     norms = np.array([task_vector_norm(delta) for delta in task_matrices])
     cosine, conflict = _pair_metrics(task_matrices, norms)
     ranks = np.array([rank_from_fraction(frac, min(shape)) for frac in rank_fracs], dtype=np.int64)
+    spectral = _spectral_by_svds if exact_svd else _spectral_by_grams
+    return {
+        "task_vector_norm": norms,
+        "cosine": cosine,
+        "sign_conflict": conflict,
+        "rank_fracs": np.asarray(rank_fracs, dtype=np.float64),
+        "ranks": ranks,
+        **spectral(task_matrices, ranks, merged, eps, dtype, norms),
+    }
+
+
+def _spectral_by_svds(task_matrices: list[torch.Tensor], ranks: np.ndarray, merged: torch.Tensor | None, eps: float,
+                      dtype: torch.dtype, norms: np.ndarray) -> dict:
+    """Effective rank, STI, SAR, I(k) and R(k) from full thin SVDs of the 2T + 1 matrices (``exact_svd``)."""
+    shape = tuple(task_matrices[0].shape)
     interference = np.zeros((len(ranks), 2))
     reconstruction = np.zeros((len(ranks), 2))
-
     svds = [thin_svd(delta, dtype) for delta in task_matrices]
     effective_ranks = np.array([effective_rank_from_singular_values(svd.S) for svd in svds])
     sti_value, sti_normalized, sti_k = _sti_from_svds(svds, shape, dtype)
@@ -457,21 +497,57 @@ def task_matrix_interference(
     del svds
     sar_values, sar_k = _sar_against_merged(task_matrices, merged, eps, dtype)
     interference[:, 1], reconstruction[:, 1] = _rank_curves(_centered_spectra(task_matrices, dtype), ranks)
-    return {
-        "task_vector_norm": norms,
-        "effective_rank": effective_ranks,
-        "cosine": cosine,
-        "sign_conflict": conflict,
-        "sti": sti_value,
-        "sti_normalized": sti_normalized,
-        "sti_k": sti_k,
-        "sar": sar_values,
-        "sar_k": sar_k,
-        "rank_fracs": np.asarray(rank_fracs, dtype=np.float64),
-        "ranks": ranks,
-        "row_space_interference": interference,
-        "reconstruction_error": reconstruction,
-    }
+    return {"effective_rank": effective_ranks, "sti": sti_value, "sti_normalized": sti_normalized, "sti_k": sti_k,
+            "sar": sar_values, "sar_k": sar_k, "row_space_interference": interference,
+            "reconstruction_error": reconstruction}
+
+
+def _spectral_by_grams(task_matrices: list[torch.Tensor], ranks: np.ndarray, merged: torch.Tensor | None, eps: float,
+                       dtype: torch.dtype, norms: np.ndarray) -> dict:
+    """The same figures as :func:`_spectral_by_svds` through the cross-Gram matrices (:mod:`.gram`).
+
+    The Δ_t's own figures (effective rank, STI, plain I(k) and R(k)) fall back to thin SVDs of the Δ_t when STI keeps
+    a direction whose σ² is below ``gram.STI_RESOLVED`` · σ_max² (:func:`resolves_sti`; a signal over a noise floor:
+    the float32 Gram does not resolve the individual singular vectors that STI's entrywise norm depends on).
+    """
+    shape = tuple(task_matrices[0].shape)
+    rank_list = [int(k) for k in ranks]
+    grams = CrossGrams(task_matrices, merged)
+    spectra = [gram_spectrum(grams.get(t, t), grams.tall[t]) for t in range(len(task_matrices))]
+    sti_k = sti_rank(shape, len(spectra))
+    kept = [min(sti_k, numerical_rank(spectrum.S, shape, dtype)) for spectrum in spectra]
+    interference = np.zeros((len(ranks), 2))
+    reconstruction = np.zeros((len(ranks), 2))
+    if resolves_sti(spectra, kept):
+        sti_value, sigma_sum = sti_from_spectra(spectra, kept, grams)
+        sti_normalized = sti_value / sigma_sum if sigma_sum > 0 else float("nan")
+        interference[:, 0] = row_space_curves(spectra, rank_list, grams, centred=False)
+        reconstruction[:, 0] = [_tail_energy(spectra, k) for k in rank_list]
+        effective_ranks = np.array([effective_rank_from_singular_values(spectrum.S) for spectrum in spectra])
+    else:
+        del spectra
+        spectra = [thin_svd(delta, dtype) for delta in task_matrices]
+        sti_value, sti_normalized, sti_k = _sti_from_svds(spectra, shape, dtype)
+        interference[:, 0], reconstruction[:, 0] = _rank_curves(spectra, ranks)
+        effective_ranks = np.array([effective_rank_from_singular_values(svd.S) for svd in spectra])
+    del spectra
+    merged_spectrum = gram_spectrum(grams.merged_gram)
+    sar_k = effective_rank_cutoff(merged_spectrum.S, eps)
+    projections = sar_projections(merged_spectrum, sar_k, grams)
+    del merged_spectrum
+    sar_values = np.array([float("nan") if norm == 0.0 else min(1.0, math.sqrt(max(projected, 0.0)) / norm)
+                           for projected, norm in zip(projections, norms)])
+    centred_spectra = [gram_spectrum(grams.centred(t, t), grams.centred_tall(t)) for t in range(len(task_matrices))]
+    interference[:, 1] = row_space_curves(centred_spectra, rank_list, grams, centred=True)
+    reconstruction[:, 1] = [_tail_energy(centred_spectra, k) for k in rank_list]
+    return {"effective_rank": effective_ranks, "sti": sti_value, "sti_normalized": sti_normalized, "sti_k": sti_k,
+            "sar": sar_values, "sar_k": sar_k, "row_space_interference": interference,
+            "reconstruction_error": reconstruction}
+
+
+def _tail_energy(spectra: Sequence[GramSpectrum], k: int) -> float:
+    """R(k) = Σ_t Σ_{i>k} σ_{t,i}²."""
+    return float(sum(float((spectrum.S[k:] ** 2).sum()) for spectrum in spectra))
 
 
 def _pair_metrics(task_matrices: Sequence[torch.Tensor], norms: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -498,15 +574,11 @@ def _rank_curves(svds: Sequence[Svd], ranks: np.ndarray) -> tuple[list[float], l
 def _sar_against_merged(task_matrices: list[torch.Tensor], merged: torch.Tensor | None, eps: float,
                         dtype: torch.dtype) -> tuple[np.ndarray, int]:
     """SAR of every Δ_t against Δ_M (``merged``, default Σ_t Δ_t) and k_M; one SVD of Δ_M."""
-    shape = tuple(task_matrices[0].shape)
     if merged is None:
         merged_matrix = task_matrices[0].clone()
         for delta in task_matrices[1:]:
             merged_matrix += delta
-    else:
-        _check_matrix(merged, "merged")
-        if tuple(merged.shape) != shape:
-            raise ValueError(f"merged has shape {tuple(merged.shape)}, the task matrices have {shape}")
+    else:  # shape checked by task_matrix_interference
         merged_matrix = merged.to(device=task_matrices[0].device)
     merged_svd = thin_svd(merged_matrix, dtype)
     del merged_matrix
