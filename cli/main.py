@@ -24,7 +24,6 @@ from submerge.diagnostics import demo
 from submerge.diagnostics.checkpoints import local_path, open_checkpoint
 from submerge.diagnostics.data import parse_named
 from submerge.diagnostics.evaluate import EVAL, evaluate
-from submerge.diagnostics.interference import INTERFERENCE
 from submerge.diagnostics.harness import (
     HarnessError,
     HarnessSettings,
@@ -33,6 +32,7 @@ from submerge.diagnostics.harness import (
     parse_tasks,
     require_harness,
 )
+from submerge.diagnostics.interference import INTERFERENCE
 from submerge.diagnostics.interference import interference as run_interference
 from submerge.diagnostics.linearity import ALPHA, GRANULARITIES, LINEARITY, PROJECTION, nonlinearity
 from submerge.diagnostics.linearity import alpha as run_alpha

@@ -210,7 +210,7 @@ def evaluate(
     storage = str(next(base.model.parameters()).dtype).removeprefix("torch.")
     settings = {"skip": skip, "samples": samples, "max_tokens": max_tokens, "tasks": tasks, "dtype": storage,
                 "compute_dtype": compute_dtype}
-    arch = find_architecture(base.model)
+    find_architecture(base.model)  # an architecture submerge cannot split fails here, before any work
     inputs = {
         "base_model": base.reader.fingerprint() | {"spec": base_spec},
         "models": models,

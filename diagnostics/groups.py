@@ -14,10 +14,11 @@ indicators (what is computed, stored and shown) is the model.
 | ``alpha/<granularity>`` | `submerge.diagnostics.linearity.alpha.ALPHA` | ``diag alpha`` |
 | ``interference`` | `submerge.diagnostics.interference.driver.INTERFERENCE` | ``diag interference`` |
 | ``eval`` | `submerge.diagnostics.evaluate.EVAL` | ``diag eval`` |
+| ``evidence`` | `submerge.diagnostics.linearity.evidence.EVIDENCE` | ``diag compare`` (its evidence step) |
 | ``compare`` | `submerge.merge.compare.COMPARE` | ``diag compare`` |
 
-`submerge.cli.report.OWNERS` lists them in report order; a new group (``evidence``) defines its `StoreGroup` in its
-driver module and adds it there.
+`submerge.cli.report.OWNERS` lists them in report order; a new group defines its `StoreGroup` in its driver module
+and adds it there.
 """
 
 from __future__ import annotations

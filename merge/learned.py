@@ -24,7 +24,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import cma
 import numpy as np
 import torch
 from safetensors import safe_open
@@ -376,6 +375,8 @@ def lorahub_coefficients(experiment, *, steps: int = 40, l1_weight: float = 0.05
     def objective(candidate) -> float:
         results = streamed_losses(source, experiment.arch, batches, dict(zip(tasks, map(float, candidate))))
         return lorahub_objective([results[task][0] for task in tasks], candidate, l1_weight)
+
+    import cma  # here, not at the top: cma imports matplotlib, which the command line loads only to draw
 
     dimension = max(2, len(tasks))  # cma needs two dimensions: one task searches with an unused second one
     search = cma.CMAEvolutionStrategy([0.0] * dimension, float(bound) / 2,

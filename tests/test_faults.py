@@ -214,7 +214,7 @@ def _fault_then_resume(kit, diag, references, tmp_path, driver: str, action: str
     if action == "nospace":
         assert "could not write the store" in output and "File too large" in output and "Traceback" not in output
     if Store(out).exists():  # consolidated metadata, if any, describes the files as they are
-        assert Store(out).consolidation() != "stale", f"write {point}/{writes}"
+        assert Store(out).consolidation() != "stale", f"write {point} ({group}'s {index}/{len(points)})"
     code, output = diag(*argv(kit), "--out", out)
     assert code == 0, f"resume after {action} at write {point} ({group}'s {index}/{len(points)}):\n{output}"
     _assert_same_store(out, reference, group)

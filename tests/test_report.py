@@ -157,7 +157,7 @@ def test_every_group_of_the_store_has_its_owners_layout(store_path):
         along_units = {name for name, variable in dataset.data_vars.items() if owner.dim in variable.dims}
         assert along_units == set(owner.variables), path  # every variable the driver writes unit by unit
     assert reports.owner_of("alpha") is None and reports.owner_of("alpha/layer").name == "alpha"
-    assert reports.owner_of("linearity/extra") is None and reports.owner_of("evidence") is None
+    assert reports.owner_of("linearity/extra") is None and reports.owner_of("evidence/layer") is None
     linearity = groups["linearity"]
     with pytest.raises(StoreError, match="group 'linearity' has no variable 'unchanged'"):
         reports.owner_of("linearity").check(linearity.drop_vars("unchanged"))

@@ -28,13 +28,13 @@ from submerge.diagnostics.linearity.equations import (
     solve_alpha,
     task_gram,
 )
-from submerge.diagnostics.linearity.evidence import evidence
+from submerge.diagnostics.linearity.evidence import EVIDENCE, evidence
 from submerge.diagnostics.linearity.nonlinearity import LINEARITY, nonlinearity
 from submerge.diagnostics.linearity.projection import PROJECTION, projection
 from submerge.diagnostics.modules import GRANULARITIES
 
 __all__ = [
-    "ALPHA", "DEFAULT_CAPTURE_BUDGET", "GRANULARITIES", "LINEARITY", "PROJECTION", "AlphaSolution", "alpha",
+    "ALPHA", "DEFAULT_CAPTURE_BUDGET", "EVIDENCE", "GRANULARITIES", "LINEARITY", "PROJECTION", "AlphaSolution", "alpha",
     "alpha_system", "balance_denominator", "cosine_base", "cosine_merge", "evidence", "linearized_objective",
     "mean_std", "merge_objective", "nonlinearity", "nonlinearity_score", "nonlinearity_scores",
     "pairwise_task_cosine", "projection", "projection_distance", "projection_terms", "solve_alpha", "task_gram",

@@ -36,12 +36,14 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
+import pandas as pd
 import torch
 import xarray as xr
 
 from submerge.diagnostics.capture import DEFAULT_CAPTURE_BUDGET
 from submerge.diagnostics.errors import SubmergeError
 from submerge.diagnostics.execution import LocalEngine, RunSettings
+from submerge.diagnostics.groups import StoreGroup
 from submerge.diagnostics.linearity.equations import (
     alpha_system,
     balance_denominator,
@@ -300,6 +302,31 @@ def evidence(
                  "fold_objective[k] use α solved on the other folds, scored on fold k",
         "part": "block: unit layers.<layer>; any other part p: unit layers.<layer>.<p>",
         "fit_records": fewest, "balance": balance})
+
+
+# ------------------------------------------------------------------------------------ the store group
+
+
+def summary(dataset: xr.Dataset) -> pd.DataFrame:
+    """Per block: the held-out Eq. 10 objective of each candidate granularity, mean ± std over the folds (lower is
+    better; the plan's choice, with its one-standard-error rule, is `submerge.merge.plan.choose_by_evidence`'s)."""
+    objective = dataset.fold_objective
+    mean, std = objective.mean("fold").to_pandas(), objective.std("fold", ddof=1).to_pandas()
+    frame = pd.concat({"mean": mean, "std": std}, axis=1).swaplevel(0, 1, axis=1)
+    frame = frame[[(str(c), part) for c in dataset.candidate.values for part in ("mean", "std")]]
+    frame.index.name = "layer"
+    return frame
+
+
+EVIDENCE = StoreGroup(
+    name=GROUP,
+    dim="layer",
+    variables={"fold_objective": ("layer", "candidate", "fold"), "alpha": ("layer", "part", "task"),
+               "fold_alpha": ("layer", "part", "fold", "task")},
+    title="Evidence: held-out Eq. 10 objective per block and candidate granularity (mean ± std over folds, "
+          "lower is better)",
+    summary=summary,
+)
 
 
 # ------------------------------------------------------------------------------------ a plan's block objectives
