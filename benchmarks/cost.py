@@ -230,7 +230,7 @@ def category(function) -> str:
     path = path.replace("\\", "/")
     if "/diagnostics/store.py" in path or "/zarr/" in path or "/xarray/" in path or "/numcodecs/" in path:
         return "store writes"
-    if any(part in path for part in ("/diagnostics/models.py", "/safetensors/")) or (
+    if any(part in path for part in ("/diagnostics/checkpoints.py", "/diagnostics/task_vectors.py", "/diagnostics/placement.py", "/safetensors/")) or (
             "/diagnostics/capture.py" in path and name in ("variant", "deltas", "base_parameters", "upcast_buffers",
                                                            "changed", "clear", "upcast", "_placed", "_widened")):
         return "variant parameters"

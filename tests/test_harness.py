@@ -25,7 +25,7 @@ from submerge.diagnostics.harness import (
     accuracy_frame,
     model_in_memory,
 )
-from submerge.diagnostics.models import load_base_model
+from submerge.diagnostics.base_model import load_base_model
 from submerge.diagnostics.store import Store
 
 GENERATION = 12  # tokens per generation (bytes of the toy tokenizer)
