@@ -702,7 +702,7 @@ def test_cli_closed_form_is_the_plan_of_the_alpha_solved_on_the_same_data(kit, t
 
 
 def test_run_merge_needs_data_for_data_methods_and_one_of_plan_or_method(kit, tmp_path):
-    with pytest.raises(ValueError, match="either a plan or a method"):
+    with pytest.raises(ValueError, match="one of a plan, a mergekit recipe or a method"):
         run_merge(tmp_path / "x", base=kit.base, finetuned=kit.finetuned)
     with pytest.raises(MergeError, match="unknown merge method 'slerp'"):
         run_merge(tmp_path / "x", method="slerp", base=kit.base, finetuned=kit.finetuned)
