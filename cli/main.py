@@ -25,10 +25,11 @@ from submerge.diagnostics.checkpoints import local_path, open_checkpoint
 from submerge.diagnostics.data import parse_named
 from submerge.diagnostics.evaluate import EVAL, evaluate
 from submerge.diagnostics.harness import (
+    ACCURACY,
+    COMPARE_ACCURACY,
     HarnessError,
     HarnessSettings,
     accuracy,
-    accuracy_frame,
     parse_tasks,
     require_harness,
 )
@@ -382,8 +383,8 @@ def evaluate_command(
         scores = accuracy(base, models, named_data, harness, skip=skip, dtype=run.dtype,
                           compute_dtype=run.compute_dtype, device=run.device, allow_pickle=run.allow_pickle,
                           trust_remote_code=run.trust_remote_code, run=run.run_settings())
-        print_table(accuracy_frame(scores), "Task accuracy (lm-evaluation-harness)", out)
-        out.print(f"Wrote group [bold]accuracy[/] of {run.out}")
+        ACCURACY.print_summary(scores, out)
+        out.print(f"Wrote group [bold]{ACCURACY.name}[/] of {run.out}")
 
 
 def _harness_settings(tasks: str | None, allow_code_execution: bool, max_gen_toks: int | None, batch_size: int,
@@ -498,7 +499,10 @@ def compare(
                 + (" and task accuracy (lm-evaluation-harness)" if harness else "")
                 + (f", best mean {rank_by} first" if rank_by in ("gain", "accuracy") else f", best {rank_by} first"),
                 out)
-    out.print(f"Wrote group [bold]compare[/] of {run.out}" + (" and [bold]compare_accuracy[/]" if harness else "")
+    if harness is not None:  # the accuracy of every model, as `diag report` prints it again
+        COMPARE_ACCURACY.print_summary(Store(run.out).dataset(COMPARE_ACCURACY.name), out)
+    out.print(f"Wrote group [bold]compare[/] of {run.out}"
+              + (f" and [bold]{COMPARE_ACCURACY.name}[/]" if harness else "")
               + (f"; plan → {plan_out}" if plan_out else ""))
 
 

@@ -17,6 +17,7 @@ import pandas as pd
 
 from submerge.diagnostics.evaluate import EVAL
 from submerge.diagnostics.groups import StoreGroup, check_store, load_groups
+from submerge.diagnostics.harness import ACCURACY, COMPARE_ACCURACY
 from submerge.diagnostics.interference import INTERFERENCE
 from submerge.diagnostics.linearity import ALPHA, EVIDENCE, LINEARITY, PROJECTION
 from submerge.diagnostics.modules import GRANULARITIES
@@ -25,7 +26,8 @@ from submerge.diagnostics.tables import ordered
 from submerge.merge.compare import COMPARE
 
 #: Every group's owner, in report order. A new group (``evidence``, after ALPHA) adds its owner here.
-OWNERS: tuple[StoreGroup, ...] = (LINEARITY, PROJECTION, ALPHA, INTERFERENCE, EVAL, EVIDENCE, COMPARE)
+OWNERS: tuple[StoreGroup, ...] = (LINEARITY, PROJECTION, ALPHA, INTERFERENCE, EVAL, ACCURACY, EVIDENCE, COMPARE,
+                                   COMPARE_ACCURACY)
 
 
 def owner_of(path: str) -> StoreGroup | None:

@@ -16,6 +16,8 @@ indicators (what is computed, stored and shown) is the model.
 | ``eval`` | `submerge.diagnostics.evaluate.EVAL` | ``diag eval`` |
 | ``evidence`` | `submerge.diagnostics.linearity.evidence.EVIDENCE` | ``diag compare`` (its evidence step) |
 | ``compare`` | `submerge.merge.compare.COMPARE` | ``diag compare`` |
+| ``accuracy`` | `submerge.diagnostics.harness.ACCURACY` | ``diag eval --lm-eval`` |
+| ``compare_accuracy`` | `submerge.diagnostics.harness.COMPARE_ACCURACY` | ``diag compare --lm-eval`` |
 
 `submerge.cli.report.OWNERS` lists them in report order; a new group defines its `StoreGroup` in its driver module
 and adds it there.

@@ -7,7 +7,8 @@ tensors minus θ0), one model at a time, never saved to disk first; the base's o
 Results go into the store next to the loss, one unit per (model, task) so a killed run resumes after the last
 finished pair: group ``accuracy`` (``diag eval --lm-eval``) or ``compare_accuracy`` (``diag compare --lm-eval``),
 one row per (model, task, metric), with the harness version in the settings and each task's configuration in the
-provenance.
+provenance. This module owns both groups (`ACCURACY`, `COMPARE_ACCURACY`: one layout, one summary table — model ×
+task, each task's primary metric ± its standard error — and a bar figure).
 
 Tasks are the harness's own names (``gsm8k``, ``humaneval``, …: a user with hub access passes them as to
 ``lm_eval``; ``--samples`` limits each to its first N documents) or the demo kit's local tasks, which run offline
@@ -37,12 +38,14 @@ import pandas as pd
 import torch
 import xarray as xr
 
+from submerge.diagnostics import plot
 from submerge.diagnostics.base_model import BaseModel, load_base_model
 from submerge.diagnostics.checkpoints import open_checkpoint
 from submerge.diagnostics.demo import humaneval_tests
 from submerge.diagnostics.errors import SubmergeError
 from submerge.diagnostics.execution import RunSettings
 from submerge.diagnostics.experiment import check_device, pick_compute_dtype
+from submerge.diagnostics.groups import StoreGroup
 from submerge.diagnostics.progress import progress_bar
 from submerge.diagnostics.store import UnitWriter
 from submerge.diagnostics.task_vectors import TaskVectorReader
@@ -328,18 +331,81 @@ def primary_metrics(dataset: xr.Dataset) -> dict[str, str]:
     return chosen
 
 
-def accuracy_frame(dataset: xr.Dataset, metrics: dict[str, str] | None = None) -> pd.DataFrame:
+def accuracy_frame(dataset: xr.Dataset, metrics: dict[str, str] | None = None, variable: str = "value") -> pd.DataFrame:
     """Model × task table of each task's metric (default: `primary_metrics`), columns ``<task> <metric>``, models in
-    the order they were scored."""
+    the order they were scored (`variable`: ``"stderr"`` gives the metrics' standard errors)."""
     metrics = metrics or primary_metrics(dataset)
     models = list(dict.fromkeys(str(m) for m in dataset.model.values))
     frame = pd.DataFrame(index=pd.Index(models, name="model"))
     for task, key in metrics.items():
         metric, filter_name = key.split(",", 1)
         selected = ((dataset.task == task) & (dataset.metric == metric) & (dataset["filter"] == filter_name)).values
-        values = dict(zip((str(m) for m in dataset.model.values[selected]), dataset.value.values[selected]))
+        values = dict(zip((str(m) for m in dataset.model.values[selected]), dataset[variable].values[selected]))
         frame[f"{task} {metric}"] = [values.get(model, np.nan) for model in models]
     return frame
+
+
+def summary(dataset: xr.Dataset) -> pd.DataFrame:
+    """The groups' table: one row per model (in the order scored), per task its primary metric (`primary_metrics`)
+    ± its standard error over the documents; columns (``<task> <metric>``, ``"mean"`` / ``"stderr"``)."""
+    metrics = primary_metrics(dataset)
+    values, errors = accuracy_frame(dataset, metrics), accuracy_frame(dataset, metrics, "stderr")
+    frame = pd.concat({"mean": values, "stderr": errors}, axis=1).swaplevel(axis=1)
+    return frame[[(column, part) for column in values.columns for part in ("mean", "stderr")]]
+
+
+def _accuracy_bars(group: str) -> Callable:
+    def draw(dataset: xr.Dataset, about: str = ""):
+        """Each task's primary metric per model (grouped bars, one colour per task, ± its standard error)."""
+        if not dataset.sizes.get("result"):
+            return None
+        metrics = primary_metrics(dataset)
+        values, errors = accuracy_frame(dataset, metrics), accuracy_frame(dataset, metrics, "stderr")
+        models, columns = list(values.index), list(values.columns)
+        with plot.styled() as (plt, sns):
+            fig, ax = plt.subplots(figsize=(max(7.5, 0.45 * len(models) * len(columns) + 3.0), 4.8),
+                                   layout="constrained")
+            width, positions = 0.8 / len(columns), np.arange(len(models))
+            for index, (column, colour) in enumerate(zip(columns, sns.color_palette("colorblind", len(columns)))):
+                bars = ax.bar(positions + (index - (len(columns) - 1) / 2) * width, values[column].to_numpy(), width,
+                              yerr=np.nan_to_num(errors[column].to_numpy()), capsize=2, color=colour, label=column)
+                if len(models) * len(columns) <= 30:
+                    ax.bar_label(bars, fmt="%.2f", fontsize=8, padding=2)
+            if np.nanmin(values.to_numpy(dtype=float), initial=0.0) >= 0:
+                ax.set_ylim(bottom=0)
+            ax.set_xticks(positions, models)
+            ax.set_ylabel("metric (fraction of documents)\n± standard error")
+            plot.tilt_labels(ax, 25 if len(models) > 5 else 0)
+            ax.legend(title="task metric", loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
+            plot.title(fig, f"Task accuracy per model, lm-evaluation-harness (group {group})", about)
+        return fig
+
+    return draw
+
+
+_LAYOUT = {"value": ("result",), "stderr": ("result",), "documents": ("result",), "seconds": ("result",)}
+
+#: Owner of the group ``accuracy`` (`diag eval --lm-eval`, `accuracy`): one row per (model, task, metric, filter).
+ACCURACY = StoreGroup(
+    name="accuracy",
+    dim="result",
+    variables=_LAYOUT,
+    title="Task accuracy (lm-evaluation-harness): each task's metric ± its standard error, per model",
+    summary=summary,
+    figures={"accuracy": _accuracy_bars("accuracy")},
+)
+
+#: Owner of the group ``compare_accuracy`` (`diag compare --lm-eval`): the same layout and table, over the base, the
+#: fine-tunes and each merge of the comparison (its leaderboard joins them to the loss).
+COMPARE_ACCURACY = StoreGroup(
+    name="compare_accuracy",
+    dim="result",
+    variables=_LAYOUT,
+    title="Task accuracy (lm-evaluation-harness) of the base, the fine-tunes and each merge of diag compare: each "
+          "task's metric ± its standard error",
+    summary=summary,
+    figures={"compare_accuracy": _accuracy_bars("compare_accuracy")},
+)
 
 
 # ---------------------------------------------------------------------------------------------- diag eval --lm-eval
@@ -363,7 +429,7 @@ def accuracy(
     device: str = "auto",
     allow_pickle: bool = False,
     trust_remote_code: bool = False,
-    group: str = "accuracy",
+    group: str = ACCURACY.name,
     run: RunSettings | None = None,
     **run_options,
 ) -> xr.Dataset:
@@ -381,7 +447,7 @@ def accuracy(
     inputs = {"base_model": base.reader.fingerprint() | {"spec": base_spec}, "models": models,
               "data": data_provenance(settings.tasks, data)}
     writer = UnitWriter(run.store, group, {**settings.record(), "skip": skip, "compute_dtype": compute_dtype},
-                        dim="result", force=run.force, on_unit=run.on_unit, inputs=inputs, command=run.command)
+                        dim=ACCURACY.dim, force=run.force, on_unit=run.on_unit, inputs=inputs, command=run.command)
     with progress_bar(progress) as bar:
         job = bar.add_task("lm-eval", total=len(labels) * len(settings.tasks))
         runner = AccuracyRunner(base, settings, data, writer, skip=skip, compute=compute, allow_pickle=allow_pickle,

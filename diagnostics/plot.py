@@ -64,7 +64,7 @@ def describe(root_attrs: dict, dataset: xr.Dataset | None = None) -> str:
     if base is None and dataset is not None:
         base = ((dataset.attrs.get("provenance") or {}).get("base_model") or {}).get("spec")
     text = f"base: {_short_spec(base or '?')}"
-    if dataset is not None and "task" in dataset.coords:
+    if dataset is not None and "task" in dataset.dims:  # a group over fine-tunes (accuracy's task is a benchmark)
         text += " · fine-tunes: " + ", ".join(str(t) for t in dataset.task.values)
     return text
 

@@ -57,13 +57,14 @@ def _mean_std(mean, std) -> str:
 
 
 def _is_mean_std(columns: pd.Index) -> bool:
-    return isinstance(columns, pd.MultiIndex) and columns.nlevels == 2 and set(columns.get_level_values(1)) == {
-        "mean", "std"}
+    return isinstance(columns, pd.MultiIndex) and columns.nlevels == 2 and set(columns.get_level_values(1)) in (
+        {"mean", "std"}, {"mean", "stderr"})
 
 
 def render_table(frame: pd.DataFrame, title: str) -> Table:
     """`frame` as a rich Table: one column per index level, then the columns (numbers to 4 significant digits,
-    NaN as "—"); columns (key, "mean") and (key, "std") become one column "mean ± std" per key."""
+    NaN as "—"); columns (key, "mean") and (key, "std") (or (key, "stderr"): a standard error) become one column
+    "mean ± std" per key."""
     table = Table(title=title, title_justify="left")
     names = [name or "" for name in frame.index.names]
     for name in names:
@@ -71,10 +72,11 @@ def render_table(frame: pd.DataFrame, title: str) -> Table:
     index = [key if isinstance(key, tuple) else (key,) for key in frame.index]
     if _is_mean_std(frame.columns):
         keys = list(dict.fromkeys(frame.columns.get_level_values(0)))
+        spread = "std" if "std" in frame.columns.get_level_values(1) else "stderr"
         for key in keys:
             table.add_column(str(key), justify="right")
         for labels, (_, row) in zip(index, frame.iterrows()):
-            table.add_row(*map(str, labels), *[_mean_std(row[(key, "mean")], row[(key, "std")]) for key in keys])
+            table.add_row(*map(str, labels), *[_mean_std(row[(key, "mean")], row[(key, spread)]) for key in keys])
         return table
     for column in frame.columns:
         table.add_column(" ".join(map(str, column)) if isinstance(column, tuple) else str(column), justify="right")

@@ -65,7 +65,7 @@ from submerge.diagnostics.evaluate import checkpoint_source, scaled_source, stre
 from submerge.diagnostics.execution import RunSettings
 from submerge.diagnostics.experiment import Experiment
 from submerge.diagnostics.groups import StoreGroup
-from submerge.diagnostics.harness import AccuracyRunner, accuracy_frame
+from submerge.diagnostics.harness import COMPARE_ACCURACY, AccuracyRunner, accuracy_frame
 from submerge.diagnostics.outputs import (
     MERGE_MARKER,
     OutputError,
@@ -468,9 +468,9 @@ class _AccuracyScorer:
 
 def _accuracy_scorer(experiment, settings, data: dict[str, str], skip: int, *, store, force, command, progress,
                      allow_pickle) -> _AccuracyScorer:
-    writer = UnitWriter(store, "compare_accuracy", {**settings.record(), "skip": skip,
-                                                    "compute_dtype": str(experiment.compute_dtype)},
-                        dim="result", force=force, root=experiment.root_attrs(command),
+    writer = UnitWriter(store, COMPARE_ACCURACY.name, {**settings.record(), "skip": skip,
+                                                         "compute_dtype": str(experiment.compute_dtype)},
+                        dim=COMPARE_ACCURACY.dim, force=force, root=experiment.root_attrs(command),
                         attrs=experiment.group_attrs(command))
 
     def report(text: str) -> None:

@@ -16,8 +16,12 @@ import torch
 
 pytest.importorskip("lm_eval")
 
+from submerge.cli.report import summary_tables
 from submerge.diagnostics import toy
+from submerge.diagnostics.base_model import load_base_model
 from submerge.diagnostics.harness import (
+    ACCURACY,
+    COMPARE_ACCURACY,
     HarnessError,
     HarnessSettings,
     TaskFiles,
@@ -25,7 +29,6 @@ from submerge.diagnostics.harness import (
     accuracy_frame,
     model_in_memory,
 )
-from submerge.diagnostics.base_model import load_base_model
 from submerge.diagnostics.store import Store
 
 GENERATION = 12  # tokens per generation (bytes of the toy tokenizer)
@@ -252,3 +255,72 @@ def test_diag_eval_lm_eval_writes_the_accuracy_group(kit, tmp_path):
     assert stored.is_complete("eval") and stored.is_complete("accuracy") and stored.consolidation() == "current"
     scores = stored.dataset("accuracy")
     assert list(scores.model.values) == ["base", "math"] and (scores.documents.values == 2).all()
+    # the command's accuracy table is the one `diag report` prints (its owner ACCURACY), with its figure
+    title = ACCURACY.table_title(scores)
+    printed = title + result.stdout.split("Wrote group accuracy")[0].split(title)[1].rstrip("\n")
+    assert printed.count("\n") >= 5, printed  # a title, a header and two models
+    report = CliRunner().invoke(app, ["report", str(out), "--out", str(tmp_path / "figures")], env={"COLUMNS": "300"})
+    assert report.exit_code == 0, report.output
+    assert printed in report.stdout, (printed, report.stdout)
+    assert (tmp_path / "figures" / "accuracy.png").is_file() and (tmp_path / "figures" / "eval.png").is_file()
+    tables = summary_tables(out)
+    assert list(tables) == ["eval", "accuracy"]
+    assert tables["accuracy"][("demo_trivia exact_match", "mean")].tolist() == scores.value.values.tolist()
+
+
+def test_cli_compare_prints_the_accuracy_table_the_report_prints(kit, tmp_path):
+    """diag compare --lm-eval prints its leaderboard with the accuracy columns, then group compare_accuracy's table
+    (every model: the base, the fine-tunes, each merge), which `diag report` prints again."""
+    from typer.testing import CliRunner
+
+    from submerge.cli.main import app
+
+    records = [{"prompt": p, "completion": "x", "text": f"{p}7"} for p in PROMPTS[:4]]
+    data = {task: _write(tmp_path / f"{task}.jsonl", records) for task in ("math", "trivia")}
+    out = tmp_path / "compare.zarr"
+    arguments = ["compare", "--model", kit["base"], *[f"--finetuned={t}={p}" for t, p in kit["tuned"].items()],
+                 *[f"--data={t}={p}" for t, p in data.items()], "--methods", "task-arithmetic", "--fit", "2",
+                 "--samples", "2", "--max-tokens", "32", "--batch-size", "2", "--dtype", "float32", "--device", "cpu",
+                 "--no-progress", "--out", str(out), "--lm-eval", "demo_trivia", "--max-gen-toks", str(GENERATION),
+                 "--lm-eval-batch-size", "2", "--rank-by", "accuracy"]
+    result = CliRunner().invoke(app, arguments, env={"COLUMNS": "300"})
+    assert result.exit_code == 0, result.output
+    assert "Wrote group compare of" in result.output and "and compare_accuracy" in result.output
+    scores = Store(out).dataset("compare_accuracy")
+    title = COMPARE_ACCURACY.table_title(scores)
+    printed = title + result.stdout.split("Wrote group")[0].split(title)[1].rstrip("\n")
+    assert printed.count("\n") >= 7, printed  # a title, a header and four models
+    report = CliRunner().invoke(app, ["report", str(out), "--out", str(tmp_path / "figures")], env={"COLUMNS": "300"})
+    assert report.exit_code == 0, report.output
+    assert printed in report.stdout, (printed, report.stdout)
+    assert (tmp_path / "figures" / "compare_accuracy.png").is_file()
+    assert list(summary_tables(out))[-2:] == ["compare", "compare_accuracy"]
+
+
+def test_accuracy_table_known_answer():
+    """The groups' table: per model, each task's first metric ± its standard error; the figure draws it."""
+    import xarray as xr
+
+    rows = [("base", "t1", "exact_match", "none", 0.25, 0.1), ("base", "t1", "other", "none", 9.0, 1.0),
+            ("base", "t2", "pass@1", "f", 0.5, np.nan), ("m", "t1", "exact_match", "none", 0.75, 0.2),
+            ("m", "t1", "other", "none", 8.0, 1.0), ("m", "t2", "pass@1", "f", 1.0, 0.0)]
+    model, task, metric, filter_name, value, stderr = map(list, zip(*rows))
+    dataset = xr.Dataset({"value": ("result", value), "stderr": ("result", stderr),
+                          "documents": ("result", [4] * 6), "seconds": ("result", [1.0] * 6)},
+                         coords={"result": [" · ".join(r[:4]) for r in rows], "model": ("result", model),
+                                 "task": ("result", task), "metric": ("result", metric),
+                                 "filter": ("result", filter_name)})
+    table = ACCURACY.summary(dataset)
+    assert list(table.index) == ["base", "m"]
+    assert list(table.columns) == [("t1 exact_match", "mean"), ("t1 exact_match", "stderr"), ("t2 pass@1", "mean"),
+                                   ("t2 pass@1", "stderr")]
+    np.testing.assert_array_equal(table.to_numpy(), [[0.25, 0.1, 0.5, np.nan], [0.75, 0.2, 1.0, 0.0]])
+    from submerge.diagnostics.tables import render_table
+
+    rendered = render_table(table, "t")
+    assert [column.header for column in rendered.columns] == ["model", "t1 exact_match", "t2 pass@1"]
+    assert list(rendered.columns[1].cells) == ["0.25 ± 0.1", "0.75 ± 0.2"]
+    assert list(rendered.columns[2].cells) == ["0.5", "1 ± 0"]
+    figure = ACCURACY.figures["accuracy"](dataset, "base: x")
+    assert figure is not None and len(figure.axes[0].patches) == 4  # two models × two tasks
+    assert ACCURACY.figures["accuracy"](dataset.isel(result=[]), "") is None
