@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import nbformat
@@ -57,6 +59,16 @@ def test_notebook_runs(name, store_path, monkeypatch):
     errors = "".join(o.get("text", "") for o in _outputs(notebook, "stream") if o.get("name") == "stderr")
     assert "Warning" not in errors and "consolidated" not in errors, errors
     assert "note:" not in text
+
+
+def test_the_store_opens_the_readme_way_with_warnings_as_errors(store_path):
+    """`python -W error -c "import xarray as xr; xr.open_datatree(STORE, engine='zarr')"` exits 0: no warning at all
+    (consolidated metadata read, no deprecation) when a store is opened as the README and the notebooks do."""
+    code = (f"import xarray as xr; tree = xr.open_datatree({str(store_path)!r}, engine='zarr'); "
+            "print(len(tree.children))")
+    result = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and not result.stderr, result.stderr
+    assert int(result.stdout) == len(list(Store(store_path).open().children))
 
 
 def test_interference_notebook_without_the_group(store_path, tmp_path, monkeypatch):
