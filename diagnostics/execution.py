@@ -266,7 +266,10 @@ def connect(address: str, workers: int, gpus_per_worker: float = 0, timeout: flo
         raise EngineError(f"--ray needs Ray, which is not installed: {RAY_EXTRA}") from None
     started = not ray.is_initialized()
     if started and address == "auto":
-        ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False)
+        try:
+            ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False)
+        except Exception as exc:  # noqa: BLE001 — Ray raises a bare Exception when its node does not start in time
+            raise EngineError(f"could not start a local Ray instance (--ray auto): {exc}") from None
     elif started:
         _reachable(address, timeout)
         _join(ray, address, timeout)
