@@ -23,6 +23,7 @@ from submerge.cli.report import report as draw
 from submerge.diagnostics import demo
 from submerge.diagnostics.checkpoints import local_path, open_checkpoint
 from submerge.diagnostics.data import parse_named
+from submerge.diagnostics.errors import ModelInputError
 from submerge.diagnostics.evaluate import EVAL, evaluate
 from submerge.diagnostics.harness import (
     ACCURACY,
@@ -244,6 +245,13 @@ def check(
         for reader in task_vectors.values():
             for name in base.names():
                 reader.get(name)  # raises NonFiniteWeights naming the tensor and file
+    zero = [task for task, reader in task_vectors.items() if reader.is_zero_update(read=scan)]
+    for task in zero:
+        out.print(f"[bold red]zero update[/]: fine-tune '{task}' ({task_vectors[task].finetuned.path}) holds the "
+                  "base's weights (an untrained LoRA adapter's B is 0): it has no Non-linearity Score and no gain, "
+                  "and merging it only dilutes the others")
+    if zero:
+        raise typer.Exit(1)
     out.print(f"[green]ok[/]: {len(task_vectors)} fine-tune(s) match {model} ({len(base.names())} tensors)"
               + (", no NaN/Inf" if scan else ""))
     for task, info in report.items():
@@ -371,7 +379,12 @@ def evaluate_command(
     harness = _harness_settings(lm_eval, allow_code_execution, max_gen_toks, lm_eval_batch_size, samples,
                                 run.offload)
     base, named_finetuned, named_data = run.inputs()
-    models = {**named_finetuned, **parse_named(merged, "merged")}
+    named_merged = parse_named(merged, "merged")
+    for label in named_merged.keys() & (named_finetuned.keys() | {"base"}):
+        also = "is the base model's" if label == "base" else f"also names the fine-tune -f {label}={named_finetuned[label]}"
+        raise ModelInputError(f"--merged {label}={named_merged[label]}: the label {label!r} {also}; give the merged "
+                              "model another name")
+    models = {**named_finetuned, **named_merged}
     dataset = evaluate(base, models, named_data, skip=skip, samples=samples, max_tokens=run.max_tokens,
                        batch_size=run.batch_size, dtype=run.dtype, compute_dtype=run.compute_dtype, device=run.device,
                        offload=run.offload,

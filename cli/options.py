@@ -29,7 +29,7 @@ import typer
 from submerge.cli.common import ConfigOption, command_line, console, resolve_inputs
 from submerge.diagnostics.execution import LocalEngine, RayEngine, RunSettings
 from submerge.diagnostics.experiment import Experiment
-from submerge.diagnostics.store import Store
+from submerge.diagnostics.store import Store, check_store_path
 
 DEMO_SAMPLES, DEMO_MAX_TOKENS = 16, 256  # the README's demo command; no --model means the demo kit
 SAMPLES, MAX_TOKENS = 30, 512  # seed 002's 30 records; 512 tokens
@@ -173,6 +173,7 @@ class RunOptions:
     def run_settings(self, **settings) -> RunSettings:
         """The drivers' `RunSettings` of these options: the store at --out, --force, --progress, the command line,
         the capture budget and the engine."""
+        check_store_path(self.out)
         return RunSettings(store=Store(self.out), force=self.force, progress=self.progress, command=command_line(),
                            capture_budget=self.capture_bytes, engine=self.engine, **settings)
 

@@ -7,6 +7,7 @@ maps the model's parameter names to the checkpoint's tensor names.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from torch import nn
 
 from submerge.diagnostics.checkpoints import (
     CheckpointReader,
+    SafetensorsReader,
     gguf_file,
     load_gguf_model,
     load_pickle,
@@ -91,6 +93,7 @@ def load_base_model(
             config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
         except ValueError as exc:
             raise ModelInputError(f"{path}: {exc} (pass --trust-remote-code only if you trust this repository)") from exc
+        check_config_sizes(config, path)
         torch_dtype = pick_dtype(dtype, config)
         causal = any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in (config.architectures or []))
         auto = AutoModelForCausalLM if causal else AutoModel
@@ -148,6 +151,35 @@ def checkpoint_name_map(model: torch.nn.Module, reader: CheckpointReader) -> dic
     return mapping
 
 
+def check_config_sizes(config, directory: Path) -> None:
+    """Refuse a config.json whose sizes its safetensors checkpoint does not have (read from the headers only),
+    before a model is built from it: a hostile or mistaken ``num_hidden_layers: 100000`` would otherwise take
+    gigabytes and minutes to build before failing."""
+    if not list(directory.glob("*.safetensors")):
+        return
+    reader = SafetensorsReader(str(directory), directory)
+    names = reader.names()
+    blocks: dict[str, set[int]] = {}
+    for name in names:
+        match = re.match(r"(.*?)\.?(\d+)\.", name)
+        if match:
+            blocks.setdefault(match.group(1), set()).add(int(match.group(2)))
+    where = directory / "config.json"
+    layers = getattr(config, "num_hidden_layers", None)
+    if blocks and isinstance(layers, int):
+        prefix, indices = max(blocks.items(), key=lambda item: len(item[1]))
+        if layers > max(indices) + 1:
+            raise ModelInputError(f"{where} says {layers} blocks, the checkpoint holds {max(indices) + 1} under "
+                                  f"'{prefix}': refused before building the model")
+    dimensions = {size for name in names for size in reader.shape(name)}
+    for key in ("hidden_size", "intermediate_size", "n_inner"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0 and value not in dimensions:
+            raise ModelInputError(f"{where}: {key} = {value}, but no tensor of the checkpoint has a dimension of that "
+                                  "size: refused before building the model")
+    reader.release()
+
+
 def meta_model(path, *, trust_remote_code: bool = False, buffers: bool = True, dtype=None) -> nn.Module:
     """The model class of a checkpoint directory (or .gguf file) instantiated on the meta device.
 
@@ -165,6 +197,8 @@ def meta_model(path, *, trust_remote_code: bool = False, buffers: bool = True, d
         config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
     else:
         raise ModelInputError(f"{directory} has no config.json: cannot tell what its tensors are")
+    if path.suffix != ".gguf":
+        check_config_sizes(config, directory)
     causal = any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in (config.architectures or []))
     auto = AutoModelForCausalLM if causal else AutoModel
     with torch.device("meta") if buffers else init_empty_weights(include_buffers=False):

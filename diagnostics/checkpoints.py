@@ -18,7 +18,9 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import re
+import warnings
 from functools import cached_property
 from pathlib import Path
 
@@ -155,10 +157,10 @@ class SafetensorsReader(CheckpointReader):
         from safetensors import safe_open
 
         self.spec, self.path = spec, path
+        self._safe_open = safe_open
         index = path / "model.safetensors.index.json"
         if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            files = {name: path / file for name, file in weight_map.items()}
+            files = _shard_map(index)
         else:
             candidates = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
             candidates = [c for c in candidates if not c.name.startswith("adapter_model")]
@@ -166,19 +168,24 @@ class SafetensorsReader(CheckpointReader):
                 raise ModelInputError(f"no safetensors weights in {path}")
             files = {}
             for file in candidates:
-                with safe_open(file, framework="pt") as handle:
-                    for name in handle.keys():
-                        files[name] = file
+                for name in self._open(file).keys():  # noqa: SIM118 (a safetensors handle, not a dict)
+                    files[name] = file
         self._files = files
         self._handles: dict[Path, object] = {}
         for file in set(files.values()):
             if not file.exists():
                 raise ModelInputError(f"shard {file.name} listed in {index} is missing")
-        self._safe_open = safe_open
+
+    def _open(self, file: Path):
+        """`safe_open` of one file; a damaged header is a ModelInputError naming the file."""
+        try:
+            return self._safe_open(file, framework="pt")
+        except Exception as exc:  # noqa: BLE001 — SafetensorError, OSError: the library's types differ by version
+            raise ModelInputError(f"{file} is not a readable safetensors file: {exc}") from None
 
     def _handle(self, file: Path):
         if file not in self._handles:
-            self._handles[file] = self._safe_open(file, framework="pt")
+            self._handles[file] = self._open(file)
         return self._handles[file]
 
     def names(self) -> list[str]:
@@ -219,6 +226,9 @@ class SafetensorsReader(CheckpointReader):
             size = file.stat().st_size
             with open(file, "rb") as handle:
                 header_len = int.from_bytes(handle.read(8), "little")
+                if header_len > size - 8:
+                    raise ModelInputError(f"{file} is not a readable safetensors file: its header claims "
+                                          f"{header_len:,} bytes, the file has {size:,}")
                 digest.update(handle.read(header_len))
                 for offset in sorted({8 + header_len, max(0, size // 2 - sample // 2), max(0, size - sample)}):
                     handle.seek(offset)
@@ -228,6 +238,26 @@ class SafetensorsReader(CheckpointReader):
                 "content_hash": "sha256 of each file's header, three 1 MiB samples (start, middle, end) and size"}
         info.update(_hub_revision(self.path))
         return info
+
+
+def _shard_map(index: Path) -> dict[str, Path]:
+    """Tensor name → shard file of a ``model.safetensors.index.json``; every shard must be a file inside the
+    model folder (a hostile index could otherwise name ``../../etc/passwd``)."""
+    folder = index.parent
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        if not isinstance(weight_map, dict):
+            raise TypeError("'weight_map' is not a mapping")
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ModelInputError(f"{index} is not a safetensors index (a JSON object with a 'weight_map'): {exc}") from None
+    files = {}
+    for name, file in weight_map.items():
+        inside = os.path.normpath(str(file))  # lexically: hub snapshots' shards are links into ../../blobs
+        if not isinstance(file, str) or os.path.isabs(inside) or inside.split(os.sep)[0] in ("..", "."):
+            raise ModelInputError(f"{index}: tensor {name!r} is mapped to {file!r}, not a file inside {folder}: "
+                                  "refused")
+        files[name] = index.parent / file
+    return files
 
 
 class StateDictReader(CheckpointReader):
@@ -273,6 +303,7 @@ class LoraReader(CheckpointReader):
         if config.get("use_dora"):
             raise ModelInputError(f"{path}: DoRA adapters are not supported (use_dora=true)")
         self.config = config
+        self._check_config()
         weights = path / "adapter_model.safetensors"
         if weights.exists():
             from safetensors.torch import load_file
@@ -303,6 +334,58 @@ class LoraReader(CheckpointReader):
         for target, pair in self._lora.items():
             if set(pair) != {"A", "B"}:
                 raise ModelInputError(f"{weights}: LoRA pair for '{target}' is incomplete ({sorted(pair)})")
+            self._check_pair(weights, target, pair["A"], pair["B"])
+        self._check_base_name(base)
+
+    def _check_config(self) -> None:
+        """The ranks and alphas `_scale` divides by: finite numbers, ranks above 0."""
+        where = self.path / "adapter_config.json"
+        values = {"r": self.config.get("r", 8), "lora_alpha": self.config.get("lora_alpha", self.config.get("r", 8)),
+                  **{f"rank_pattern[{k!r}]": v for k, v in (self.config.get("rank_pattern") or {}).items()},
+                  **{f"alpha_pattern[{k!r}]": v for k, v in (self.config.get("alpha_pattern") or {}).items()}}
+        for key, value in values.items():
+            rank = key.startswith(("r", "rank_pattern"))
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or (
+                    rank and value <= 0):
+                need = "a finite number above 0" if rank else "a finite number"
+                raise ModelInputError(f"{where}: {key!r} is {value!r}; it must be {need}")
+
+    def _check_pair(self, weights: Path, target: str, a: torch.Tensor, b: torch.Tensor) -> None:
+        """B·A must be a matrix of the base tensor's shape (transposed with fan_in_fan_out)."""
+        expected = self.base.shape(target)
+        shape = (b.shape[0], a.shape[1]) if a.ndim == 2 and b.ndim == 2 else None
+        if self.config.get("fan_in_fan_out") and shape is not None:
+            shape = shape[::-1]
+        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1] or shape != tuple(expected):
+            raise CheckpointMismatch(f"{weights}: the LoRA pair for '{target}' does not fit: A is {tuple(a.shape)} and "
+                                     f"B {tuple(b.shape)} (B·A must be {tuple(expected)}, the base tensor's shape)")
+
+    def _check_base_name(self, base: CheckpointReader) -> None:
+        """Warn when adapter_config.json names a base model other than `base` (by path, hub id or folder name)."""
+        named = self.config.get("base_model_name_or_path")
+        if not named:
+            return
+        base_path = Path(base.path).resolve()
+        local = Path(str(named)).expanduser()
+        if local.exists() and local.resolve() == base_path:
+            return
+
+        def short(name) -> str:  # "org/Model-7B (notes)" → "model-7b"
+            return str(name).split(" (", 1)[0].rstrip("/").rsplit("/", 1)[-1].lower()
+
+        theirs = short(named)
+        ours = {short(name) for name in (base.spec, base_path.name, _hub_revision(base_path).get("hub_repo")) if name}
+        if theirs and any(theirs in name or name in theirs for name in ours):  # a local copy's folder: Model-7b-hf
+            return
+        warnings.warn(f"{self.path}: the adapter was trained on base model {named!r} (its adapter_config.json), not "
+                      f"on {base.spec!r}: its update may not mean what it meant there", UserWarning, stacklevel=2)
+
+    def is_zero_update(self) -> bool:
+        """Whether the adapter changes nothing (B = 0 or A = 0 in every pair — PEFT initialises B to 0 — and no
+        replaced tensor differs from the base)."""
+        return (all(not pair["A"].any() or not pair["B"].any() for pair in self._lora.values())
+                and all(torch.equal(tensor.float(), self.base.get(name, torch.float32))
+                        for name, tensor in self._replaced.items()))
 
     def _scale(self, target: str) -> float:
         module = target.rsplit(".", 1)[0]
@@ -419,6 +502,21 @@ def open_checkpoint(
             tensors.update(load_pickle(file, allow_pickle))
         return StateDictReader(spec, path, tensors)
     raise ModelInputError(f"no model weights found at {path} (expected safetensors, a .gguf file or a LoRA adapter)")
+
+
+def model_fingerprints(models: dict[str, str], base: CheckpointReader, *, allow_pickle: bool = False) -> dict:
+    """Label → fingerprint (content hash where the reader has one) of each model a command evaluates, so that a
+    model rewritten under the same path is a changed input of a resumed run, not the same one (issue 26)."""
+    fingerprints = {}
+    for label, spec in models.items():
+        path = local_path(spec, allow_pickle=allow_pickle, role=f"model '{label}'")
+        if path.is_dir() and ((path / "adapter_config.json").exists() or list(path.glob("*.safetensors"))):
+            fingerprints[label] = open_checkpoint(spec, base=base, allow_pickle=allow_pickle).fingerprint()
+        else:  # GGUF or pickled weights: path and size, without loading the whole model only to name it
+            files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())
+            fingerprints[label] = {"spec": spec, "path": str(path.resolve()),
+                                   "file_size": sum(file.stat().st_size for file in files)}
+    return fingerprints
 
 
 def gguf_file(path: Path) -> tuple[Path, str]:

@@ -34,3 +34,8 @@ class ArchitectureError(SubmergeError):
 
 class SelectionError(SubmergeError, ValueError):
     """A name or pattern that selects tensors (``--matrices``) matches nothing in the model."""
+
+
+class EngineError(SubmergeError):
+    """The engine cannot run (Ray missing or unreachable, too few CPUs or GPUs in the cluster, a bad count, a
+    worker that died or ran out of memory)."""

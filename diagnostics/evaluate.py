@@ -14,6 +14,7 @@ Owner of the store group ``eval`` (`EVAL`): its layout, its summary table and it
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -27,7 +28,7 @@ from torch.func import functional_call
 from submerge.diagnostics import plot
 from submerge.diagnostics.base_model import BaseModel, load_base_model
 from submerge.diagnostics.capture import ParameterSource, model_outputs, no_tf32, output_head_path, upcast
-from submerge.diagnostics.checkpoints import open_checkpoint
+from submerge.diagnostics.checkpoints import model_fingerprints, open_checkpoint
 from submerge.diagnostics.data import read_task_file, tokenize
 from submerge.diagnostics.errors import ModelInputError
 from submerge.diagnostics.execution import LocalEngine, RunSettings
@@ -150,6 +151,38 @@ class EvalTask:
         return EvalWorker(base, self.tasks, self.batches, self.compute, self.load["allow_pickle"])
 
 
+def learned_positions(model: torch.nn.Module) -> int | None:
+    """The number of positions of a model with learned position embeddings (GPT-2's 1,024), else None: a
+    longer record would index past the table (rotary models have no such bound)."""
+    names = ("wpe", "embed_positions", "position_embeddings")
+    if not any(isinstance(module, torch.nn.Embedding) and name.rsplit(".", 1)[-1] in names
+               for name, module in model.named_modules()):
+        return None
+    config = model.config
+    return getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+
+
+def check_scorable(data, batches, positions: int | None, max_tokens: int) -> None:
+    """Refuse a task whose loss cannot be computed (no record of two tokens or more: a next-token loss needs
+    two) or whose records are longer than the model's learned positions; warn about records too short to count."""
+    lengths = {int(index): int(length) for batch in batches
+               for index, length in zip(batch.sample_index, batch.attention_mask.sum(dim=1).tolist())}
+    short = [index for index, length in lengths.items() if length < 2]
+    where = f"task '{data.task}': "
+    if len(short) == len(lengths):
+        raise ModelInputError(f"{where}none of the {len(lengths)} held-out records of {data.path} has two tokens or "
+                              "more (a next-token loss needs at least two): give longer records or more of them")
+    if short:
+        warnings.warn(f"{where}{len(short)} of the {len(lengths)} held-out records of {data.path} have fewer than "
+                      f"two tokens (records {short[:10]}): they add nothing to the loss", UserWarning, stacklevel=3)
+    longest = max(lengths.values())
+    if positions is not None and longest > positions:
+        too_long = [index for index, length in lengths.items() if length > positions]
+        raise ModelInputError(f"{where}records {too_long[:10]} of {data.path} have more tokens than the {positions} "
+                              f"positions the model has learned (up to {longest} with --max-tokens {max_tokens}): "
+                              f"use --max-tokens {positions} or less")
+
+
 def _piece(label: str, spec: str, tasks: list[str], losses: list[float], counts: list[int]) -> xr.Dataset:
     """One store unit of `eval`: one model's loss, perplexity and token count per task."""
     return xr.Dataset(
@@ -203,6 +236,8 @@ def evaluate(
     batches = {
         task: tokenize(d, base.tokenizer, max_tokens=max_tokens, batch_size=batch_size) for task, d in task_data.items()
     }
+    for task, task_batches in batches.items():
+        check_scorable(task_data[task], task_batches, learned_positions(base.model), max_tokens)
     labels = ["base", *models]
     if len(set(labels)) != len(labels):
         raise ModelInputError(f"model labels must be unique (got {labels}); 'base' is reserved")
@@ -213,7 +248,7 @@ def evaluate(
     find_architecture(base.model)  # an architecture submerge cannot split fails here, before any work
     inputs = {
         "base_model": base.reader.fingerprint() | {"spec": base_spec},
-        "models": models,
+        "models": model_fingerprints(models, base.reader, allow_pickle=allow_pickle),
         "data": {t: d.provenance() for t, d in task_data.items()},
         "engine": run.engine.provenance(),  # provenance only: a run resumes across engines
     }

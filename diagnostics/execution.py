@@ -33,6 +33,7 @@ import os
 import platform
 import resource
 import sys
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -40,17 +41,13 @@ from typing import Protocol
 import torch
 
 from submerge.diagnostics.capture import DEFAULT_CAPTURE_BUDGET
-from submerge.diagnostics.errors import SubmergeError
-from submerge.diagnostics.pipeline import Pipeline
+from submerge.diagnostics.errors import EngineError, SubmergeError  # noqa: F401 (EngineError: re-exported)
+from submerge.diagnostics.pipeline import Pipeline, remote_error
 from submerge.diagnostics.replay import LocalLayers
 
 RAY_EXTRA = "pip install 'submerge[ray]' (or pip install 'ray>=2.9')"
 GROUP_ELEMENTS = 1 << 20  # a tensor this large is a group of its own; smaller ones are grouped up to it
 CONNECT_TIMEOUT = 60.0  # seconds to reach a Ray cluster before giving up with a message naming its address
-
-
-class EngineError(SubmergeError):
-    """The engine cannot run (Ray missing or unreachable, too few CPUs or GPUs in the cluster, a bad count)."""
 
 
 class WorkerTask(Protocol):
@@ -219,8 +216,8 @@ class RayEngine:
                 yield from _pool(actors).map(lambda actor, group: actor.run.remote(group), list(groups))
                 if self.report is not None:
                     self.report["workers"] = ray.get([actor.stats.remote() for actor in actors])
-            except ray.exceptions.RayTaskError as exc:
-                raise _unwrapped(exc) from None
+            except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as exc:
+                raise remote_error(exc) from None
             finally:
                 for actor in actors:
                     ray.kill(actor)
@@ -256,12 +253,6 @@ def _pool(actors: list):
     return ActorPool(actors)
 
 
-def _unwrapped(error: Exception) -> Exception:
-    """The project's own error inside a Ray task error (its message, not a remote traceback), else the error."""
-    cause = getattr(error, "cause", None)
-    return cause if isinstance(cause, SubmergeError) else error
-
-
 def connect(address: str, workers: int, gpus_per_worker: float = 0, timeout: float = CONNECT_TIMEOUT) -> bool:
     """Start (``"auto"``) or join (an address) Ray unless this process is connected already; True if we did.
 
@@ -275,13 +266,13 @@ def connect(address: str, workers: int, gpus_per_worker: float = 0, timeout: flo
         raise EngineError(f"--ray needs Ray, which is not installed: {RAY_EXTRA}") from None
     started = not ray.is_initialized()
     if started and address == "auto":
-        ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False)
+        try:
+            ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False)
+        except Exception as exc:  # noqa: BLE001 — Ray raises a bare Exception when its node does not start in time
+            raise EngineError(f"could not start a local Ray instance (--ray auto): {exc}") from None
     elif started:
         _reachable(address, timeout)
-        try:
-            ray.init(address=address, log_to_driver=False)
-        except (ConnectionError, RuntimeError, TimeoutError) as exc:
-            raise EngineError(f"could not join the Ray cluster at {address}: {exc}") from None
+        _join(ray, address, timeout)
     have = ray.cluster_resources()
     if have.get("CPU", 0) < workers or have.get("GPU", 0) < workers * gpus_per_worker:
         if started:
@@ -289,6 +280,29 @@ def connect(address: str, workers: int, gpus_per_worker: float = 0, timeout: flo
         raise EngineError(f"{workers} Ray workers need {workers} CPUs and {workers * gpus_per_worker:g} GPUs; the "
                           f"Ray cluster has {have.get('CPU', 0):g} CPUs and {have.get('GPU', 0):g} GPUs")
     return started
+
+
+def _join(ray, address: str, timeout: float) -> None:
+    """``ray.init(address)``, given up after `timeout` seconds: a port that accepts connections but is no Ray head
+    (a stopped head, another service) makes ``ray.init`` retry for ever. It runs in a daemon thread, which the
+    process leaves behind when it gives up."""
+    outcome: dict = {}
+
+    def join() -> None:
+        try:
+            ray.init(address=address, log_to_driver=False)
+            outcome["joined"] = True
+        except BaseException as exc:  # noqa: BLE001 — handed to the caller's thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=join, name="ray-init", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        raise EngineError(f"the Ray cluster at {address} accepted a connection but did not answer as Ray within "
+                          f"{timeout:g} s; is a Ray head (`ray start --head`) running at that port?")
+    if "error" in outcome:
+        raise EngineError(f"could not join the Ray cluster at {address}: {outcome['error']}") from None
 
 
 def _reachable(address: str, timeout: float) -> None:

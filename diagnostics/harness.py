@@ -40,7 +40,7 @@ import xarray as xr
 
 from submerge.diagnostics import plot
 from submerge.diagnostics.base_model import BaseModel, load_base_model
-from submerge.diagnostics.checkpoints import open_checkpoint
+from submerge.diagnostics.checkpoints import model_fingerprints, open_checkpoint
 from submerge.diagnostics.demo import humaneval_tests
 from submerge.diagnostics.errors import SubmergeError
 from submerge.diagnostics.execution import RunSettings
@@ -444,7 +444,7 @@ def accuracy(
     base = load_base_model(base_spec, dtype=dtype, device=device, allow_pickle=allow_pickle,
                            trust_remote_code=trust_remote_code)
     labels = {"base": None, **models}
-    inputs = {"base_model": base.reader.fingerprint() | {"spec": base_spec}, "models": models,
+    inputs = {"base_model": base.reader.fingerprint() | {"spec": base_spec}, "models": model_fingerprints(models, base.reader, allow_pickle=allow_pickle),
               "data": data_provenance(settings.tasks, data)}
     writer = UnitWriter(run.store, group, {**settings.record(), "skip": skip, "compute_dtype": compute_dtype},
                         dim=ACCURACY.dim, force=run.force, on_unit=run.on_unit, inputs=inputs, command=run.command)

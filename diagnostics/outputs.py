@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import os
 import tempfile
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 from submerge.diagnostics.errors import SubmergeError
+from submerge.diagnostics.faults import fault_point
 
 #: The file every merge directory holds (the plan or options used, provenance): it marks an earlier merge.
 MERGE_MARKER = "submerge_merge.yaml"
@@ -98,7 +100,12 @@ def file_starts_with(prefix: str) -> Callable[[Path], bool]:
 def replace_file(path: str | Path, text: str) -> Path:
     """Write `text` to `path` atomically: a temporary file beside it, renamed over it once complete."""
     path = Path(path)
+    fault_point("write", path, text.encode())
     path.parent.mkdir(parents=True, exist_ok=True)
+    for leftover in [*path.parent.glob(f".{path.name}.*.partial"), *path.parent.glob(f"{path.name}.*.partial")]:
+        warnings.warn(f"removing {leftover}: a write of {path} that was killed left it behind", UserWarning,
+                      stacklevel=2)
+        leftover.unlink(missing_ok=True)
     handle = tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=path.parent, prefix=f".{path.name}.",
                                          suffix=".partial", delete=False)
     try:
@@ -107,6 +114,10 @@ def replace_file(path: str | Path, text: str) -> Path:
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(handle.name, path)
+    except OSError as exc:  # a full disk, a quota, a file-size limit: the file is as it was
+        Path(handle.name).unlink(missing_ok=True)
+        raise OutputError(f"could not write {path} ({exc.strerror or exc}): it is left as it was; free space (or "
+                          "raise the limit) and run the same command again") from None
     except BaseException:
         Path(handle.name).unlink(missing_ok=True)
         raise

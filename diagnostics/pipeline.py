@@ -47,6 +47,7 @@ from submerge.diagnostics.capture import (
     record_inputs,
 )
 from submerge.diagnostics.checkpoints import checkpoint_spec, reopen_checkpoint
+from submerge.diagnostics.errors import EngineError, SubmergeError
 from submerge.diagnostics.modules import Submodule, find_architecture
 from submerge.diagnostics.placement import offload_to, offloads, pick_device, process_stats
 from submerge.diagnostics.replay import Unit, measure_layer, model_replayed, units_of
@@ -225,6 +226,10 @@ class Pipeline:
         finally:
             for actor in self.actors:
                 self.ray.kill(actor)
+        if isinstance(error, (self.ray.exceptions.RayTaskError, self.ray.exceptions.RayActorError)):
+            replaced = remote_error(error)
+            if replaced is not error:
+                raise replaced from None
 
     def submit(self, measure: Callable[[Unit], dict]) -> list[tuple[list[Submodule], object]]:
         """Every layer still to do, submitted to the worker that holds it: (its modules, a Ray reference)."""
@@ -249,3 +254,22 @@ class Pipeline:
             return model_replayed(self.ray.get(streams), experiment.batches[task], "cpu")
 
         return Unit(experiment.arch.backbone_path, modules, run, lambda task: True)
+
+
+def remote_error(error: Exception) -> Exception:
+    """What the user sees of a Ray worker's failure: the project's own error inside a task error (its message,
+    not a remote traceback); a worker that died (killed, its node lost) or ran out of memory as an `EngineError`
+    that says so and that the run resumes; any other error (a bug) as it is, with its traceback."""
+    import ray
+
+    cause = getattr(error, "cause", None)
+    if isinstance(cause, SubmergeError):
+        return cause
+    if isinstance(error, ray.exceptions.RayActorError) or isinstance(cause, ray.exceptions.RayActorError):
+        return EngineError(f"a Ray worker died ({type(error).__name__}: killed, or its node was lost) more often than "
+                           "its restarts allow; finished units are saved: run the same command again to resume")
+    memory = (torch.OutOfMemoryError, MemoryError, getattr(ray.exceptions, "OutOfMemoryError", MemoryError))
+    if isinstance(cause, memory) or isinstance(error, memory):
+        return EngineError(f"a Ray worker ran out of memory ({cause or error}); use fewer --workers per node, "
+                           "--offload, or a smaller --capture-budget, then run the same command to resume")
+    return error

@@ -62,17 +62,26 @@ from pathlib import Path
 import numpy as np
 import xarray as xr
 import zarr
+from packaging.version import InvalidVersion, Version
 from zarr.storage import LocalStore, MemoryStore
 
 from submerge.diagnostics.errors import StoreError
+from submerge.diagnostics.faults import FAULT_ENV, WRITE_LOG_ENV  # noqa: F401 (tests/test_store.py patches them here)
+from submerge.diagnostics.faults import counts as _fault_counts  # noqa: F401
+from submerge.diagnostics.faults import fault_point as _fault_point
 from submerge.diagnostics.placement import process_alive
-from submerge.diagnostics.provenance import identity_changes, input_identity, jsonable, run_attrs, settings_diff
+from submerge.diagnostics.provenance import (
+    identity_changes,
+    input_identity,
+    jsonable,
+    library_versions,
+    run_attrs,
+    settings_diff,
+)
 
 LOCK_NAME = ".submerge.lock"
 STRING_WIDTH = 64  # the least width of a stored string variable; longer strings widen it
 STORE_FORMAT = 2  # groups written with every chunk present and fixed-width strings
-FAULT_ENV = "SUBMERGE_FAULT_AT"  # "write:N[:kill|interrupt|nospace]" or "append:N[:...]" (tests/test_faults.py)
-WRITE_LOG_ENV = "SUBMERGE_WRITE_LOG"  # a file that gets one line per store write (tests count write points)
 
 
 @contextlib.contextmanager
@@ -87,46 +96,6 @@ def _quiet():
 
 
 # ---------------------------------------------------------------------------------------------- writes and faults
-
-_fault_counts = {"write": 0, "append": 0}
-
-
-def _fault_point(event: str, path: Path | None = None, data: bytes = b"") -> None:
-    """Test hook: count store writes; at the one named by $SUBMERGE_FAULT_AT, die, interrupt or run out of space.
-
-    ``write:N`` is the N-th file written (zarr chunks and metadata, group attrs), ``append:N`` the N-th
-    unit appended (after its arrays are written, before its row count is committed). Actions: ``kill``
-    (SIGKILL, leaving the half-written temporary file a real kill would), ``interrupt`` (SIGINT, as
-    Ctrl-C), ``nospace`` (the file-size limit drops below this write: the kernel refuses it, EFBIG),
-    ``stop`` (SIGSTOP: the writer pauses, still holding the store's lock).
-    """
-    log = os.environ.get(WRITE_LOG_ENV)
-    if log:
-        with open(log, "a") as handle:
-            handle.write(f"{event} {path or ''}\n")
-    spec = os.environ.get(FAULT_ENV)
-    if not spec:
-        return
-    _fault_counts[event] = _fault_counts.get(event, 0) + 1
-    kind, count, action = (spec.split(":") + ["kill"])[:3]
-    if kind != event or _fault_counts[event] != int(count):
-        return
-    if action == "kill":
-        if path is not None and data:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.with_name(f"{path.name}.{uuid.uuid4().hex}.partial").write_bytes(data[: len(data) // 2])
-        os.kill(os.getpid(), signal.SIGKILL)
-    elif action == "interrupt":
-        os.kill(os.getpid(), signal.SIGINT)
-    elif action == "stop":  # paused while holding the lock (a second writer must be refused meanwhile)
-        os.kill(os.getpid(), signal.SIGSTOP)
-    elif action == "nospace":
-        import resource
-
-        resource.setrlimit(resource.RLIMIT_FSIZE, (len(data) // 2, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
-    else:
-        raise ValueError(f"{FAULT_ENV}={spec!r}: the action must be kill, interrupt, nospace or stop")
-
 
 def _atomic_write(path: Path, data: bytes) -> None:
     """Write `path` as a whole or not at all: a temporary sibling, fsync, then os.replace."""
@@ -356,6 +325,48 @@ class GroupStatus:
         return f"{self.group}: complete ({self.units_done} units)"
 
 
+def check_store_path(path: str | Path, option: str = "--out") -> None:
+    """Refuse, before any work, a store path that is a file, a folder of other files (not a store) or not
+    writable; nothing there is touched."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise StoreError(f"{option} {path} is a file, not a store folder: choose another {option}")
+    leftovers = (LOCK_NAME, ".partial")  # what a store's killed first write leaves: not the user's files
+    others = [p for p in path.iterdir() if not p.name.startswith(leftovers[0]) and not p.name.endswith(leftovers[1])
+              ] if path.is_dir() else []
+    if others and not (path / "zarr.json").exists():
+        raise StoreError(f"{option} {path} is a folder of other files, not a store (no zarr.json): a store is "
+                         f"written into a new or empty folder or an earlier store; choose another {option}")
+    existing = next(parent for parent in (path, *path.absolute().parents) if parent.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise StoreError(f"{option} {path}: {existing} is not a writable folder")
+
+
+#: Group attrs a resumed run relies on: (key, check, what it must be).
+_CHECKED_ATTRS = (
+    ("units_done", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "a whole number >= 0"),
+    ("units_expected", lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0),
+     "a whole number >= 0 or null"),
+    ("complete", lambda v: isinstance(v, bool), "true or false"),
+    ("settings", lambda v: isinstance(v, dict), "a mapping"),
+    ("provenance", lambda v: isinstance(v, dict), "a mapping"),
+    ("store_format", lambda v: isinstance(v, int) and not isinstance(v, bool), "a whole number"),
+)
+
+
+def _warn_if_newer(provenance, what: str) -> None:
+    """Warn when `what` was written by a newer submerge than this one (its layout or meaning may differ)."""
+    theirs = (provenance or {}).get("toolkit_version") if isinstance(provenance, dict) else None
+    ours = library_versions()["submerge"]
+    try:
+        newer = theirs is not None and Version(str(theirs)) > Version(str(ours))
+    except InvalidVersion:
+        return
+    if newer:
+        warnings.warn(f"{what} was written by submerge {theirs}, newer than this {ours}: its layout or meaning may "
+                      "differ; upgrade submerge to read it safely", UserWarning, stacklevel=3)
+
+
 def _read_json(path: Path) -> dict:
     try:
         return json.loads(path.read_bytes())
@@ -467,6 +478,7 @@ class Store:
         state = self.group_status(group, decode=False)  # a deleted chunk file reads as NaN: say so instead
         if state.state == "corrupt":
             raise StoreError(f"store {self.path}: group '{group}' is damaged: {state.problem}")
+        _warn_if_newer(dataset.attrs.get("provenance"), f"group '{group}' of {self.path}")
         return _readable_strings(dataset)
 
     @property
@@ -474,8 +486,29 @@ class Store:
         return dict(_read_json(self.path / "zarr.json").get("attributes") or {}) if self.exists() else {}
 
     def group_attrs(self, group: str) -> dict:
-        """A group's attrs, read from its metadata file (settings, inputs, progress, provenance)."""
-        return dict(_read_json(self.path / group / "zarr.json").get("attributes") or {})
+        """A group's attrs, read from its metadata file (settings, inputs, progress, provenance); the attrs a
+        resumed run relies on are checked, so a hand-edited file is named instead of failing somewhere later."""
+        meta = self.path / group / "zarr.json"
+        attrs = _read_json(meta).get("attributes") or {}
+        if not isinstance(attrs, dict):
+            raise StoreError(f"{meta}: its attributes are {type(attrs).__name__}, not a mapping: the store was edited "
+                             "or damaged")
+        for key, valid, expected in _CHECKED_ATTRS:
+            if key in attrs and not valid(attrs[key]):
+                raise StoreError(f"{meta}: attr {key!r} is {attrs[key]!r}, not {expected}: the store was edited or "
+                                 f"damaged; recompute group '{group}' with --force (or use another --out)")
+        return dict(attrs)
+
+    def model_changes(self, group: str, inputs: dict) -> list[str]:
+        """How the models `group` was measured on (its provenance: base model and fine-tunes, by content hash)
+        differ from those of `inputs` (a run's fingerprints, or another group's ``provenance`` attr); [] when
+        they are the same. A command that reuses a group's numbers (α, interference, linearity) checks this."""
+        def models(identity: dict) -> dict:
+            return {key: value for key, value in identity.items() if key.startswith(("base model", "fine-tune "))}
+
+        old = models(input_identity(self.group_attrs(group).get("provenance") or {}))
+        new = models(input_identity(inputs or {}))
+        return identity_changes(old, new) if old and new else []
 
     def is_complete(self, group: str) -> bool:
         return self.has(group) and bool(self.group_attrs(group).get("complete"))

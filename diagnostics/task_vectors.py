@@ -80,6 +80,17 @@ class TaskVectorReader:
         self._check_finite(checkpoint_name, delta)
         return delta.to(dtype)
 
+    def is_zero_update(self, *, read: bool = False) -> bool:
+        """Whether τ = 0: a LoRA adapter whose every B (or A) is zero, a checkpoint whose content hash is the
+        base's, or (`read`: every tensor read) a checkpoint equal to the base tensor by tensor. Such a fine-tune
+        has no Non-linearity Score and no normalised gain (0/0)."""
+        if isinstance(self.finetuned, LoraReader):
+            return self.finetuned.is_zero_update()
+        digest = self.finetuned.fingerprint().get("content_sha256")
+        if digest is not None and digest == self.base.fingerprint().get("content_sha256"):
+            return True
+        return read and all(not self.get(name).any() for name in self.base.names())
+
     def _check_finite(self, checkpoint_name: str, delta: torch.Tensor, where: str = "") -> None:
         if not all_finite(delta):
             bad = (~torch.isfinite(delta)).sum().item()

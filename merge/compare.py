@@ -43,7 +43,10 @@ figure.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
+import os
+import re
 import shutil
 import tempfile
 import time
@@ -73,12 +76,21 @@ from submerge.diagnostics.outputs import (
     check_output_file,
     is_merge_output,
 )
+from submerge.diagnostics.placement import process_alive
 from submerge.diagnostics.progress import progress_bar
 from submerge.diagnostics.store import Store, UnitWriter
 from submerge.diagnostics.tables import long_frame, strings
 from submerge.diagnostics.tensors import TensorTable
 from submerge.merge.learned import LEARNED_METHODS, learn
-from submerge.merge.plan import Plan, PlanError, evidence_plan, is_plan_file, make_plan
+from submerge.merge.plan import (
+    LEVELS_OF,
+    Plan,
+    PlanError,
+    check_evidence_options,
+    evidence_plan,
+    is_plan_file,
+    make_plan,
+)
 from submerge.merge.recipe import Recipe, same_model
 from submerge.merge.rules import regmean_rule
 from submerge.merge.strategies import STRATEGIES
@@ -256,6 +268,30 @@ def prepare(experiment, finetuned: dict[str, str], methods: list[str], *, plan=N
     return merges, plan
 
 
+def _needs_evidence(methods: list[str], plan, choose: str) -> bool:
+    """Whether compare runs the evidence step (a closed form, or the plan chosen by evidence)."""
+    return bool([m for m in methods if m in CLOSED_FORM]) or (PLAN in methods and plan is None and choose == "evidence")
+
+
+def _refuse_other_models(store: Store | None, inputs: dict, methods: list[str], *, plan, choose: str) -> None:
+    """Refuse, before any group is written, a store whose α, linearity or interference compare would reuse but
+    that were measured on other models than `inputs`' (checked by content hash, not by task name)."""
+    if store is None or not store.exists():
+        return
+    reused = []
+    if PLAN in methods and plan is None and choose == "thresholds":
+        groups = ["linearity", "projection", *(f"alpha/{g}" for g in LEVELS_OF)]
+        reused = [(g, f"--choose thresholds: the store's group '{g}' was fitted on other models") for g in groups]
+    if _needs_evidence(methods, plan, choose):
+        reused.append(("interference", ("the store's 'interference' group (it steers the evidence) was measured "
+                                        "on other models")))
+    for group, what in reused:
+        changes = store.model_changes(group, inputs) if store.has(group) else []
+        if changes:
+            raise CompareError(f"{what} than these: {'; '.join(changes)}. Measure these models into another --out "
+                               "(or remove that group)")
+
+
 # ------------------------------------------------------------------ evaluating one model at a time
 
 
@@ -320,6 +356,17 @@ def _piece(label: str, kind: str, detail: str, losses: np.ndarray, references: d
     )
 
 
+def _warn_undefined_gain(references: dict, tasks: list[str]) -> None:
+    """Say which tasks have no normalised gain (NaN in every row) and why: their fine-tune does not improve on
+    the base (an update of zero, or one that does not help on these records)."""
+    for index, task in enumerate(tasks):
+        base, tuned = float(references["base"][index]), float(references[f"finetuned:{task}"][index])
+        if not base > tuned:
+            warnings.warn(f"task '{task}': its fine-tune does not improve on the base (held-out loss {tuned:.4f}, the "
+                          f"base's {base:.4f}), so every method's normalised gain on it is undefined (NaN) and the "
+                          "mean gain is over the other tasks", UserWarning, stacklevel=3)
+
+
 def _references(evaluator: _Evaluator, writer: UnitWriter, finetuned: dict[str, str], tasks: list[str]) -> dict:
     """Held-out losses of the base and of each fine-tune (from the store when a resumed run has them)."""
     labels = {"base": None, **{f"finetuned:{t}": spec for t, spec in finetuned.items()}}
@@ -380,6 +427,7 @@ def compare(
     """
 
     methods = check_methods(list(methods) if methods else default_methods())
+    plan_file, plan = plan, Plan.load(plan) if isinstance(plan, (str, Path)) else plan  # checked before any work
     loaded_recipes = load_recipes(recipes, base_spec, methods)
     methods += list(loaded_recipes)
     if lm_eval is not None and lm_eval.samples is None:  # the local tasks score compare's held-out records
@@ -391,15 +439,25 @@ def compare(
                                  batch_size=batch_size, dtype=dtype, device=device, offload=offload,
                                  allow_pickle=allow_pickle, vocab=vocab)
     tasks = experiment.tasks
+    if plan is not None:  # a given plan's units must be the model's, before any work
+        plan.check_units(TensorTable.from_model(experiment.base.model, experiment.base.checkpoint_names,
+                                                experiment.arch))
     held_data = {t: read_task_file(t, data[t], samples=samples, skip=skip) for t in tasks}
     held_out = {t: tokenize(d, experiment.base.tokenizer, max_tokens=max_tokens, batch_size=batch_size)
                 for t, d in held_data.items()}
     settings = {**experiment.settings, "fit": fit, "held_out_skip": skip, "held_out_samples": samples,
                 "methods": methods, "lambdas": [float(v) for v in lambdas], "choose": choose,
-                "plan": str(plan) if isinstance(plan, (str, Path)) else None,
+                "plan": str(plan_file) if isinstance(plan_file, (str, Path)) else None,
+                **({"plan_sha256": hashlib.sha256(Path(plan_file).read_bytes()).hexdigest()}  # an edited plan
+                   if isinstance(plan_file, (str, Path)) else {}),
                 "evidence": {k: (list(v) if isinstance(v, tuple) else v) for k, v in (evidence_options or {}).items()},
                 **({"recipes": {label: r.to_mergekit() for label, r in loaded_recipes.items()}} if recipes else {}),
                 **({"lm_eval": lm_eval.record()} if lm_eval is not None else {})}
+    _refuse_other_models(store, experiment.inputs, methods, plan=plan, choose=choose)
+    if _needs_evidence(methods, plan, choose):  # checked before the group exists: a refused run leaves none
+        check_evidence_options(experiment, evidence_options)
+    if not all(math.isfinite(float(value)) for value in lambdas):
+        raise CompareError(f"--lambdas must be finite numbers, got {list(lambdas)}")
     writer = UnitWriter(store, COMPARE.name, settings, dim=COMPARE.dim, force=force, on_unit=on_unit,
                         root=experiment.root_attrs(command),
                         attrs=experiment.group_attrs(command, held_out={t: d.provenance() for t, d in held_data.items()}))
@@ -417,6 +475,7 @@ def compare(
                       f"is not written: run with --force to recompute, or write a plan with `diag plan`")
     evaluator = _Evaluator(experiment, held_out, allow_pickle=allow_pickle)
     references = _references(evaluator, writer, finetuned, tasks)
+    _warn_undefined_gain(references, tasks)
     scorer = None if lm_eval is None else _accuracy_scorer(experiment, lm_eval, data, skip, store=store, force=force,
                                                            command=command, progress=progress, allow_pickle=allow_pickle)
     try:
@@ -515,12 +574,27 @@ def _check_outputs(pending: list[str], keep, plan_out, store: Store | None, forc
         check_output_file(plan_out, force, option="--plan-out", ours=is_plan_file, what="a submerge plan")
 
 
+SCRATCH_PREFIX = "submerge-compare-"  # + "<pid>-": a scratch folder names the process that owns it
+
+
+def _scratch_directory() -> Path:
+    """A new scratch folder for merges that are not kept; the folders of compares that were killed (their process
+    is gone) are removed first, with a warning naming each."""
+    for leftover in Path(tempfile.gettempdir()).glob(f"{SCRATCH_PREFIX}*"):
+        owner = re.match(rf"{re.escape(SCRATCH_PREFIX)}(\d+)-", leftover.name)
+        if owner and leftover.is_dir() and not process_alive(int(owner.group(1))):
+            warnings.warn(f"removing {leftover}: the merges a killed diag compare left behind", UserWarning,
+                          stacklevel=2)
+            shutil.rmtree(leftover, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-"))
+
+
 def _run_methods(pending, merges, evaluator, writer, references, base_spec, finetuned, *, lambdas, keep,
                  allow_pickle, vocab, progress, store=None, accuracy: Callable | None = None) -> dict:
     """Write, load, evaluate and (unless kept) delete each pending method's merge; returns notes for attrs."""
 
     notes = {}
-    scratch = Path(tempfile.mkdtemp(prefix="submerge-compare-"))
+    scratch = _scratch_directory()
     keep = Path(keep) if keep is not None else None
 
     def write(label: str, merge: Merge, kept: bool = True) -> Path:

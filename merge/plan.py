@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -37,15 +38,17 @@ from submerge.diagnostics.linearity.evidence import evidence as measure_evidence
 from submerge.diagnostics.modules import GRANULARITIES
 from submerge.diagnostics.outputs import check_output_file, file_starts_with, replace_file
 from submerge.diagnostics.provenance import provenance
+from submerge.diagnostics.safe_yaml import load_yaml
 from submerge.diagnostics.store import Store
 from submerge.diagnostics.tensors import TensorInfo, TensorTable
+from submerge.merge.plan_schema import PER_LAYER, unit_problems, validate_plan
 from submerge.merge.rules import ParameterRule, head_rule, mean_rule, weights_rule
 from submerge.merge.strategies import merge_parameter
 
 DEFAULT_NL_MAX = 0.5
 DEFAULT_PD_MAX = 0.2
 AUTO_ORDER = ("attn-mlp", "layer", "model")
-PER_LAYER = "per-layer"  # Plan.granularity of a plan whose blocks each have their own (evidence choice)
+# PER_LAYER ("per-layer"): Plan.granularity of a plan whose blocks each have their own (evidence choice)
 LEVELS_OF = GRANULARITIES
 
 
@@ -73,6 +76,8 @@ class Plan:
     layer_granularity: dict = field(default_factory=dict)
     # matrices merged by a method instead of α (interference steering): checkpoint name → {method, options, reason}
     matrix_rules: dict = field(default_factory=dict)
+    # "mean": units of the granularity without α get the mean task vector (else every unit must have α)
+    fallback: str | None = None
 
     def save(self, path: str | Path, *, force: bool = False, option: str = "--out") -> Path:
         """Write the plan (YAML, first line ``submerge_plan: 1``) atomically. An existing file is replaced only
@@ -83,16 +88,15 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
+        """Read a plan file safely (`submerge.diagnostics.safe_yaml`) and check it against the plan schema
+        (`submerge.merge.plan_schema`) before anything runs."""
         path = Path(path)
         if not path.exists():
             raise PlanError(f"plan file {path} not found")
-        content = yaml.safe_load(path.read_text()) or {}
-        if content.pop("submerge_plan", None) != 1:
+        document = load_yaml(path, what="plan file")
+        if not isinstance(document.data, dict) or document.data.get("submerge_plan") != 1:
             raise PlanError(f"{path} is not a submerge plan (no 'submerge_plan: 1')")
-        try:
-            plan = cls(**content)
-        except TypeError as exc:
-            raise PlanError(f"{path}: {exc}") from exc
+        plan = cls(**validate_plan(document))
         plan.base_model = _local_against(path.parent, plan.base_model)
         plan.finetuned = {t: _local_against(path.parent, spec) for t, spec in plan.finetuned.items()}
         return plan
@@ -113,7 +117,25 @@ class Plan:
             return self._head_rule(info, tasks)
         if unit is not None and unit in self.alpha:
             return weights_rule(self.alpha[unit])
+        if unit is not None and self.fallback == "mean":
+            return mean_rule(tasks)
         return self._rest_rule(tasks)
+
+    def check_units(self, table: TensorTable) -> None:
+        """Refuse a plan whose α units are not those of the model (`table`): a unit without α (unless
+        ``fallback: mean``) or α for a unit the model does not have."""
+        expected, blocks = set(), {info.layer for info in table if info.layer >= 0}
+        heads = self.attention.get("num_heads") or 0
+        for info in table:
+            granularity = self.granularity_of(info.layer)
+            unit = info.unit(granularity) if granularity is not None else None
+            if unit is not None and granularity == "head-mlp" and info.level == "attn":
+                expected.update(f"{unit}.head.{head}" for head in range(heads))
+            elif unit is not None:
+                expected.add(unit)
+        problems = unit_problems(self.alpha, expected, self.granularity, len(blocks), self.fallback)
+        if problems:
+            raise PlanError(f"the plan does not fit the base model {self.base_model}: {'; '.join(problems)}")
 
     def granularity_of(self, layer: int) -> str | None:
         """The granularity that merges block `layer` (None: outside the blocks of a per-layer plan)."""
@@ -223,7 +245,9 @@ def _level_stats(store: Store) -> dict[str, dict[str, float]]:
     if store.has("linearity"):
         linearity = store.dataset("linearity")
         for level in set(linearity.level.values.tolist()):
-            values = linearity.nonlinearity_score.where(linearity.level == level, drop=True).values
+            scores = linearity.nonlinearity_score.where(linearity.level == level, drop=True)
+            _warn_unscored(linearity, scores, str(level))
+            values = scores.values
             stats.setdefault(str(level), {})["nonlinearity_score"] = float(np.nanmean(values))
     if store.has("projection"):
         projection = store.dataset("projection")
@@ -231,6 +255,19 @@ def _level_stats(store: Store) -> dict[str, dict[str, float]]:
             values = projection.projection_distance.where(projection.level == level, drop=True).values
             stats.setdefault(str(level), {})["projection_distance"] = float(np.nanmean(values))
     return stats
+
+
+def _warn_unscored(linearity, scores, level: str) -> None:
+    """Warn about each task without one finite Non-linearity Score at `level` (its mean leaves it out)."""
+    for task in scores.task.values:
+        if np.isfinite(scores.sel(task=task).values).any():
+            continue
+        unchanged = "unchanged" in linearity and bool(
+            linearity.unchanged.sel(task=task).where(linearity.level == level, drop=True).all())
+        reason = ("its update leaves these modules' outputs unchanged (zero update)" if unchanged
+                  else "every score is NaN")
+        warnings.warn(f"linearity, level {level}: task {task} has no finite Non-linearity Score ({reason}); the "
+                      "level's mean is over the other tasks only", UserWarning, stacklevel=3)
 
 
 def choose_granularity(
@@ -295,12 +332,18 @@ def make_plan(
     if not alpha.attrs.get("complete", True):
         raise PlanError(f"alpha/{chosen} in {store_path} is incomplete; re-run diag alpha to finish it")
     origin = alpha.attrs.get("provenance", {})
+    for group in ("linearity", "projection"):  # the thresholds' figures must be of the models α was fitted on
+        changes = store.model_changes(group, origin) if store.has(group) else []
+        if changes:
+            raise PlanError(f"store {store_path}: group '{group}' was measured on other models than alpha/{chosen}: "
+                            f"{'; '.join(changes)}. Measure both on the same models (another --out)")
     tasks = [str(t) for t in alpha.task.values]
     finetuned = {t: (origin.get("finetuned", {}).get(t, {}) or {}).get("spec", t) for t in tasks}
     base_model = (store.attrs.get("base_model") or {}).get("spec") or origin.get("base_model", {}).get("spec")
     plan = plan_from_alpha(alpha, _absolute(base_model), {t: _absolute(s) for t, s in finetuned.items()}, rest=rest)
     plan.decision.update({"nl_max": nl_max, "pd_max": pd_max, "level_stats": stats, "reasons": reasons})
-    plan.provenance = provenance(command, store=str(store_path), store_settings=alpha.attrs.get("settings"))
+    plan.provenance = provenance(command, store=str(store_path), store_settings=alpha.attrs.get("settings"),
+                                 models={"base_model": origin.get("base_model"), "finetuned": origin.get("finetuned")})
     return plan
 
 
@@ -603,6 +646,31 @@ def candidate_merge(experiment, finetuned: dict[str, str], *, interference=None,
                                      "head_dim": arch.head_dim},
                           marks=interference_marks(interference, sti_max=sti_max, sar_min=sar_min),
                           steer_method=steer_method, sti_max=sti_max, sar_min=sar_min)
+
+
+def check_evidence_options(experiment, options: dict | None) -> None:
+    """The evidence step's settings (`evidence_plan`'s keywords), checked before any work: a compare that fails on
+    them later would leave its group behind."""
+    options = dict(options or {})
+    candidates = tuple(dict.fromkeys(options.get("candidates") or EVIDENCE_CANDIDATES))
+    for candidate in candidates:
+        try:
+            unit_names(candidate, 0, 1)
+        except SubmergeError as exc:
+            raise PlanError(f"--candidates: {exc}") from None
+    folds = options.get("folds", DEFAULT_FOLDS)
+    if not isinstance(folds, int) or folds < 2:
+        raise PlanError(f"--folds must be at least 2 (got {folds})")
+    fewest = min(len(data.texts) for data in experiment.data.values())
+    if fewest < folds:
+        raise PlanError(f"{folds}-fold cross-validation needs at least {folds} fit records per task; one task has "
+                        f"{fewest} (raise --fit or lower --folds)")
+    if options.get("steer_method", "tsv-m") not in STEER_METHODS:
+        raise PlanError(f"--steer: unknown steering method {options['steer_method']!r} (choose from "
+                        f"{', '.join(STEER_METHODS)})")
+    for key in ("sti_max", "sar_min", "tolerance"):
+        if key in options and not math.isfinite(float(options[key])):
+            raise PlanError(f"--{key.replace('_', '-')} must be a finite number, got {options[key]!r}")
 
 
 def evidence_plan(

@@ -25,13 +25,14 @@ from pathlib import Path
 import torch
 
 from submerge.diagnostics.capture import GramsByLayer
-from submerge.diagnostics.checkpoints import local_path
+from submerge.diagnostics.checkpoints import local_path, model_fingerprints, open_checkpoint
 from submerge.diagnostics.execution import Engine
 from submerge.diagnostics.experiment import Experiment
 from submerge.diagnostics.linearity import alpha
+from submerge.diagnostics.provenance import identity_changes, input_identity
 from submerge.diagnostics.tensors import TensorTable
 from submerge.merge.learned import LEARNED_METHODS, learn
-from submerge.merge.plan import Plan, plan_from_alpha
+from submerge.merge.plan import Plan, PlanError, plan_from_alpha
 from submerge.merge.recipe import Recipe
 from submerge.merge.rules import RuleFunction, checked_method, method_rule, regmean_rule
 from submerge.merge.strategies import STRATEGIES
@@ -102,9 +103,9 @@ def run_merge(
         out_dtype = the_recipe.output_dtype() if out_dtype is None else out_dtype
     dtype = parse_out_dtype(out_dtype)
     if plan is not None:
-
         the_plan = Plan.load(plan)
         base, finetuned = the_plan.base_model, the_plan.finetuned
+        _check_plan(the_plan, allow_pickle)
         setup = MergeSetup(the_plan.rule_for, {"plan": str(plan), "granularity": the_plan.granularity})
     _refuse_inputs(out_dir, base, finetuned, allow_pickle)
     check_output(out_dir, force)
@@ -140,6 +141,22 @@ def _refuse_inputs(out_dir: Path, base: str, finetuned: dict[str, str], allow_pi
         with contextlib.suppress(Exception):  # an input that cannot be resolved fails with its own message later
             inputs[what] = local_path(spec, allow_pickle=allow_pickle)
     check_not_an_input(out_dir, inputs)
+
+
+def _check_plan(plan: Plan, allow_pickle: bool) -> None:
+    """Before anything is written: the plan's α units fit the base model, and the models it names hold the
+    weights it was made for (`diag plan` records their content hashes; a retrained fine-tune is refused)."""
+    base_reader = open_checkpoint(plan.base_model, allow_pickle=allow_pickle, role="base model")
+    plan.check_units(TensorTable.from_reader(base_reader))
+    recorded = (plan.provenance or {}).get("models") or {}
+    if not recorded.get("finetuned"):
+        return
+    current = {"base_model": base_reader.fingerprint(),
+               "finetuned": model_fingerprints(plan.finetuned, base_reader, allow_pickle=allow_pickle)}
+    changes = identity_changes(input_identity(recorded), input_identity(current))
+    if changes:
+        raise PlanError(f"the plan was made for other weights than its models hold now: {'; '.join(changes)}. "
+                        "Measure α of these models again (diag alpha, then diag plan)")
 
 
 def recipe_setup(recipe: Recipe, *, allow_pickle: bool = False, path: str | Path | None = None) -> MergeSetup:

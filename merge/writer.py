@@ -27,6 +27,7 @@ import yaml
 
 from submerge.diagnostics.checkpoints import local_path, open_checkpoint
 from submerge.diagnostics.execution import Engine, LocalEngine
+from submerge.diagnostics.faults import fault_point
 from submerge.diagnostics.outputs import MERGE_MARKER, check_output_directory
 from submerge.diagnostics.placement import process_alive
 from submerge.diagnostics.progress import progress_bar
@@ -176,7 +177,9 @@ class ShardWriter:
                 self._open(self.weight_map[name])
             data = piece.detach().to("cpu").contiguous().reshape(-1)
             if data.numel():
-                self.file.write(data.view(torch.uint8).numpy().data)
+                payload = data.view(torch.uint8).numpy().data
+                fault_point("write", self._path(self.current), payload)
+                self.file.write(payload)
             rows += piece.shape[0] if piece.ndim else 1
         if rows != (shape[0] if shape else 1):
             raise MergeError(f"shard writer: '{name}' got {rows} rows, expected {tuple(shape)}")
@@ -188,8 +191,10 @@ class ShardWriter:
     def _open(self, shard: int) -> None:
         if self.file is not None:
             self.file.close()
+        header = _safetensors_header(self.shards[shard])
+        fault_point("write", self._path(shard), header)
         self.file, self.current = open(self._path(shard), "wb"), shard  # noqa: SIM115 (closed in _open / finish)
-        self.file.write(_safetensors_header(self.shards[shard]))
+        self.file.write(header)
 
     def finish(self) -> list[str]:
         """Close the last shard, give the shards their final names, write the index; returns the file names."""
@@ -210,7 +215,7 @@ class ShardWriter:
                 "metadata": {"total_size": sum((self.directory / n).stat().st_size for n in final_names)},
                 "weight_map": {name: final_names[shard] for name, shard in self.weight_map.items()},
             }
-            (self.directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+            write_file(self.directory / "model.safetensors.index.json", json.dumps(index, indent=2).encode())
         return final_names
 
 
@@ -286,11 +291,21 @@ def write_merge(
         shards.finish()
         _copy_model_files(base, staging, allow_pickle)
         _write_record(staging, record, used, base, task_vectors, report, engine.provenance())
+    except OSError as exc:  # a full disk, a quota, a file-size limit: nothing at out_dir has changed
+        shutil.rmtree(staging, ignore_errors=True)
+        raise MergeError(f"could not write the merge into {staging} ({exc.strerror or exc}): {out_dir} is left as "
+                         "it was; free space (or raise the limit) and run the same command again") from None
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     _replace(staging, out_dir)
     return out_dir
+
+
+def write_file(path: Path, data: bytes) -> None:
+    """Write one file of a merge's staging folder (a write point of the fault tests: `submerge.diagnostics.faults`)."""
+    fault_point("write", path, data)
+    path.write_bytes(data)
 
 
 def _written_dtype(stored: torch.dtype, out_dtype: torch.dtype | None) -> torch.dtype:
@@ -344,7 +359,7 @@ def _write_record(out_dir: Path, record: dict | None, used: dict[str, str], base
             engine=engine,
         ),
     }
-    (out_dir / MERGE_MARKER).write_text(yaml.safe_dump(content, sort_keys=False, allow_unicode=True))
+    write_file(out_dir / MERGE_MARKER, yaml.safe_dump(content, sort_keys=False, allow_unicode=True).encode())
 
 
 def _rule_summary(used: dict[str, str]) -> dict[str, list[str]]:
@@ -362,9 +377,9 @@ def _copy_model_files(base: str, out_dir: Path, allow_pickle: bool) -> None:
     directory = source if source.is_dir() else source.parent
     for name in _COPIED_FILES:
         if (directory / name).exists():
-            shutil.copy2(directory / name, out_dir / name)
+            write_file(out_dir / name, (directory / name).read_bytes())
     config = out_dir / "config.json"
     if config.exists():
         content = json.loads(config.read_text())
         content.pop("quantization_config", None)
-        config.write_text(json.dumps(content, indent=2))
+        write_file(config, json.dumps(content, indent=2).encode())

@@ -4,7 +4,7 @@ Also: a second concurrent writer is refused, and a re-run on changed inputs is r
 
 Each `diag` run is a real child process, forked from one helper process that imported torch, transformers
 and the toolkit once (a fresh interpreter per run would spend most of this file's time importing). The
-write point is picked with $SUBMERGE_FAULT_AT (see `submerge.diagnostics.store._fault_point`); the number of write
+write point is picked with $SUBMERGE_FAULT_AT (see `submerge.diagnostics.faults.fault_point`); the number of write
 points of each driver is counted from the reference run's $SUBMERGE_WRITE_LOG.
 
 The full matrix (every write point × kill / interrupt / no space × linearity, alpha, interference, evidence) runs
@@ -148,6 +148,14 @@ DRIVERS = {
     "evidence": ("evidence", lambda kit: ["compare", *_inputs(kit), "--methods", "plan", "--fit", "4", "--samples", "2",
                                           "--folds", "2", "--candidates", "layer,attn-mlp,head-mlp", "--max-tokens",
                                           "32", *COMMON]),
+    "projection": ("projection", lambda kit: ["projection", *_inputs(kit), "--samples", "4", "--max-tokens", "32",
+                                              "--levels", "model,layer,attn", "--alpha", "0,0.5,1", *COMMON]),
+    "eval": ("eval", lambda kit: ["eval", *_inputs(kit), "--skip", "2", "--samples", "2", "--max-tokens", "32",
+                                  "--merged", f"mean={kit['tuned']['math']}", *COMMON]),
+    # the merges compare evaluates are written (merge write points: shards, record, copied files) into its scratch
+    # folder, outside the store: a fault there must leave nothing behind that the resumed run trips over
+    "compare": ("compare", lambda kit: ["compare", *_inputs(kit), "--methods", "task-arithmetic,ties", "--fit", "2",
+                                        "--samples", "2", "--max-tokens", "32", *COMMON]),
 }
 
 
@@ -155,15 +163,20 @@ SHARED = {"evidence"}  # drivers whose command writes other groups too: their wr
 
 
 def _group_of(path: str, store: Path) -> str | None:
-    """The top-level group a written file belongs to (None: the store's root)."""
+    """The top-level group a written file belongs to (None: the store's root or a file outside the store)."""
+    if not Path(path).is_relative_to(store):
+        return None
     parts = Path(path).relative_to(store).parts
     return parts[0] if len(parts) > 1 else None
+
+
+TIMINGS = {"compare": {"seconds"}}  # wall-clock variables: measured again by a resumed run, never equal
 
 
 def _assert_same_store(path: Path, reference: Path, group: str) -> None:
     written, expected = Store(path).dataset(group), Store(reference).dataset(group)
     assert set(written.variables) == set(expected.variables)
-    for name in expected.variables:
+    for name in set(expected.variables) - TIMINGS.get(group, set()):
         a, b = written[name].values, expected[name].values
         assert a.dtype == b.dtype and a.shape == b.shape, name
         same = np.array_equal(a, b, equal_nan=True) if a.dtype.kind in "fc" else np.array_equal(a, b)
@@ -211,8 +224,8 @@ def _fault_then_resume(kit, diag, references, tmp_path, driver: str, action: str
     if action == "interrupt":
         assert "run the same command to resume" in output and "Traceback" not in output and "never retrieved" not in output
         assert not (out / ".submerge.lock").exists()  # released on the way out
-    if action == "nospace":
-        assert "could not write the store" in output and "File too large" in output and "Traceback" not in output
+    if action == "nospace":  # a store write, or (compare) a merge write into its scratch folder
+        assert "could not write the" in output and "File too large" in output and "Traceback" not in output
     if Store(out).exists():  # consolidated metadata, if any, describes the files as they are
         assert Store(out).consolidation() != "stale", f"write {point} ({group}'s {index}/{len(points)})"
     code, output = diag(*argv(kit), "--out", out)
@@ -221,7 +234,9 @@ def _fault_then_resume(kit, diag, references, tmp_path, driver: str, action: str
 
 
 QUICK = [("linearity", "interrupt", 0.75), ("linearity", "nospace", 0.3), ("alpha", "kill", 0.6),
-         ("interference", "kill", 0.4), ("evidence", "kill", 0.5), ("evidence", "interrupt", 0.9)]
+         ("interference", "kill", 0.4), ("evidence", "kill", 0.5), ("evidence", "interrupt", 0.9),
+         ("projection", "kill", 0.5), ("eval", "interrupt", 0.6), ("compare", "kill", 0.3),
+         ("compare", "nospace", 0.7)]
 
 
 @pytest.mark.parametrize(("driver", "action", "fraction"), QUICK, ids=[f"{d}-{a}-{f}" for d, a, f in QUICK])
@@ -239,6 +254,97 @@ def test_every_write_point(kit, diag, references, tmp_path, driver, action):
     offset = {"kill": 0, "interrupt": 1, "nospace": 2}[action] % stride
     for index in range(1 + offset, len(points) + 1, stride):
         _fault_then_resume(kit, diag, references, tmp_path, driver, action, index / len(points))
+
+
+# ------------------------------------------------------------------ commands that write files: merge, plan
+
+FILE_COMMANDS = {
+    "merge": lambda kit, references, out: ["merge", "--method", "ties", "--model", kit["base"],
+                                           "-f", f"math={kit['tuned']['math']}", "-f", f"code={kit['tuned']['code']}",
+                                           "--out", out, "--no-progress"],
+    "plan": lambda kit, references, out: ["plan", references["alpha"][0], "--out", out, "--granularity", "layer"],
+}
+
+
+def _without_provenance(text: str) -> dict:
+    import yaml
+
+    content = yaml.safe_load(text)
+    content.pop("provenance", None)
+    return content
+
+
+def _same_output(out: Path, reference: Path) -> None:
+    """A merge folder (every file byte for byte; the record but its provenance) or a plan file (but its
+    provenance) equal to the uninterrupted run's."""
+    if reference.is_file():
+        assert _without_provenance(out.read_text()) == _without_provenance(reference.read_text())
+        assert not list(out.parent.glob(f"*{out.name}.*.partial"))
+        return
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in reference.iterdir())
+    for file in reference.iterdir():
+        if file.name == "submerge_merge.yaml":
+            assert _without_provenance((out / file.name).read_text()) == _without_provenance(file.read_text())
+        else:
+            assert (out / file.name).read_bytes() == file.read_bytes(), file.name
+    assert not list(out.parent.glob(f"{out.name}.partial-*"))  # the killed run's staging folder was removed
+
+
+@pytest.fixture(scope="module")
+def file_references(kit, diag, references, tmp_path_factory):
+    """Per command: (its output in an uninterrupted run, its number of write points)."""
+    found = {}
+    for command, argv in FILE_COMMANDS.items():
+        root = tmp_path_factory.mktemp(f"ref_{command}")
+        out, log = root / ("plan.yaml" if command == "plan" else "merged"), root / "writes"
+        code, output = diag(*argv(kit, references, out), env={"SUBMERGE_WRITE_LOG": str(log)})
+        assert code == 0, output
+        found[command] = (out, sum(line.startswith("write") for line in log.read_text().splitlines()))
+    return found
+
+
+def _file_fault_then_rerun(kit, diag, references, file_references, tmp_path, command, action, point) -> None:
+    reference, _ = file_references[command]
+    out = tmp_path / f"{command}-{action}-{point}" / reference.name
+    code, output = diag(*FILE_COMMANDS[command](kit, references, out),
+                        env={"SUBMERGE_FAULT_AT": f"write:{point}:{action}"})
+    assert code == EXIT[action], f"{command}: write {point}: exit {code}\n{output}"
+    assert "Traceback" not in output
+    assert not out.exists()  # nothing half-written where the output goes
+    code, output = diag(*FILE_COMMANDS[command](kit, references, out))
+    assert code == 0, f"{command}: rerun after {action} at write {point}:\n{output}"
+    _same_output(out, reference)
+
+
+FILE_QUICK = [("merge", "kill", 0.5), ("merge", "nospace", 0.9), ("plan", "kill", 1.0), ("plan", "nospace", 1.0)]
+
+
+@pytest.mark.parametrize(("command", "action", "fraction"), FILE_QUICK, ids=[f"{c}-{a}-{f}" for c, a, f in FILE_QUICK])
+def test_file_fault_then_rerun_equals_uninterrupted_run(kit, diag, references, file_references, tmp_path, command,
+                                                        action, fraction):
+    points = file_references[command][1]
+    point = max(1, min(points, round(fraction * points)))
+    _file_fault_then_rerun(kit, diag, references, file_references, tmp_path, command, action, point)
+
+
+@pytest.mark.skipif(not os.environ.get("SUBMERGE_FAULT_MATRIX"),
+                    reason="long: set SUBMERGE_FAULT_MATRIX=N to fault every N-th write point (1: all)")
+@pytest.mark.parametrize("command", list(FILE_COMMANDS))
+@pytest.mark.parametrize("action", ["kill", "interrupt", "nospace"])
+def test_every_file_write_point(kit, diag, references, file_references, tmp_path, command, action):
+    stride = int(os.environ["SUBMERGE_FAULT_MATRIX"])
+    offset = {"kill": 0, "interrupt": 1, "nospace": 2}[action] % stride
+    for point in range(1 + offset, file_references[command][1] + 1, stride):
+        _file_fault_then_rerun(kit, diag, references, file_references, tmp_path, command, action, point)
+
+
+def test_write_points_per_command(references, file_references, capsys):
+    """The number of write points of each command (the full matrix faults each of them three ways)."""
+    counts = {**{driver: len(points) for driver, (_, points) in references.items()},
+              **{command: points for command, (_, points) in file_references.items()}}
+    with capsys.disabled():
+        print("\nwrite points per command:", json.dumps(counts))
+    assert all(count > 0 for count in counts.values()), counts
 
 
 def test_fault_in_a_consolidated_store(kit, diag, references, tmp_path):
