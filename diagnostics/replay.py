@@ -18,11 +18,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from torch.func import functional_call
 
 from submerge.diagnostics.capture import (
     CaptureState,
+    Recorded,
     Variant,
     head_output,
+    hooks,
     layer_chunks,
     model_outputs,
     record_inputs,
@@ -30,7 +33,7 @@ from submerge.diagnostics.capture import (
     replay_with_heads,
     sample_features,
 )
-from submerge.diagnostics.modules import Architecture, Submodule, find_submodules, get_module
+from submerge.diagnostics.modules import Architecture, Submodule, find_submodules, get_module, is_linear
 
 
 @dataclass
@@ -115,6 +118,159 @@ def replay_variants(source, arch, path: str, recorded, variants: Sequence[Varian
     return result
 
 
+@dataclass(frozen=True)
+class SharedMap:
+    """A linear map inside a replayed module whose input is the same at every point of a line θ0 + a·τ: the
+    module's own input (``norm`` None), or the output of a norm (``norm``: its local path) that the module's input
+    feeds. A norm is affine in its parameters, so its output is z0 + a·d and the map's output is a polynomial in a:
+
+        (W0 + aτ_W)(z0 + a·d) + b0 + aτ_b = [W0 z0 + b0] + a·[τ_W z0 + τ_b + W0 d] + a²·[τ_W d]
+
+    three products computed once per task instead of one per point (two when the norm is unchanged: d = 0)."""
+
+    name: str  # local path of the map in the module ("": the module itself is the map)
+    norm: str | None
+
+
+_SHARED_MAPS: dict[tuple, tuple[SharedMap, ...]] = {}
+
+
+def shared_maps(module: torch.nn.Module, recorded: Recorded) -> tuple[SharedMap, ...]:
+    """The `SharedMap`s of `module`, found once per module structure by one probing replay on `recorded`: a linear
+    map (called once) whose input is the module's input tensor itself, or the output of a norm (a leaf module whose
+    class name says Norm) whose input is."""
+    key = (type(module), tuple(name for name, _ in module.named_modules()))
+    if key not in _SHARED_MAPS:
+        _SHARED_MAPS[key] = _probe_shared_maps(module, recorded)
+    return _SHARED_MAPS[key]
+
+
+def _probe_shared_maps(module: torch.nn.Module, recorded: Recorded) -> tuple[SharedMap, ...]:
+    if is_linear(module):
+        return (SharedMap("", None),)
+    stream = recorded.args[0] if recorded.args else recorded.kwargs.get("hidden_states")
+    inputs: dict[str, list] = {}
+    outputs: dict[str, object] = {}
+    with hooks() as handles:
+        for name, sub in module.named_modules():
+            if name:
+                handles.append(sub.register_forward_pre_hook(
+                    lambda m, args, name=name: inputs.setdefault(name, []).append(args[0] if args else None)))
+                handles.append(sub.register_forward_hook(lambda m, args, out, name=name: outputs.setdefault(name, out)))
+        replay(module, recorded)
+    norms = [name for name, sub in module.named_modules() if name and not list(sub.children())
+             and "norm" in type(sub).__name__.lower() and inputs.get(name, [None])[0] is stream]
+    found = []
+    for name, sub in module.named_modules():
+        seen = inputs.get(name, [])
+        if not (name and is_linear(sub) and len(seen) == 1):
+            continue
+        if seen[0] is stream:
+            found.append(SharedMap(name, None))
+        else:
+            norm = next((n for n in norms if outputs[n] is seen[0]), None)
+            if norm is not None:
+                found.append(SharedMap(name, norm))
+    return tuple(found)
+
+
+def _local_parameters(module: torch.nn.Module, prefix: str) -> list[str]:
+    """The unit-local names of the parameters of the submodule at `prefix` ("" the module itself)."""
+    sub = module.get_submodule(prefix) if prefix else module
+    return [f"{prefix}.{name}" if prefix else name for name, _ in sub.named_parameters(remove_duplicate=False)]
+
+
+def _line_terms(source, module, path: str, task: str, shared: SharedMap, recorded: list[Recorded], compute):
+    """Per batch, the polynomial coefficients [P0, P1(, P2)] of `shared`'s output along the line θ0 + a·τ_task."""
+    base, sub = source.base_parameters(path), module.get_submodule(shared.name) if shared.name else module
+    names = _local_parameters(module, shared.name)
+    own = {n: base[n].to(device=source.device, dtype=compute) for n in names}
+    delta = {n: d.to(compute) for n, d in source.deltas(path, task, names).items()}
+    short = {n: n.removeprefix(f"{shared.name}.") if shared.name else n for n in names}
+
+    def apply(params: dict, x: torch.Tensor, zero_bias: bool = False) -> torch.Tensor:
+        local = {short[n]: (torch.zeros_like(v) if zero_bias and short[n] == "bias" else v) for n, v in params.items()}
+        return functional_call(sub, local, (x,), strict=False)
+
+    if shared.norm is not None:
+        norm, norm_names = module.get_submodule(shared.norm), _local_parameters(module, shared.norm)
+        norm_own = {n.removeprefix(f"{shared.norm}."): base[n].to(device=source.device, dtype=compute)
+                    for n in norm_names}
+        norm_delta = {n.removeprefix(f"{shared.norm}."): d.to(compute)
+                      for n, d in source.deltas(path, task, norm_names).items()}
+        norm_changed = any(bool(d.abs().max() > 0) for d in norm_delta.values() if d.numel())
+    terms = []
+    for rec in recorded:
+        x = rec.args[0] if rec.args else rec.kwargs["hidden_states"]
+        if shared.norm is None:
+            z0, d = x, None
+        else:
+            z0 = functional_call(norm, norm_own, (x,), strict=False)
+            d = None
+            if norm_changed:  # the norm's linear part: norm(x; θ0 + τ) − norm(x; θ0) = norm(x; τ) − norm(x; 0)
+                zero = {n: torch.zeros_like(v) for n, v in norm_delta.items()}
+                d = functional_call(norm, norm_delta, (x,), strict=False) - functional_call(norm, zero, (x,),
+                                                                                              strict=False)
+        p0, p1 = apply(own, z0), apply(delta, z0)
+        if d is None:
+            terms.append((p0, p1))
+        else:
+            terms.append((p0, p1 + apply(own, d, zero_bias=True), apply(delta, d, zero_bias=True)))
+    return terms
+
+
+def _at(terms: tuple, a: float) -> torch.Tensor:
+    """P0 + a·P1 (+ a²·P2)."""
+    value = terms[0] + a * terms[1]
+    return value + (a * a) * terms[2] if len(terms) > 2 else value
+
+
+def replay_line(source, arch, path: str, recorded, task: str, coefficients: Sequence[float], *,
+                heads: bool = False) -> Replayed:
+    """The module at `path` at the points θ0 + a·τ_task, a in `coefficients`, on every recorded batch: what
+    `replay_variants` gives for ``[{task: a} for a in coefficients]`` (up to rounding), computed with less.
+
+    - a = 0 is the output the capture kept (`Recorded.output`), where it kept one: no replay.
+    - The maps whose input every point shares (`shared_maps`: q/k/v of an attention or a block, gate/up of an
+      MLP, a linear module itself) are computed once per task as polynomials in a (`SharedMap`), and their output
+      at each point is formed from those terms; only the other parameters get a variant θ0 + aτ per point.
+    Heads (which need the output projection's input per variant) and joined paths replay plainly.
+    """
+    if heads or "+" in path:
+        return replay_variants(source, arch, path, recorded, [{task: a} for a in coefficients], heads=heads)
+    module = get_module(source.base.model, path)
+    recorded = [rec.upcast(source.dtype_for(path)) for rec in recorded]
+    result = Replayed([], [rec.token_mask for rec in recorded], [rec.sample_index for rec in recorded], arch=arch)
+    compute = source.dtype_for(path)
+    maps = shared_maps(module, recorded[0]) if recorded else ()
+    terms = {m.name: _line_terms(source, module, path, task, m, recorded, compute) for m in maps}
+    covered = {n for m in maps for n in _local_parameters(module, m.name)}
+    others = [n for n in source.base_parameters(path) if n not in covered]
+    for a in coefficients:
+        if a == 0 and all(rec.output is not None for rec in recorded):
+            result.outputs.append([rec.output for rec in recorded])
+        elif "" in terms:  # the module is itself a shared map
+            result.outputs.append([_at(t, a) for t in terms[""]])
+        else:
+            params = source.variant(path, {task: a}, others) if others else source.upcast_buffers(path)
+            result.outputs.append([_replayed_with(module, rec, params, {name: _at(t[b], a) for name, t in
+                                                                        terms.items()})
+                                   for b, rec in enumerate(recorded)])
+    return result
+
+
+def _replayed_with(module, rec: Recorded, params, fixed: dict[str, torch.Tensor]) -> torch.Tensor:
+    """`replay` of `module` with the submodules named in `fixed` returning the given outputs instead of computing."""
+    subs = [module.get_submodule(name) for name in fixed]
+    try:
+        for sub, value in zip(subs, fixed.values()):
+            sub.forward = lambda *args, value=value, **kwargs: value
+        return replay(module, rec, params or None)
+    finally:
+        for sub in subs:
+            sub.__dict__.pop("forward", None)
+
+
 def replay_model(source, arch, batches, variants: Sequence[Variant], *, output: str = "hidden") -> Replayed:
     """The whole network run block by block for each variant (`model_outputs`) on `batches`."""
     device = source.device
@@ -129,12 +285,24 @@ def model_replayed(outputs: list[list[torch.Tensor]], batches, device) -> Replay
 
 @dataclass
 class Unit:
-    """What one replay serves: a module path (or the whole model) and the modules measured on it."""
+    """What one replay serves: a module path (or the whole model) and the modules measured on it.
+
+    ``line(task, coefficients)``, where given, replays the points θ0 + a·τ_task of one task's line at once
+    (`replay_line`: shared maps computed once, a = 0 from the capture); it returns what ``run(task, [{task: a}
+    for a in coefficients])`` returns, up to rounding.
+    """
 
     path: str
     modules: list[Submodule]
     run: Callable[[str, Sequence[Variant | Given]], Replayed]  # (input task, variants) → replays on its inputs
     changed: Callable[[str], bool]  # whether task's fine-tune changes this unit's parameters
+    line: Callable[[str, Sequence[float]], Replayed] | None = None
+
+    def points(self, task: str, coefficients: Sequence[float]) -> Replayed:
+        """The replays of θ0 + a·τ_task for each a of `coefficients` (through `line` where the unit has one)."""
+        if self.line is not None:
+            return self.line(task, coefficients)
+        return self.run(task, [{task: a} for a in coefficients])
 
 
 @dataclass
@@ -192,7 +360,10 @@ def block_unit(source, arch, path: str, served: list[Submodule], recorded: dict)
     def run(task, variants):
         return replay_variants(source, arch, path, recorded[task][path], variants, heads=heads)
 
-    return Unit(path, served, run, lambda task: source.changed(path, task))
+    def line(task, coefficients):
+        return replay_line(source, arch, path, recorded[task][path], task, coefficients, heads=heads)
+
+    return Unit(path, served, run, lambda task: source.changed(path, task), line)
 
 
 def measure_layer(source, arch, modules: list[Submodule], recorded: dict,
@@ -249,7 +420,8 @@ class LocalLayers:
             describe(f"capturing layers {chunk[0]}–{chunk[-1]}")
             recorded = {task: record_inputs(experiment.base.model, experiment.arch, list(units_of(chunk_modules)),
                                             experiment.batches[task], device=experiment.device, state=states[task],
-                                            compute=self.source.compute_dtype)
+                                            compute=self.source.compute_dtype,
+                                            outputs=getattr(self.sweep, "capture_outputs", False))
                         for task in experiment.tasks}
             for layer in chunk:
                 if layer in by_layer:
