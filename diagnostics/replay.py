@@ -401,6 +401,7 @@ class LocalLayers:
 
     def __init__(self, sweep):
         self.sweep, self.experiment, self.source = sweep, sweep.experiment, sweep.source
+        self.model_base: dict[str, list[torch.Tensor]] = {}  # the model level's a = 0, kept by the last capture
 
     def layer_results(self, measure: Callable[[Unit], dict], describe) -> Iterator[tuple[list[Submodule], dict]]:
         """(modules, {module name: result}) per layer still to do, in layer order, measured here."""
@@ -408,9 +409,17 @@ class LocalLayers:
             yield layer_modules, measure_layer(self.source, self.experiment.arch, layer_modules, recorded, measure,
                                                describe)
 
+    def _final_path(self) -> str | None:
+        """The final norm, whose output on θ0 is the model level's point a = 0 when the capture can keep it (the
+        sweep keeps outputs, measures the model level, on the final hidden states)."""
+        sweep, arch = self.sweep, self.experiment.arch
+        wanted = (sweep.capture_outputs and sweep.model_output == "hidden"
+                  and any(m.level == "model" and sweep.label(m) not in sweep.writer.done for m in sweep.modules))
+        return arch.final_norm_path if wanted else None
+
     def _layers(self, describe) -> Iterator[tuple[list[Submodule], dict]]:
         """Per layer with modules not yet done: (those modules, recorded inputs by task and path)."""
-        experiment, by_layer = self.experiment, self.sweep.by_layer()
+        experiment, by_layer, final = self.experiment, self.sweep.by_layer(), self._final_path()
         chunks = layer_chunks(experiment.arch.num_layers, self.sweep.layer_bytes(), self.sweep.capture_budget)
         states = {task: CaptureState() for task in experiment.tasks}  # each chunk starts where the last stopped
         for chunk in chunks:
@@ -418,21 +427,33 @@ class LocalLayers:
             if not chunk_modules:
                 continue
             describe(f"capturing layers {chunk[0]}–{chunk[-1]}")
-            recorded = {task: record_inputs(experiment.base.model, experiment.arch, list(units_of(chunk_modules)),
+            paths = list(units_of(chunk_modules))
+            last = final is not None and chunk[-1] == experiment.arch.num_layers - 1  # the forward runs to its end
+            recorded = {task: record_inputs(experiment.base.model, experiment.arch, paths + [final] * last,
                                             experiment.batches[task], device=experiment.device, state=states[task],
-                                            compute=self.source.compute_dtype,
-                                            outputs=getattr(self.sweep, "capture_outputs", False))
+                                            compute=self.source.compute_dtype, outputs=self.sweep.capture_outputs)
                         for task in experiment.tasks}
+            if last:
+                self.model_base = {task: [rec.output for rec in recorded[task].pop(final)] for task in recorded}
             for layer in chunk:
                 if layer in by_layer:
                     yield by_layer[layer], recorded
             del recorded
 
     def model_unit(self, modules: list[Submodule]) -> Unit:
-        """The model level: the whole network replayed here, block by block, for the variants asked."""
+        """The model level: the whole network replayed here, block by block, for the variants asked (a line's
+        a = 0: the final hidden states the capture kept, where it kept them)."""
         experiment, output = self.experiment, self.sweep.model_output
 
         def run(task, variants):
             return replay_model(self.source, experiment.arch, experiment.batches[task], variants, output=output)
 
-        return Unit(experiment.arch.backbone_path, modules, run, lambda task: True)
+        def line(task, coefficients):
+            base = self.model_base.get(task)
+            replayed_at = [a for a in coefficients if a != 0 or base is None]
+            replayed = run(task, [{task: a} for a in replayed_at])
+            outputs = iter(replayed.outputs)
+            replayed.outputs = [base if a == 0 and base is not None else next(outputs) for a in coefficients]
+            return replayed
+
+        return Unit(experiment.arch.backbone_path, modules, run, lambda task: True, line)

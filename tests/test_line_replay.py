@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from submerge.diagnostics.capture import record_inputs
+from submerge.diagnostics.capture import model_outputs, record_inputs
 from submerge.diagnostics.linearity import nonlinearity
 from submerge.diagnostics.modules import find_submodules, get_module
 from submerge.diagnostics.replay import SharedMap, replay_line, replay_variants, shared_maps
@@ -66,3 +66,17 @@ def test_shared_maps_found_per_level(toy_kit):
     assert set(found["layer"]) == {SharedMap(f"self_attn.{p}", norm) for p in ("q_proj", "k_proj", "v_proj")}
     assert set(found["attn"]) == {SharedMap(p, None) for p in ("q_proj", "k_proj", "v_proj")}
     assert set(found["mlp"]) == {SharedMap(p, None) for p in ("gate_proj", "up_proj")}
+
+
+@pytest.mark.parametrize("architecture", ["llama", "gemma3", "gpt2"])
+def test_final_norm_output_kept_by_the_capture_is_the_base_forward(toy_kit, architecture):
+    """The model level's a = 0 (the final norm's output the capture keeps) is bitwise the block-by-block base
+    forward the model level replays."""
+    experiment = toy_kit(architecture).experiment()
+    arch, source, task = experiment.arch, experiment.parameter_source(), experiment.tasks[0]
+    batches = experiment.batches[task]
+    kept = record_inputs(experiment.base.model, arch, [arch.layer_path(0), arch.final_norm_path], batches,
+                         outputs=True, compute=source.compute_dtype)[arch.final_norm_path]
+    replayed = model_outputs(source, arch, batches, [{task: 0.0}])[0]
+    for rec, want in zip(kept, replayed):
+        assert torch.equal(rec.output, want)
