@@ -76,13 +76,13 @@ CATEGORIES = ("matmuls", "variant parameters", "capture", "module ops", "per-mod
 def load_kit(kit: str, samples: int, max_tokens: int, scratch: Path):
     """(Experiment, held-out batches for the evaluations, description) of a kit."""
     from submerge.diagnostics.data import read_task_file, tokenize
-    from submerge.diagnostics.demo import demo_adapters, demo_full_finetunes, ensure_demo_base, ensure_demo_data
+    from submerge.diagnostics.demo import demo_adapters, ensure_demo_base, ensure_demo_data
     from submerge.diagnostics.experiment import Experiment
 
     data = {task: str(path) for task, path in ensure_demo_data().items()}
     if kit in ("demo", "demo-full"):
         base = str(ensure_demo_base())
-        finetunes = demo_adapters() if kit == "demo" else demo_full_finetunes()
+        finetunes = demo_adapters() if kit == "demo" else _full_finetunes()
         dtype, about = "auto", f"SmolLM2-135M + {'LoRA adapters' if kit == 'demo' else 'full fine-tunes'}"
     else:
         layers = int(kit.removeprefix("slice"))
@@ -90,12 +90,28 @@ def load_kit(kit: str, samples: int, max_tokens: int, scratch: Path):
         base, finetunes = str(paths["base"]), {task: paths[task] for task in ("math", "code", "trivia")}
         dtype, about = "float16", f"Llama-2-7B-shaped slice, {layers} block(s), float16, dense fine-tunes"
     finetunes = {task: str(path) for task, path in finetunes.items()}
+    data = {task: data[task] for task in finetunes}
     experiment = Experiment.load(base, finetunes, data, samples=samples, max_tokens=max_tokens, dtype=dtype)
     held_out = {task: tokenize(read_task_file(task, path, samples=samples, skip=samples), experiment.base.tokenizer,
                                max_tokens=max_tokens) for task, path in data.items()}
     tokens = sum(int(b.attention_mask.sum()) for batches in experiment.batches.values() for b in batches)
     return experiment, held_out, f"{about}; {len(finetunes)} tasks × {samples} records × ≤ {max_tokens} tokens " \
                                  f"({tokens} real tokens)"
+
+
+def _full_finetunes() -> dict[str, Path]:
+    """The demo base's full fine-tunes that exist so far (`demo_full_finetunes` wants all three; they are trained
+    one after another), at least one."""
+    from submerge.diagnostics.demo import DemoKitUnavailable, demo_full_finetunes, full_finetunes_dir
+
+    try:
+        return demo_full_finetunes()
+    except DemoKitUnavailable:
+        found = {folder.name: folder for folder in sorted(full_finetunes_dir().iterdir())
+                 if (folder / "model.safetensors").is_file()} if full_finetunes_dir().is_dir() else {}
+        if not found:
+            raise
+        return found
 
 
 def _slice(layers: int, scratch: Path) -> dict[str, Path]:

@@ -24,6 +24,7 @@ from submerge.diagnostics.capture import (
     CaptureState,
     Recorded,
     Variant,
+    first_output,
     head_output,
     hooks,
     layer_chunks,
@@ -226,7 +227,7 @@ def _at(terms: tuple, a: float) -> torch.Tensor:
 
 
 def replay_line(source, arch, path: str, recorded, task: str, coefficients: Sequence[float], *,
-                heads: bool = False) -> Replayed:
+                heads: bool = False, keep: dict[str, dict] | None = None) -> Replayed:
     """The module at `path` at the points θ0 + a·τ_task, a in `coefficients`, on every recorded batch: what
     `replay_variants` gives for ``[{task: a} for a in coefficients]`` (up to rounding), computed with less.
 
@@ -235,6 +236,7 @@ def replay_line(source, arch, path: str, recorded, task: str, coefficients: Sequ
       MLP, a linear module itself) are computed once per task as polynomials in a (`SharedMap`), and their output
       at each point is formed from those terms; only the other parameters get a variant θ0 + aτ per point.
     Heads (which need the output projection's input per variant) and joined paths replay plainly.
+    ``keep``: {submodule's local name: {}}, filled with {a: its output per batch} for each point replayed here.
     """
     if heads or "+" in path:
         return replay_variants(source, arch, path, recorded, [{task: a} for a in coefficients], heads=heads)
@@ -253,19 +255,26 @@ def replay_line(source, arch, path: str, recorded, task: str, coefficients: Sequ
             result.outputs.append([_at(t, a) for t in terms[""]])
         else:
             params = source.variant(path, {task: a}, others) if others else source.upcast_buffers(path)
+            kept = {name: found.setdefault(a, []) for name, found in (keep or {}).items()}
             result.outputs.append([_replayed_with(module, rec, params, {name: _at(t[b], a) for name, t in
-                                                                        terms.items()})
+                                                                        terms.items()}, kept)
                                    for b, rec in enumerate(recorded)])
     return result
 
 
-def _replayed_with(module, rec: Recorded, params, fixed: dict[str, torch.Tensor]) -> torch.Tensor:
-    """`replay` of `module` with the submodules named in `fixed` returning the given outputs instead of computing."""
+def _replayed_with(module, rec: Recorded, params, fixed: dict[str, torch.Tensor],
+                   kept: dict[str, list] | None = None) -> torch.Tensor:
+    """`replay` of `module` with the submodules named in `fixed` returning the given outputs instead of computing,
+    and the outputs of those named in `kept` appended to its lists."""
     subs = [module.get_submodule(name) for name in fixed]
     try:
-        for sub, value in zip(subs, fixed.values()):
-            sub.forward = lambda *args, value=value, **kwargs: value
-        return replay(module, rec, params or None)
+        with hooks() as handles:
+            for name, found in (kept or {}).items():
+                handles.append(module.get_submodule(name).register_forward_hook(
+                    lambda m, args, out, found=found: found.append(first_output(out))))
+            for sub, value in zip(subs, fixed.values()):
+                sub.forward = lambda *args, value=value, **kwargs: value
+            return replay(module, rec, params or None)
     finally:
         for sub in subs:
             sub.__dict__.pop("forward", None)
@@ -353,17 +362,56 @@ def modules_for(experiment, levels: Sequence[str], layers: Sequence[int] | None 
     return modules
 
 
-def block_unit(source, arch, path: str, served: list[Submodule], recorded: dict) -> Unit:
-    """The `Unit` of the module at `path` (serving `served`) replayed on `recorded` ({task: {path: inputs}})."""
+def block_unit(source, arch, path: str, served: list[Submodule], recorded: dict,
+               from_block: dict | None = None) -> Unit:
+    """The `Unit` of the module at `path` (serving `served`) replayed on `recorded` ({task: {path: inputs}}).
+
+    ``from_block`` (one dict per layer, shared by its units): a block's line keeps its attention's outputs there
+    where they are the attention level's points (`attention_points_coincide`), and the attention's line takes them
+    instead of replaying."""
     heads = any(m.level == "head" for m in served)
+    layer = served[0].layer
+    attention = arch.attn_path(layer) if layer >= 0 else None
 
     def run(task, variants):
         return replay_variants(source, arch, path, recorded[task][path], variants, heads=heads)
 
     def line(task, coefficients):
-        return replay_line(source, arch, path, recorded[task][path], task, coefficients, heads=heads)
+        inputs = recorded[task][path]
+        if from_block is not None and not heads and path == attention and (task, tuple(coefficients)) in from_block:
+            return _attention_from_block(from_block.pop((task, tuple(coefficients))), inputs, coefficients, arch)
+        keep = None
+        if (from_block is not None and path == arch.layer_path(layer) and attention in recorded[task]
+                and attention_points_coincide(source, path, arch.attn_child, task, inputs)):
+            keep = {arch.attn_child: {}}
+        replayed = replay_line(source, arch, path, inputs, task, coefficients, heads=heads, keep=keep)
+        if keep is not None:
+            from_block[(task, tuple(coefficients))] = keep[arch.attn_child]
+        return replayed
 
     return Unit(path, served, run, lambda task: source.changed(path, task), line)
+
+
+def attention_points_coincide(source, block_path: str, attn_child: str, task: str, recorded: list[Recorded]) -> bool:
+    """Whether block `block_path`'s attention, at each point θ0 + a·τ_task of the block's line, is the attention
+    level's point a: its input is the attention's recorded input when the norm feeding it is unchanged by τ_task
+    (or there is none), so the block's replay computes the attention level's outputs on the way."""
+    if not recorded:
+        return False
+    module = get_module(source.base.model, block_path)
+    maps = [m for m in shared_maps(module, recorded[0].upcast(source.dtype_for(block_path)))
+            if m.name.startswith(f"{attn_child}.")]
+    norms = {m.norm for m in maps if m.norm is not None}
+    return bool(maps) and not any(bool(d.abs().max() > 0) for norm in norms
+                                  for d in source.deltas(block_path, task, _local_parameters(module, norm)).values()
+                                  if d.numel())
+
+
+def _attention_from_block(kept: dict[float, list], recorded: list[Recorded], coefficients, arch) -> Replayed:
+    """The attention level's `Replayed` from the outputs a block's line kept (a = 0: the attention's own capture)."""
+    result = Replayed([], [rec.token_mask for rec in recorded], [rec.sample_index for rec in recorded], arch=arch)
+    result.outputs = [kept[a] if a in kept else [rec.output for rec in recorded] for a in coefficients]
+    return result
 
 
 def measure_layer(source, arch, modules: list[Submodule], recorded: dict,
@@ -378,10 +426,10 @@ def measure_layer(source, arch, modules: list[Submodule], recorded: dict,
             return measure.function(Layer(modules[0].layer, units, source, arch))
         finally:
             source.clear()
-    results = {}
+    results, from_block = {}, {}
     for path, served in units_of(modules).items():
         describe(served[0].name)
-        results.update(measure(block_unit(source, arch, path, served, recorded)))
+        results.update(measure(block_unit(source, arch, path, served, recorded, from_block)))
         source.clear()
     return results
 

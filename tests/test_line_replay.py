@@ -80,3 +80,35 @@ def test_final_norm_output_kept_by_the_capture_is_the_base_forward(toy_kit, arch
     replayed = model_outputs(source, arch, batches, [{task: 0.0}])[0]
     for rec, want in zip(kept, replayed):
         assert torch.equal(rec.output, want)
+
+
+@pytest.mark.parametrize("architecture", ["llama", "bert"])
+def test_attention_points_come_from_the_block_replay_where_they_coincide(toy_kit, tmp_path, monkeypatch,
+                                                                         architecture):
+    """A fine-tune that leaves the block's input norm as it is (Llama: norms restored to the base's; BERT's
+    attention takes the block's input itself): the attention level's points are the block replay's, and score as
+    the plain replay does."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from submerge.diagnostics import replay as replay_module
+    from submerge.diagnostics.experiment import Experiment
+
+    kit = toy_kit(architecture)
+    base = load_file(str(kit.base_dir / "model.safetensors"))
+    tuned = load_file(str(kit.finetuned_dir / "model.safetensors"))
+    tuned = {name: base[name] if "norm" in name.lower() else value for name, value in tuned.items()}
+    folder = tmp_path / "norms_kept"
+    shutil.copytree(kit.finetuned_dir, folder)
+    save_file(tuned, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    experiment = Experiment.load(str(kit.base_dir), {"math": str(folder)}, {"math": str(kit.data_path)}, samples=4,
+                                 max_tokens=48, batch_size=2, dtype="float64", device="cpu")
+    taken = []
+    original = replay_module._attention_from_block
+    monkeypatch.setattr(replay_module, "_attention_from_block", lambda *args: taken.append(1) or original(*args))
+    shared = nonlinearity(experiment, levels=("layer", "attn", "mlp"), steps=6, progress=False)
+    assert len(taken) == experiment.arch.num_layers
+    plain = nonlinearity(experiment, levels=("layer", "attn", "mlp"), steps=6, progress=False, plain_replay=True)
+    np.testing.assert_allclose(shared.nonlinearity_score.values, plain.nonlinearity_score.values, rtol=1e-6,
+                               atol=1e-24)
