@@ -10,6 +10,8 @@ how the load moved during the run (the 1-minute load average is printed with the
 The commands, through their Python API on one loaded `Experiment`, each writing its store group (temporary store):
 
     linearity     nonlinearity(levels model, layer, attn, mlp; N = 10)          (diag linearity)
+    linearity-plain  the same with plain_replay=True: every point k = 0..N replayed on its own θ0 + (k/N)τ (the
+                  straightforward path, the arithmetic before the shared replay: its "before" in the same run)
     projection    projection(levels model, layer, attn, mlp; seed 002's α grids)  (diag projection)
     alpha         alpha(granularity attn-mlp)                                     (diag alpha)
     eval          held-out loss of the base, the T fine-tunes and their task-arithmetic merge, each θ0 + Σ c τ run
@@ -61,7 +63,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-COMMANDS = ("linearity", "projection", "alpha", "eval", "compare-eval")
+COMMANDS = ("linearity", "linearity-plain", "projection", "alpha", "eval", "compare-eval")
 LEVELS = ("model", "layer", "attn", "mlp")
 MATMULS = ("linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "scaled_dot_product_attention", "einsum")
 CATEGORIES = ("matmuls", "variant parameters", "capture", "module ops", "per-module Python", "features and metrics",
@@ -74,13 +76,13 @@ CATEGORIES = ("matmuls", "variant parameters", "capture", "module ops", "per-mod
 def load_kit(kit: str, samples: int, max_tokens: int, scratch: Path):
     """(Experiment, held-out batches for the evaluations, description) of a kit."""
     from submerge.diagnostics.data import read_task_file, tokenize
-    from submerge.diagnostics.demo import demo_adapters, demo_full_finetunes, ensure_demo_base, ensure_demo_data
+    from submerge.diagnostics.demo import demo_adapters, ensure_demo_base, ensure_demo_data
     from submerge.diagnostics.experiment import Experiment
 
     data = {task: str(path) for task, path in ensure_demo_data().items()}
     if kit in ("demo", "demo-full"):
         base = str(ensure_demo_base())
-        finetunes = demo_adapters() if kit == "demo" else demo_full_finetunes()
+        finetunes = demo_adapters() if kit == "demo" else _full_finetunes()
         dtype, about = "auto", f"SmolLM2-135M + {'LoRA adapters' if kit == 'demo' else 'full fine-tunes'}"
     else:
         layers = int(kit.removeprefix("slice"))
@@ -88,12 +90,28 @@ def load_kit(kit: str, samples: int, max_tokens: int, scratch: Path):
         base, finetunes = str(paths["base"]), {task: paths[task] for task in ("math", "code", "trivia")}
         dtype, about = "float16", f"Llama-2-7B-shaped slice, {layers} block(s), float16, dense fine-tunes"
     finetunes = {task: str(path) for task, path in finetunes.items()}
+    data = {task: data[task] for task in finetunes}
     experiment = Experiment.load(base, finetunes, data, samples=samples, max_tokens=max_tokens, dtype=dtype)
     held_out = {task: tokenize(read_task_file(task, path, samples=samples, skip=samples), experiment.base.tokenizer,
                                max_tokens=max_tokens) for task, path in data.items()}
     tokens = sum(int(b.attention_mask.sum()) for batches in experiment.batches.values() for b in batches)
     return experiment, held_out, f"{about}; {len(finetunes)} tasks × {samples} records × ≤ {max_tokens} tokens " \
                                  f"({tokens} real tokens)"
+
+
+def _full_finetunes() -> dict[str, Path]:
+    """The demo base's full fine-tunes that exist so far (`demo_full_finetunes` wants all three; they are trained
+    one after another), at least one."""
+    from submerge.diagnostics.demo import DemoKitUnavailable, demo_full_finetunes, full_finetunes_dir
+
+    try:
+        return demo_full_finetunes()
+    except DemoKitUnavailable:
+        found = {folder.name: folder for folder in sorted(full_finetunes_dir().iterdir())
+                 if (folder / "model.safetensors").is_file()} if full_finetunes_dir().is_dir() else {}
+        if not found:
+            raise
+        return found
 
 
 def _slice(layers: int, scratch: Path) -> dict[str, Path]:
@@ -136,8 +154,9 @@ def command_runner(name: str, experiment, held_out: dict, store_dir: Path, alpha
     store = Store(store_dir / "cost.zarr")
     tasks = experiment.tasks
     options = {"store": store, "force": True, "progress": False}
-    if name == "linearity":
-        return lambda: nonlinearity(experiment, levels=LEVELS, steps=10, **options)
+    if name in ("linearity", "linearity-plain"):
+        plain = name == "linearity-plain"
+        return lambda: nonlinearity(experiment, levels=LEVELS, steps=10, plain_replay=plain, **options)
     if name == "projection":
         return lambda: projection(experiment, levels=LEVELS, alphas=alphas, **options)
     if name == "alpha":
@@ -237,11 +256,15 @@ def category(function) -> str:
     if "/diagnostics/capture.py" in path and name in ("record_inputs", "_partial_forward", "register", "keep",
                                                       "_call_backbone", "block_kwargs", "_skipped_blocks"):
         return "capture"
+    if "/diagnostics/replay.py" in path and name == "_line_terms":
+        return "variant parameters"
     if "/diagnostics/linearity/" in path or ("/diagnostics/capture.py" in path and name == "sample_features") or \
+            ("/diagnostics/replay.py" in path and name in ("features", "per_sample", "sample_indices", "minus")) or \
             "/diagnostics/evaluate.py" in path and name in ("_summed_token_loss",):
         return "features and metrics"
     if any(part in path for part in ("/torch/nn/", "/transformers/", "/torch/_functorch/", "/torch/func",
-                                     "/torch/utils/hooks")) or "/diagnostics/capture.py" in path:
+                                     "/torch/utils/hooks")) or "/diagnostics/capture.py" in path or \
+            "/diagnostics/replay.py" in path:
         return "per-module Python"
     return "other"
 

@@ -55,10 +55,13 @@ class Recorded:
     kwargs: dict
     token_mask: torch.Tensor  # (batch, seq) bool, real tokens
     sample_index: list[int]
+    output: torch.Tensor | None = None  # the module's output on θ0, when the capture kept it (``outputs=True``)
 
     def upcast(self, dtype: torch.dtype) -> Recorded:
-        """These inputs with every floating tensor of lower precision than `dtype` in `dtype` (never rounded down)."""
-        return Recorded(upcast(self.args, dtype), upcast(self.kwargs, dtype), self.token_mask, self.sample_index)
+        """These inputs (and the kept output) with every floating tensor of lower precision than `dtype` in `dtype`
+        (never rounded down)."""
+        return Recorded(upcast(self.args, dtype), upcast(self.kwargs, dtype), self.token_mask, self.sample_index,
+                        upcast(self.output, dtype))
 
 
 def upcast(value, dtype: torch.dtype | None, device: torch.device | None = None):
@@ -274,13 +277,16 @@ def record_inputs(
     device: torch.device | str = "cpu",
     state: CaptureState | None = None,
     compute: torch.dtype | None = None,
+    outputs: bool = False,
 ) -> dict[str, list[Recorded]]:
     """Record the inputs of the modules at `paths` on every batch (one partial forward per batch).
 
     The forward stops after the last block that holds a requested module. With a `state` (one per list of
     batches), consecutive calls over deeper and deeper blocks continue from where the previous one stopped.
     With `compute` (e.g. float32 for a bfloat16 base), the forward runs in that dtype stage by stage and the
-    inputs are recorded in it.
+    inputs are recorded in it. With `outputs`, each module's output on θ0 is kept too (`Recorded.output`: the
+    point a = 0 of a replayed line, so it is never replayed; a joined path such as BERT's ``intermediate+output``
+    has no single module whose output to keep and gets none).
     """
     paths = list(dict.fromkeys(paths))
     recorded: dict[str, list[Recorded]] = {path: [] for path in paths}
@@ -292,6 +298,10 @@ def record_inputs(
                 recorded[path].append(Recorded(tuple(args), _clean_kwargs(kwargs), mask, batch.sample_index))
             handles.append(model.get_submodule(input_module_path(path)).register_forward_pre_hook(
                 hook, with_kwargs=True))
+            if outputs and "+" not in path:
+                def keep(module, args, output, path=path):
+                    recorded[path][-1].output = first_output(output)
+                handles.append(model.get_submodule(path).register_forward_hook(keep))
 
     _partial_forward(model, arch, batches, device, max(layers, default=-1), min(layers, default=-1), register, state,
                      compute)

@@ -18,11 +18,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from torch.func import functional_call
 
 from submerge.diagnostics.capture import (
     CaptureState,
+    Recorded,
     Variant,
+    first_output,
     head_output,
+    hooks,
     layer_chunks,
     model_outputs,
     record_inputs,
@@ -30,7 +34,7 @@ from submerge.diagnostics.capture import (
     replay_with_heads,
     sample_features,
 )
-from submerge.diagnostics.modules import Architecture, Submodule, find_submodules, get_module
+from submerge.diagnostics.modules import Architecture, Submodule, find_submodules, get_module, is_linear
 
 
 @dataclass
@@ -115,6 +119,167 @@ def replay_variants(source, arch, path: str, recorded, variants: Sequence[Varian
     return result
 
 
+@dataclass(frozen=True)
+class SharedMap:
+    """A linear map inside a replayed module whose input is the same at every point of a line θ0 + a·τ: the
+    module's own input (``norm`` None), or the output of a norm (``norm``: its local path) that the module's input
+    feeds. A norm is affine in its parameters, so its output is z0 + a·d and the map's output is a polynomial in a:
+
+        (W0 + aτ_W)(z0 + a·d) + b0 + aτ_b = [W0 z0 + b0] + a·[τ_W z0 + τ_b + W0 d] + a²·[τ_W d]
+
+    three products computed once per task instead of one per point (two when the norm is unchanged: d = 0)."""
+
+    name: str  # local path of the map in the module ("": the module itself is the map)
+    norm: str | None
+
+
+_SHARED_MAPS: dict[tuple, tuple[SharedMap, ...]] = {}
+
+
+def shared_maps(module: torch.nn.Module, recorded: Recorded) -> tuple[SharedMap, ...]:
+    """The `SharedMap`s of `module`, found once per module structure by one probing replay on `recorded`: a linear
+    map (called once) whose input is the module's input tensor itself, or the output of a norm (a leaf module whose
+    class name says Norm) whose input is."""
+    key = (type(module), tuple(name for name, _ in module.named_modules()))
+    if key not in _SHARED_MAPS:
+        _SHARED_MAPS[key] = _probe_shared_maps(module, recorded)
+    return _SHARED_MAPS[key]
+
+
+def _probe_shared_maps(module: torch.nn.Module, recorded: Recorded) -> tuple[SharedMap, ...]:
+    if is_linear(module):
+        return (SharedMap("", None),)
+    stream = recorded.args[0] if recorded.args else recorded.kwargs.get("hidden_states")
+    inputs: dict[str, list] = {}
+    outputs: dict[str, object] = {}
+    with hooks() as handles:
+        for name, sub in module.named_modules():
+            if name:
+                handles.append(sub.register_forward_pre_hook(
+                    lambda m, args, name=name: inputs.setdefault(name, []).append(args[0] if args else None)))
+                handles.append(sub.register_forward_hook(lambda m, args, out, name=name: outputs.setdefault(name, out)))
+        replay(module, recorded)
+    norms = [name for name, sub in module.named_modules() if name and not list(sub.children())
+             and "norm" in type(sub).__name__.lower() and inputs.get(name, [None])[0] is stream]
+    found = []
+    for name, sub in module.named_modules():
+        seen = inputs.get(name, [])
+        if not (name and is_linear(sub) and len(seen) == 1):
+            continue
+        if seen[0] is stream:
+            found.append(SharedMap(name, None))
+        else:
+            norm = next((n for n in norms if outputs[n] is seen[0]), None)
+            if norm is not None:
+                found.append(SharedMap(name, norm))
+    return tuple(found)
+
+
+def _local_parameters(module: torch.nn.Module, prefix: str) -> list[str]:
+    """The unit-local names of the parameters of the submodule at `prefix` ("" the module itself)."""
+    sub = module.get_submodule(prefix) if prefix else module
+    return [f"{prefix}.{name}" if prefix else name for name, _ in sub.named_parameters(remove_duplicate=False)]
+
+
+def _line_terms(source, module, path: str, task: str, shared: SharedMap, recorded: list[Recorded], compute):
+    """Per batch, the polynomial coefficients [P0, P1(, P2)] of `shared`'s output along the line θ0 + a·τ_task."""
+    base, sub = source.base_parameters(path), module.get_submodule(shared.name) if shared.name else module
+    names = _local_parameters(module, shared.name)
+    own = {n: base[n].to(device=source.device, dtype=compute) for n in names}
+    delta = {n: d.to(compute) for n, d in source.deltas(path, task, names).items()}
+    short = {n: n.removeprefix(f"{shared.name}.") if shared.name else n for n in names}
+
+    def apply(params: dict, x: torch.Tensor, zero_bias: bool = False) -> torch.Tensor:
+        local = {short[n]: (torch.zeros_like(v) if zero_bias and short[n] == "bias" else v) for n, v in params.items()}
+        return functional_call(sub, local, (x,), strict=False)
+
+    if shared.norm is not None:
+        norm, norm_names = module.get_submodule(shared.norm), _local_parameters(module, shared.norm)
+        norm_own = {n.removeprefix(f"{shared.norm}."): base[n].to(device=source.device, dtype=compute)
+                    for n in norm_names}
+        norm_delta = {n.removeprefix(f"{shared.norm}."): d.to(compute)
+                      for n, d in source.deltas(path, task, norm_names).items()}
+        norm_changed = any(bool(d.abs().max() > 0) for d in norm_delta.values() if d.numel())
+    terms = []
+    for rec in recorded:
+        x = rec.args[0] if rec.args else rec.kwargs["hidden_states"]
+        if shared.norm is None:
+            z0, d = x, None
+        else:
+            z0 = functional_call(norm, norm_own, (x,), strict=False)
+            d = None
+            if norm_changed:  # the norm's linear part: norm(x; θ0 + τ) − norm(x; θ0) = norm(x; τ) − norm(x; 0)
+                zero = {n: torch.zeros_like(v) for n, v in norm_delta.items()}
+                d = functional_call(norm, norm_delta, (x,), strict=False) - functional_call(norm, zero, (x,),
+                                                                                              strict=False)
+        p0, p1 = apply(own, z0), apply(delta, z0)
+        if d is None:
+            terms.append((p0, p1))
+        else:
+            terms.append((p0, p1 + apply(own, d, zero_bias=True), apply(delta, d, zero_bias=True)))
+    return terms
+
+
+def _at(terms: tuple, a: float) -> torch.Tensor:
+    """P0 + a·P1 (+ a²·P2)."""
+    value = terms[0] + a * terms[1]
+    return value + (a * a) * terms[2] if len(terms) > 2 else value
+
+
+def replay_line(source, arch, path: str, recorded, task: str, coefficients: Sequence[float], *,
+                heads: bool = False, keep: dict[str, dict] | None = None) -> Replayed:
+    """The module at `path` at the points θ0 + a·τ_task, a in `coefficients`, on every recorded batch: what
+    `replay_variants` gives for ``[{task: a} for a in coefficients]`` (up to rounding), computed with less.
+
+    - a = 0 is the output the capture kept (`Recorded.output`), where it kept one: no replay.
+    - The maps whose input every point shares (`shared_maps`: q/k/v of an attention or a block, gate/up of an
+      MLP, a linear module itself) are computed once per task as polynomials in a (`SharedMap`), and their output
+      at each point is formed from those terms; only the other parameters get a variant θ0 + aτ per point.
+    Heads (which need the output projection's input per variant) and joined paths replay plainly.
+    ``keep``: {submodule's local name: {}}, filled with {a: its output per batch} for each point replayed here.
+    """
+    if heads or "+" in path:
+        return replay_variants(source, arch, path, recorded, [{task: a} for a in coefficients], heads=heads)
+    module = get_module(source.base.model, path)
+    recorded = [rec.upcast(source.dtype_for(path)) for rec in recorded]
+    result = Replayed([], [rec.token_mask for rec in recorded], [rec.sample_index for rec in recorded], arch=arch)
+    compute = source.dtype_for(path)
+    maps = shared_maps(module, recorded[0]) if recorded else ()
+    terms = {m.name: _line_terms(source, module, path, task, m, recorded, compute) for m in maps}
+    covered = {n for m in maps for n in _local_parameters(module, m.name)}
+    others = [n for n in source.base_parameters(path) if n not in covered]
+    for a in coefficients:
+        if a == 0 and all(rec.output is not None for rec in recorded):
+            result.outputs.append([rec.output for rec in recorded])
+        elif "" in terms:  # the module is itself a shared map
+            result.outputs.append([_at(t, a) for t in terms[""]])
+        else:
+            params = source.variant(path, {task: a}, others) if others else source.upcast_buffers(path)
+            kept = {name: found.setdefault(a, []) for name, found in (keep or {}).items()}
+            result.outputs.append([_replayed_with(module, rec, params, {name: _at(t[b], a) for name, t in
+                                                                        terms.items()}, kept)
+                                   for b, rec in enumerate(recorded)])
+    return result
+
+
+def _replayed_with(module, rec: Recorded, params, fixed: dict[str, torch.Tensor],
+                   kept: dict[str, list] | None = None) -> torch.Tensor:
+    """`replay` of `module` with the submodules named in `fixed` returning the given outputs instead of computing,
+    and the outputs of those named in `kept` appended to its lists."""
+    subs = [module.get_submodule(name) for name in fixed]
+    try:
+        with hooks() as handles:
+            for name, found in (kept or {}).items():
+                handles.append(module.get_submodule(name).register_forward_hook(
+                    lambda m, args, out, found=found: found.append(first_output(out))))
+            for sub, value in zip(subs, fixed.values()):
+                sub.forward = lambda *args, value=value, **kwargs: value
+            return replay(module, rec, params or None)
+    finally:
+        for sub in subs:
+            sub.__dict__.pop("forward", None)
+
+
 def replay_model(source, arch, batches, variants: Sequence[Variant], *, output: str = "hidden") -> Replayed:
     """The whole network run block by block for each variant (`model_outputs`) on `batches`."""
     device = source.device
@@ -129,12 +294,24 @@ def model_replayed(outputs: list[list[torch.Tensor]], batches, device) -> Replay
 
 @dataclass
 class Unit:
-    """What one replay serves: a module path (or the whole model) and the modules measured on it."""
+    """What one replay serves: a module path (or the whole model) and the modules measured on it.
+
+    ``line(task, coefficients)``, where given, replays the points θ0 + a·τ_task of one task's line at once
+    (`replay_line`: shared maps computed once, a = 0 from the capture); it returns what ``run(task, [{task: a}
+    for a in coefficients])`` returns, up to rounding.
+    """
 
     path: str
     modules: list[Submodule]
     run: Callable[[str, Sequence[Variant | Given]], Replayed]  # (input task, variants) → replays on its inputs
     changed: Callable[[str], bool]  # whether task's fine-tune changes this unit's parameters
+    line: Callable[[str, Sequence[float]], Replayed] | None = None
+
+    def points(self, task: str, coefficients: Sequence[float]) -> Replayed:
+        """The replays of θ0 + a·τ_task for each a of `coefficients` (through `line` where the unit has one)."""
+        if self.line is not None:
+            return self.line(task, coefficients)
+        return self.run(task, [{task: a} for a in coefficients])
 
 
 @dataclass
@@ -185,14 +362,56 @@ def modules_for(experiment, levels: Sequence[str], layers: Sequence[int] | None 
     return modules
 
 
-def block_unit(source, arch, path: str, served: list[Submodule], recorded: dict) -> Unit:
-    """The `Unit` of the module at `path` (serving `served`) replayed on `recorded` ({task: {path: inputs}})."""
+def block_unit(source, arch, path: str, served: list[Submodule], recorded: dict,
+               from_block: dict | None = None) -> Unit:
+    """The `Unit` of the module at `path` (serving `served`) replayed on `recorded` ({task: {path: inputs}}).
+
+    ``from_block`` (one dict per layer, shared by its units): a block's line keeps its attention's outputs there
+    where they are the attention level's points (`attention_points_coincide`), and the attention's line takes them
+    instead of replaying."""
     heads = any(m.level == "head" for m in served)
+    layer = served[0].layer
+    attention = arch.attn_path(layer) if layer >= 0 else None
 
     def run(task, variants):
         return replay_variants(source, arch, path, recorded[task][path], variants, heads=heads)
 
-    return Unit(path, served, run, lambda task: source.changed(path, task))
+    def line(task, coefficients):
+        inputs = recorded[task][path]
+        if from_block is not None and not heads and path == attention and (task, tuple(coefficients)) in from_block:
+            return _attention_from_block(from_block.pop((task, tuple(coefficients))), inputs, coefficients, arch)
+        keep = None
+        if (from_block is not None and path == arch.layer_path(layer) and attention in recorded[task]
+                and attention_points_coincide(source, path, arch.attn_child, task, inputs)):
+            keep = {arch.attn_child: {}}
+        replayed = replay_line(source, arch, path, inputs, task, coefficients, heads=heads, keep=keep)
+        if keep is not None:
+            from_block[(task, tuple(coefficients))] = keep[arch.attn_child]
+        return replayed
+
+    return Unit(path, served, run, lambda task: source.changed(path, task), line)
+
+
+def attention_points_coincide(source, block_path: str, attn_child: str, task: str, recorded: list[Recorded]) -> bool:
+    """Whether block `block_path`'s attention, at each point θ0 + a·τ_task of the block's line, is the attention
+    level's point a: its input is the attention's recorded input when the norm feeding it is unchanged by τ_task
+    (or there is none), so the block's replay computes the attention level's outputs on the way."""
+    if not recorded:
+        return False
+    module = get_module(source.base.model, block_path)
+    maps = [m for m in shared_maps(module, recorded[0].upcast(source.dtype_for(block_path)))
+            if m.name.startswith(f"{attn_child}.")]
+    norms = {m.norm for m in maps if m.norm is not None}
+    return bool(maps) and not any(bool(d.abs().max() > 0) for norm in norms
+                                  for d in source.deltas(block_path, task, _local_parameters(module, norm)).values()
+                                  if d.numel())
+
+
+def _attention_from_block(kept: dict[float, list], recorded: list[Recorded], coefficients, arch) -> Replayed:
+    """The attention level's `Replayed` from the outputs a block's line kept (a = 0: the attention's own capture)."""
+    result = Replayed([], [rec.token_mask for rec in recorded], [rec.sample_index for rec in recorded], arch=arch)
+    result.outputs = [kept[a] if a in kept else [rec.output for rec in recorded] for a in coefficients]
+    return result
 
 
 def measure_layer(source, arch, modules: list[Submodule], recorded: dict,
@@ -207,10 +426,10 @@ def measure_layer(source, arch, modules: list[Submodule], recorded: dict,
             return measure.function(Layer(modules[0].layer, units, source, arch))
         finally:
             source.clear()
-    results = {}
+    results, from_block = {}, {}
     for path, served in units_of(modules).items():
         describe(served[0].name)
-        results.update(measure(block_unit(source, arch, path, served, recorded)))
+        results.update(measure(block_unit(source, arch, path, served, recorded, from_block)))
         source.clear()
     return results
 
@@ -230,6 +449,7 @@ class LocalLayers:
 
     def __init__(self, sweep):
         self.sweep, self.experiment, self.source = sweep, sweep.experiment, sweep.source
+        self.model_base: dict[str, list[torch.Tensor]] = {}  # the model level's a = 0, kept by the last capture
 
     def layer_results(self, measure: Callable[[Unit], dict], describe) -> Iterator[tuple[list[Submodule], dict]]:
         """(modules, {module name: result}) per layer still to do, in layer order, measured here."""
@@ -237,9 +457,17 @@ class LocalLayers:
             yield layer_modules, measure_layer(self.source, self.experiment.arch, layer_modules, recorded, measure,
                                                describe)
 
+    def _final_path(self) -> str | None:
+        """The final norm, whose output on θ0 is the model level's point a = 0 when the capture can keep it (the
+        sweep keeps outputs, measures the model level, on the final hidden states)."""
+        sweep, arch = self.sweep, self.experiment.arch
+        wanted = (sweep.capture_outputs and sweep.model_output == "hidden"
+                  and any(m.level == "model" and sweep.label(m) not in sweep.writer.done for m in sweep.modules))
+        return arch.final_norm_path if wanted else None
+
     def _layers(self, describe) -> Iterator[tuple[list[Submodule], dict]]:
         """Per layer with modules not yet done: (those modules, recorded inputs by task and path)."""
-        experiment, by_layer = self.experiment, self.sweep.by_layer()
+        experiment, by_layer, final = self.experiment, self.sweep.by_layer(), self._final_path()
         chunks = layer_chunks(experiment.arch.num_layers, self.sweep.layer_bytes(), self.sweep.capture_budget)
         states = {task: CaptureState() for task in experiment.tasks}  # each chunk starts where the last stopped
         for chunk in chunks:
@@ -247,20 +475,33 @@ class LocalLayers:
             if not chunk_modules:
                 continue
             describe(f"capturing layers {chunk[0]}–{chunk[-1]}")
-            recorded = {task: record_inputs(experiment.base.model, experiment.arch, list(units_of(chunk_modules)),
+            paths = list(units_of(chunk_modules))
+            last = final is not None and chunk[-1] == experiment.arch.num_layers - 1  # the forward runs to its end
+            recorded = {task: record_inputs(experiment.base.model, experiment.arch, paths + [final] * last,
                                             experiment.batches[task], device=experiment.device, state=states[task],
-                                            compute=self.source.compute_dtype)
+                                            compute=self.source.compute_dtype, outputs=self.sweep.capture_outputs)
                         for task in experiment.tasks}
+            if last:
+                self.model_base = {task: [rec.output for rec in recorded[task].pop(final)] for task in recorded}
             for layer in chunk:
                 if layer in by_layer:
                     yield by_layer[layer], recorded
             del recorded
 
     def model_unit(self, modules: list[Submodule]) -> Unit:
-        """The model level: the whole network replayed here, block by block, for the variants asked."""
+        """The model level: the whole network replayed here, block by block, for the variants asked (a line's
+        a = 0: the final hidden states the capture kept, where it kept them)."""
         experiment, output = self.experiment, self.sweep.model_output
 
         def run(task, variants):
             return replay_model(self.source, experiment.arch, experiment.batches[task], variants, output=output)
 
-        return Unit(experiment.arch.backbone_path, modules, run, lambda task: True)
+        def line(task, coefficients):
+            base = self.model_base.get(task)
+            replayed_at = [a for a in coefficients if a != 0 or base is None]
+            replayed = run(task, [{task: a} for a in replayed_at])
+            outputs = iter(replayed.outputs)
+            replayed.outputs = [base if a == 0 and base is not None else next(outputs) for a in coefficients]
+            return replayed
+
+        return Unit(experiment.arch.backbone_path, modules, run, lambda task: True, line)

@@ -35,6 +35,7 @@ def nonlinearity(
     levels: Sequence[str] = DEFAULT_LEVELS,
     steps: int = 10,
     model_output: str = "hidden",
+    plain_replay: bool = False,
     run: RunSettings | None = None,
     **run_options,
 ) -> xr.Dataset:
@@ -48,6 +49,11 @@ def nonlinearity(
     ``run`` (or its fields as keywords: ``store``, ``force``, ``progress``, ``command``, ``on_unit``,
     ``capture_budget``, ``compute_dtype``, ``engine``): `submerge.diagnostics.execution.RunSettings`; with a
     ``RayEngine`` the layers are measured by a pipeline of Ray workers, and this process alone writes the store.
+
+    The points of a module's line θ0 + (k/N)τ are replayed together (`submerge.diagnostics.replay.replay_line`):
+    k = 0 is the base output the capture kept, and the maps whose input every point shares are computed once per
+    task. ``plain_replay`` replays every point k = 0..N on its own θ0 + (k/N)τ instead (the straightforward path:
+    the reference the shared one is checked against; scores agree to rounding).
     """
     if steps < 1:
         raise ValueError("steps must be at least 1")
@@ -55,7 +61,8 @@ def nonlinearity(
     tasks = experiment.tasks
     settings = {"levels": list(levels), "steps": steps, "model_output": model_output}
     sweep = Sweep(experiment, levels, LINEARITY.name, settings, run,
-                  model_output=model_output)
+                  model_output=model_output, capture_outputs=not plain_replay)
+    coefficients = [k / steps for k in range(steps + 1)]
     positions = np.arange(experiment.settings["skip"], experiment.settings["skip"] + experiment.max_samples)
     position_of = {int(index): j for j, index in enumerate(positions)}
 
@@ -68,7 +75,8 @@ def nonlinearity(
                 for module in unit.modules:
                     unchanged[module.name][t] = True
                 continue
-            replayed = unit.run(task, [{task: k / steps} for k in range(steps + 1)])
+            replayed = (unit.run(task, [{task: a} for a in coefficients]) if plain_replay
+                        else unit.points(task, coefficients))
             for module in unit.modules:
                 for index, trajectory in trajectories(replayed.of(module)):
                     scores[module.name][t, position_of[index]] = nonlinearity_score(trajectory)

@@ -41,11 +41,13 @@ class Sweep:
 
     ``unit_dim``: the store dimension a layer's piece is appended along — ``"module"`` (a row per module, labelled
     by its name) or ``"layer"`` (one row per layer, labelled by its index: for results of the layer as a whole).
-    ``layers``: only these blocks (default all).
+    ``layers``: only these blocks (default all). ``capture_outputs``: the capture also keeps each module's output on
+    θ0 (`Recorded.output`, twice the recorded bytes), which `Unit.points` serves as the point a = 0.
     """
 
     def __init__(self, experiment, levels: Sequence[str], group: str, settings: dict, run: RunSettings, *,
-                 model_output: str = "hidden", unit_dim: str = "module", layers: Sequence[int] | None = None):
+                 model_output: str = "hidden", unit_dim: str = "module", layers: Sequence[int] | None = None,
+                 capture_outputs: bool = False):
         if unit_dim not in ("module", "layer"):
             raise ValueError(f"unit_dim must be 'module' or 'layer', got {unit_dim!r}")
         if isinstance(run.engine, LocalEngine) and experiment.device.type == "meta":
@@ -58,6 +60,7 @@ class Sweep:
         self.modules = modules_for(experiment, levels, layers)
         self.capture_budget = run.capture_budget
         self.model_output, self.unit_dim = model_output, unit_dim
+        self.capture_outputs = capture_outputs
         # the engine is provenance only: a run resumes across engines
         root, attrs = run_attrs(run.command, {**experiment.inputs, "engine": run.engine.provenance()})
         self.writer = UnitWriter(run.store, group, {**experiment.settings, **compute, **settings}, dim=unit_dim,
@@ -106,4 +109,5 @@ class Sweep:
         """Bytes of one layer's recorded inputs over all tasks (what `layer_chunks` splits the budget by)."""
         paths_per_layer = max((len(units_of([m for m in self.modules if m.layer == layer]))
                                for layer in {m.layer for m in self.modules if m.level != "model"}), default=1)
-        return bytes_per_layer(self.experiment, paths_per_layer, self.source.compute_dtype) * len(self.tasks)
+        kept = 2 if self.capture_outputs else 1  # inputs, and outputs where the capture keeps them
+        return bytes_per_layer(self.experiment, paths_per_layer, self.source.compute_dtype) * len(self.tasks) * kept

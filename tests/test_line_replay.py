@@ -1,0 +1,114 @@
+"""The shared replay of a line θ0 + a·τ (`replay_line`) against the straightforward one (every point replayed on
+its own θ0 + (k/N)τ), on every toy architecture: the Non-linearity Score agrees to 1e-6 relative (in float64, where
+rounding is far below it), and the point a = 0 the capture keeps is bitwise the base replay."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from submerge.diagnostics.capture import model_outputs, record_inputs
+from submerge.diagnostics.linearity import nonlinearity
+from submerge.diagnostics.modules import find_submodules, get_module
+from submerge.diagnostics.replay import SharedMap, replay_line, replay_variants, shared_maps
+from submerge.diagnostics.toy import ARCHITECTURES
+
+LEVELS = ("model", "layer", "attn", "mlp", "linear")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_shared_replay_scores_match_plain_replay(toy_kit, architecture):
+    experiment = toy_kit(architecture).experiment(dtype="float64")
+    shared = nonlinearity(experiment, levels=LEVELS, steps=6, progress=False)
+    plain = nonlinearity(experiment, levels=LEVELS, steps=6, progress=False, plain_replay=True)
+    fast, slow = shared.nonlinearity_score.values, plain.nonlinearity_score.values
+    assert np.isfinite(slow).sum() > 0
+    np.testing.assert_array_equal(np.isnan(fast), np.isnan(slow))
+    # a linear module scores 0 up to float64 rounding (≈ 1e-30), where relative agreement means nothing
+    np.testing.assert_allclose(fast, slow, rtol=1e-6, atol=1e-24)
+
+
+@pytest.mark.parametrize("architecture", ["llama", "gpt2"])
+def test_line_points_match_variants_and_a0_is_the_captured_output(toy_kit, architecture):
+    experiment = toy_kit(architecture).experiment()
+    arch, source, task = experiment.arch, experiment.parameter_source(), experiment.tasks[0]
+    modules = find_submodules(experiment.base.model, ("layer", "attn", "mlp"), layers=[1], arch=arch)
+    paths = [m.path for m in modules]
+    recorded = record_inputs(experiment.base.model, arch, paths, experiment.batches[task], outputs=True)
+    coefficients = [0.0, 0.25, 1.0, 1.5]
+    for path in paths:
+        line = replay_line(source, arch, path, recorded[path], task, coefficients)
+        plain = replay_variants(source, arch, path, recorded[path], [{task: a} for a in coefficients])
+        for a, got, want in zip(coefficients, line.outputs, plain.outputs):
+            for g, w in zip(got, want):
+                if a == 0:
+                    assert torch.equal(g, w), path  # the capture's output is the base replay, bit for bit
+                else:
+                    torch.testing.assert_close(g, w, rtol=2e-5, atol=2e-6)
+
+
+def test_shared_maps_found_per_level(toy_kit):
+    experiment = toy_kit("llama").experiment()
+    arch, model, task = experiment.arch, experiment.base.model, experiment.tasks[0]
+    paths = {"layer": arch.layer_path(0), "attn": arch.attn_path(0), "mlp": arch.mlp_path(0)}
+    recorded = record_inputs(model, arch, list(paths.values()), experiment.batches[task])
+    found = {level: shared_maps(get_module(model, path), recorded[path][0]) for level, path in paths.items()}
+    norm = "input_layernorm"
+    assert set(found["layer"]) == {SharedMap(f"self_attn.{p}", norm) for p in ("q_proj", "k_proj", "v_proj")}
+    assert set(found["attn"]) == {SharedMap(p, None) for p in ("q_proj", "k_proj", "v_proj")}
+    assert set(found["mlp"]) == {SharedMap(p, None) for p in ("gate_proj", "up_proj")}
+
+
+@pytest.mark.parametrize("architecture", ["llama", "gemma3", "gpt2"])
+def test_final_norm_output_kept_by_the_capture_is_the_base_forward(toy_kit, architecture):
+    """The model level's a = 0 (the final norm's output the capture keeps) is bitwise the block-by-block base
+    forward the model level replays."""
+    experiment = toy_kit(architecture).experiment()
+    arch, source, task = experiment.arch, experiment.parameter_source(), experiment.tasks[0]
+    batches = experiment.batches[task]
+    kept = record_inputs(experiment.base.model, arch, [arch.layer_path(0), arch.final_norm_path], batches,
+                         outputs=True, compute=source.compute_dtype)[arch.final_norm_path]
+    replayed = model_outputs(source, arch, batches, [{task: 0.0}])[0]
+    for rec, want in zip(kept, replayed):
+        assert torch.equal(rec.output, want)
+
+
+@pytest.mark.parametrize("architecture", ["llama", "bert"])
+def test_attention_points_come_from_the_block_replay_where_they_coincide(toy_kit, tmp_path, monkeypatch,
+                                                                         architecture):
+    """A fine-tune that leaves the block's input norm as it is (Llama: norms restored to the base's; BERT's
+    attention takes the block's input itself): the attention level's points are the block replay's, and score as
+    the plain replay does."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from submerge.diagnostics import replay as replay_module
+    from submerge.diagnostics.experiment import Experiment
+
+    kit = toy_kit(architecture)
+    base = load_file(str(kit.base_dir / "model.safetensors"))
+    tuned = load_file(str(kit.finetuned_dir / "model.safetensors"))
+    tuned = {name: base[name] if "norm" in name.lower() else value for name, value in tuned.items()}
+    folder = tmp_path / "norms_kept"
+    shutil.copytree(kit.finetuned_dir, folder)
+    save_file(tuned, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    experiment = Experiment.load(str(kit.base_dir), {"math": str(folder)}, {"math": str(kit.data_path)}, samples=4,
+                                 max_tokens=48, batch_size=2, dtype="float64", device="cpu")
+    taken = []
+    original = replay_module._attention_from_block
+    monkeypatch.setattr(replay_module, "_attention_from_block", lambda *args: taken.append(1) or original(*args))
+    shared = nonlinearity(experiment, levels=("layer", "attn", "mlp"), steps=6, progress=False)
+    assert len(taken) == experiment.arch.num_layers
+    plain = nonlinearity(experiment, levels=("layer", "attn", "mlp"), steps=6, progress=False, plain_replay=True)
+    np.testing.assert_allclose(shared.nonlinearity_score.values, plain.nonlinearity_score.values, rtol=1e-6,
+                               atol=1e-24)
