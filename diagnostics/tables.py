@@ -50,20 +50,24 @@ def _cell(value) -> str:
     return str(value)
 
 
-def _mean_std(mean, std) -> str:
+def _mean_std(mean, std, floor=np.nan, flag="") -> str:
     if np.isnan(mean):
         return "—"
-    return f"{mean:.4g}" if np.isnan(std) else f"{mean:.4g} ± {std:.2g}"
+    text = f"{mean:.4g}" if np.isnan(std) else f"{mean:.4g} ± {std:.2g}"
+    if not np.isnan(floor):
+        text += f" (floor {floor:.2g})"
+    return f"{text} {flag}" if flag else text
 
 
 def _is_mean_std(columns: pd.Index) -> bool:
-    return isinstance(columns, pd.MultiIndex) and columns.nlevels == 2 and set(columns.get_level_values(1)) == {
-        "mean", "std"}
+    return isinstance(columns, pd.MultiIndex) and columns.nlevels == 2 and {"mean", "std"} <= set(
+        columns.get_level_values(1)) <= {"mean", "std", "floor", "flag"}
 
 
 def render_table(frame: pd.DataFrame, title: str) -> Table:
     """`frame` as a rich Table: one column per index level, then the columns (numbers to 4 significant digits,
-    NaN as "—"); columns (key, "mean") and (key, "std") become one column "mean ± std" per key."""
+    NaN as "—"); columns (key, "mean") and (key, "std") become one column "mean ± std" per key, followed by
+    "(floor f)" and the flag where (key, "floor") and (key, "flag") exist (a noise floor: `linearity.floor`)."""
     table = Table(title=title, title_justify="left")
     names = [name or "" for name in frame.index.names]
     for name in names:
@@ -74,7 +78,11 @@ def render_table(frame: pd.DataFrame, title: str) -> Table:
         for key in keys:
             table.add_column(str(key), justify="right")
         for labels, (_, row) in zip(index, frame.iterrows()):
-            table.add_row(*map(str, labels), *[_mean_std(row[(key, "mean")], row[(key, "std")]) for key in keys])
+            table.add_row(*map(str, labels), *[_mean_std(row[(key, "mean")], row[(key, "std")],
+                                                         row.get((key, "floor"), np.nan), row.get((key, "flag"), ""))
+                                               for key in keys])
+        if any(isinstance(value, str) and value.startswith("⚠") for value in frame.to_numpy().ravel()):
+            table.caption = "⚠ k/n: k of the level's n modules score within 10× of their noise floor (rounding)"
         return table
     for column in frame.columns:
         table.add_column(" ".join(map(str, column)) if isinstance(column, tuple) else str(column), justify="right")

@@ -6,6 +6,7 @@ figures.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import numpy as np
@@ -17,6 +18,15 @@ from submerge.diagnostics import plot
 from submerge.diagnostics.execution import RunSettings
 from submerge.diagnostics.groups import StoreGroup
 from submerge.diagnostics.linearity.equations import mean_std, nonlinearity_score
+from submerge.diagnostics.linearity.floor import (
+    FLOOR_NOTE,
+    FLOOR_SAMPLES,
+    first_records,
+    flagged,
+    floor_of,
+    reference_run,
+    wants_floor,
+)
 from submerge.diagnostics.linearity.sweep import Sweep
 from submerge.diagnostics.modules import DEFAULT_LEVELS
 from submerge.diagnostics.replay import Outputs, Unit, module_coords
@@ -35,16 +45,19 @@ def nonlinearity(
     levels: Sequence[str] = DEFAULT_LEVELS,
     steps: int = 10,
     model_output: str = "hidden",
+    floor_samples: int = FLOOR_SAMPLES,
     run: RunSettings | None = None,
     **run_options,
 ) -> xr.Dataset:
     """Non-linearity Score (seed 002 Eq. 19) of every fine-tune on its own task, per module and sample.
 
     Returns (and, with `store`, writes group ``linearity``) a Dataset with
-    ``nonlinearity_score`` (task, module, sample) and ``unchanged`` (task, module):
-    modules the fine-tune left untouched score NaN and are flagged. ``sample`` is
+    ``nonlinearity_score`` (task, module, sample), ``nonlinearity_floor`` (task, module) and ``unchanged``
+    (task, module): modules the fine-tune left untouched score NaN and are flagged. ``sample`` is
     the record index in the task's file; ``level``, ``layer`` (−1 for the model)
-    and ``head`` label ``module``.
+    and ``head`` label ``module``. The floor is what rounding at the compute dtype contributes
+    (`submerge.diagnostics.linearity.floor`): the largest |score − score in float64| over the first
+    `floor_samples` records of the task (NaN when the compute dtype is float64 or `floor_samples` is 0).
     ``run`` (or its fields as keywords: ``store``, ``force``, ``progress``, ``command``, ``on_unit``,
     ``capture_budget``, ``compute_dtype``, ``engine``): `submerge.diagnostics.execution.RunSettings`; with a
     ``RayEngine`` the layers are measured by a pipeline of Ray workers, and this process alone writes the store.
@@ -53,11 +66,12 @@ def nonlinearity(
         raise ValueError("steps must be at least 1")
     run = RunSettings.of(run, **run_options)
     tasks = experiment.tasks
-    settings = {"levels": list(levels), "steps": steps, "model_output": model_output}
+    settings = {"levels": list(levels), "steps": steps, "model_output": model_output, "floor_samples": floor_samples}
     sweep = Sweep(experiment, levels, LINEARITY.name, settings, run,
                   model_output=model_output)
     positions = np.arange(experiment.settings["skip"], experiment.settings["skip"] + experiment.max_samples)
     position_of = {int(index): j for j, index in enumerate(positions)}
+    reference = _reference(experiment, sweep, floor_samples, levels=levels, steps=steps, model_output=model_output)
 
     def measure(unit: Unit) -> dict:
         """{module: (scores (task, sample), unchanged (task,))} of one unit."""
@@ -78,29 +92,53 @@ def nonlinearity(
     def piece(modules, results) -> xr.Dataset:
         array = np.stack([results[m.name][0] for m in modules], axis=1)
         flags = np.stack([results[m.name][1] for m in modules], axis=1)
+        floor = np.full(flags.shape, np.nan)
+        if reference is not None:
+            chosen = [position_of[int(index)] for index in reference.sample.values]
+            truth = reference.nonlinearity_score.sel(module=[m.name for m in modules]).transpose(
+                "task", "module", "sample").values
+            floor = floor_of(array[:, :, chosen], truth)
         return xr.Dataset(
-            {"nonlinearity_score": (("task", "module", "sample"), array), "unchanged": (("task", "module"), flags)},
+            {"nonlinearity_score": (("task", "module", "sample"), array),
+             "nonlinearity_floor": (("task", "module"), floor), "unchanged": (("task", "module"), flags)},
             coords={"task": np.array(tasks, dtype=object), "sample": positions, **module_coords(modules)},
         )
 
     sweep.run("Non-linearity Score", measure, piece)
-    return sweep.writer.finish({"equation": "seed 002 Eq. 19", "summary": "mean ± std over modules and samples"},
+    return sweep.writer.finish({"equation": "seed 002 Eq. 19", "summary": "mean ± std over modules and samples",
+                                "nonlinearity_floor": FLOOR_NOTE},
                                result_attrs={"equation": "seed 002 Eq. 19", "steps": steps,
                                              "model_output": model_output,
                                              "features": "module output on one sequence, real tokens only, flattened"})
 
 
+def _reference(experiment, sweep: Sweep, floor_samples: int, **options) -> xr.Dataset | None:
+    """The float64 scores of the first `floor_samples` records (None: no floor, or nothing left to measure)."""
+    if not wants_floor(sweep.compute_dtype, floor_samples) or sweep.finished():
+        return None
+    subset = first_records(experiment, floor_samples)
+    return nonlinearity(subset, floor_samples=0, run=reference_run(sweep.run_settings), **options)
+
+
 def summary(dataset: xr.Dataset) -> pd.DataFrame:
     """Seed 002 Table 17: mean and std of the score per level (rows) and task (columns (task, "mean" | "std")),
-    over the level's modules and the samples; NaN (modules a fine-tune left unchanged) skipped."""
+    over the level's modules and the samples; NaN (modules a fine-tune left unchanged) skipped. Beside them
+    (task, "floor"): the mean noise floor of the level's modules, and (task, "flag"): "⚠ k/n" when k of its n
+    modules score (mean over samples) within 10× of their floor."""
     levels = strings(dataset.level.values)
     tasks = strings(dataset.task.values)
     scores = dataset.nonlinearity_score.transpose("task", "module", "sample").values
+    floors = dataset.nonlinearity_floor.transpose("task", "module").values
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN modules (left unchanged)
+        module_means = np.nanmean(scores, axis=2)
     rows = {}
     for level in ordered(levels):
         chosen = np.array([label == level for label in levels])
-        rows[level] = [value for t in range(len(tasks)) for value in mean_std(scores[t][chosen])]
-    columns = pd.MultiIndex.from_product([tasks, ["mean", "std"]])
+        rows[level] = [value for t in range(len(tasks))
+                       for value in (*mean_std(scores[t][chosen]), mean_std(floors[t][chosen])[0],
+                                     flagged(module_means[t][chosen], floors[t][chosen]))]
+    columns = pd.MultiIndex.from_product([tasks, ["mean", "std", "floor", "flag"]])
     return pd.DataFrame.from_dict(rows, orient="index", columns=columns).rename_axis("level")
 
 
@@ -164,7 +202,8 @@ def nonlinearity_by_level(linearity: xr.Dataset, about: str = ""):
 LINEARITY = StoreGroup(
     name="linearity",
     dim="module",
-    variables={"nonlinearity_score": ("task", "module", "sample"), "unchanged": ("task", "module")},
+    variables={"nonlinearity_score": ("task", "module", "sample"), "nonlinearity_floor": ("task", "module"),
+               "unchanged": ("task", "module")},
     title="Non-linearity Score (seed 002 Eq. 19), mean ± std over modules and samples",
     summary=summary,
     figures={"nonlinearity_per_layer": nonlinearity_per_layer, "nonlinearity_by_level": nonlinearity_by_level},
