@@ -81,13 +81,18 @@ def render_table(frame: pd.DataFrame, title: str) -> Table:
             table.add_row(*map(str, labels), *[_mean_std(row[(key, "mean")], row[(key, "std")],
                                                          row.get((key, "floor"), np.nan), row.get((key, "flag"), ""))
                                                for key in keys])
-        if any(isinstance(value, str) and value.startswith("⚠") for value in frame.to_numpy().ravel()):
-            table.caption = "⚠ k/n: k of the level's n modules score within 10× of their noise floor (rounding)"
-        return table
+        return _flag_caption(table, frame)
     for column in frame.columns:
         table.add_column(" ".join(map(str, column)) if isinstance(column, tuple) else str(column), justify="right")
     for labels, (_, row) in zip(index, frame.iterrows()):
         table.add_row(*map(str, labels), *[_cell(value) for value in row.tolist()])
+    return _flag_caption(table, frame)
+
+
+def _flag_caption(table: Table, frame: pd.DataFrame) -> Table:
+    """The caption that explains the noise-floor flag "⚠ k/n", when a cell has one."""
+    if any(isinstance(value, str) and value.startswith("⚠") for value in frame.to_numpy().ravel()):
+        table.caption = "⚠ k/n: k of the n scores are within 10× of their noise floor (rounding at the compute dtype)"
     return table
 
 

@@ -14,6 +14,7 @@ from submerge.diagnostics.errors import ModelInputError
 from submerge.diagnostics.experiment import HalfPrecisionWarning
 from submerge.diagnostics.linearity.floor import first_records, flagged, floor_of, near_floor
 from submerge.diagnostics.linearity.nonlinearity import LINEARITY, nonlinearity
+from submerge.diagnostics.linearity.projection import PROJECTION, projection
 from submerge.diagnostics.store import Store
 from submerge.diagnostics.tables import render_table
 
@@ -120,3 +121,77 @@ def test_summary_shows_floor_and_flags(single):
     console.print(render_table(table, "T"))
     text = " ".join(console.export_text().split())
     assert "(floor " in text and "⚠" in text and "within 10× of their noise floor" in text
+
+
+@pytest.fixture(scope="module")
+def pair(kit, tmp_path_factory):
+    """The kit's base with two fine-tunes (math, and code trained from another seed) on their own data."""
+    from submerge.diagnostics import toy
+    from submerge.diagnostics.experiment import Experiment
+
+    root = tmp_path_factory.mktemp("noise_pair")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        code = toy.finetune(kit.base_dir, root / "code", "code", steps=3, seed=1)
+    data = {"math": str(kit.data_path), "code": str(toy.write_task_data(root / "code.jsonl", "code", count=4))}
+
+    def load(compute):
+        return Experiment.load(str(kit.base_dir), {"math": str(kit.finetuned_dir), "code": str(code)}, data,
+                               samples=3, max_tokens=32, batch_size=2, dtype="float32", compute_dtype=compute,
+                               device="cpu")
+    return load
+
+
+def test_projection_floor_against_float64(pair, tmp_path):
+    options = {"levels": ("mlp",), "alphas": (0.5, 1.0), "progress": False}
+    exact = projection(pair("float64"), **options)
+    assert np.isnan(exact.projection_distance_floor.values).all()
+    store = Store(tmp_path / "pd.zarr")
+    single = projection(pair("float32"), floor_samples=1, store=store, **options)
+    floor = single.projection_distance_floor.values
+    # known answer: |PD − PD₆₄| of the first record of each task, computed by the same driver on those records
+    first = [projection(first_records(pair(dtype), 1), floor_samples=0, **options).projection_distance.values
+             for dtype in ("float32", "float64")]
+    differences = np.abs(first[0] - first[1])
+    subsets = np.array([str(s) for s in single.combo_subset.values])
+    for subset in set(subsets):  # the largest over the subset's α grid
+        chosen = subsets == subset
+        np.testing.assert_array_equal(floor[:, chosen], differences[:, chosen].max(axis=1, keepdims=True)
+                                      .repeat(chosen.sum(), axis=1))
+    assert np.isfinite(floor).all() and (floor > 0).all() and (floor < 1e-4).all()
+    error = np.abs(single.projection_distance.values - exact.projection_distance.values)
+    assert (error <= 10 * floor).all(), np.max(error / floor)
+    table = PROJECTION.summary(store.dataset("projection"))
+    assert table.loc["mlp", "PD floor"] == pytest.approx(floor[single.level.values == "mlp"].mean())
+    assert set(table["near floor"]) <= {""} or all(str(v).startswith("⚠") for v in table["near floor"] if v)
+
+
+def test_report_flags_and_figures_shade(kit, tmp_path, monkeypatch):
+    from submerge.cli.report import report
+    from submerge.diagnostics.linearity import floor as floors
+    from submerge.diagnostics.linearity.nonlinearity import nonlinearity_per_layer
+
+    store = Store(tmp_path / "run.zarr")
+    dataset = nonlinearity(experiment(kit), levels=LEVELS, floor_samples=1, progress=False, store=store)
+    console = Console(record=True, width=220)
+    written = report(store.path, tmp_path / "report", console=console)
+    assert any(p.name == "nonlinearity_per_layer.png" for p in written)
+    text = " ".join(console.export_text().split())
+    assert "(floor " in text and "⚠" not in text  # float32 scores of a 3-step fine-tune stand far above rounding
+    monkeypatch.setattr(floors, "FLAG_RATIO", 1e12)  # every score "near" its floor: flagged
+    console = Console(record=True, width=220)
+    report(store.path, tmp_path / "report", console=console)
+    text = " ".join(console.export_text().split())
+    assert "⚠ 3/3" in text and "within 10× of their noise floor" in text
+
+    def bands(data):
+        fig = nonlinearity_per_layer(data)
+        count = sum(len(ax.collections) for ax in fig.axes)
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
+        return count
+
+    unmeasured = dataset.copy(deep=True)
+    unmeasured["nonlinearity_floor"] = unmeasured.nonlinearity_floor * np.nan
+    assert bands(dataset) == bands(unmeasured) + 3  # one floor band per panel (layer, attn, mlp), one task

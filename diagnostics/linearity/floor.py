@@ -82,8 +82,7 @@ def near_floor(score: float, floor: float) -> bool:
 
 
 def flagged(scores: np.ndarray, floors: np.ndarray) -> str:
-    """"⚠ k/n": k of the n scored modules score within `FLAG_RATIO` × their floor ("" when none; `scores` and
-    `floors` one entry per module)."""
+    """"⚠ k/n": k of the n finite `scores` are within `FLAG_RATIO` × their `floors` (same shape) ("" when none)."""
     pairs = [(score, floor) for score, floor in zip(np.ravel(scores), np.ravel(floors)) if np.isfinite(score)]
     count = sum(near_floor(score, floor) for score, floor in pairs)
     return f"⚠ {count}/{len(pairs)}" if count else ""

@@ -151,9 +151,11 @@ def nonlinearity_per_layer(linearity: xr.Dataset, about: str = ""):
     """Non-linearity Score per layer, one panel per level (layer / attn / mlp / head), one line per task.
 
     Line: median over samples (and heads); band: 25–75th percentile. Dashed lines: the
-    model-level median of each task, for reference. Log scale (scores span decades).
+    model-level median of each task, for reference. Shaded from the bottom: the noise floor band (up to the
+    layer's largest floor, per task): a line inside it is rounding at the compute dtype. Log scale.
     """
     frame = _scores(linearity)
+    floors = long_frame(linearity.nonlinearity_floor).dropna(subset=["nonlinearity_floor"])
     tasks = strings(linearity.task.values)
     levels = [level for level in ordered(frame.level) if level != "model"]
     model = frame[frame.level == "model"].groupby("task").nonlinearity_score.median()
@@ -173,15 +175,26 @@ def nonlinearity_per_layer(linearity: xr.Dataset, about: str = ""):
             for task, value in model.items():
                 ax.axhline(value, color=palette.get(task, "grey"), linestyle="--", linewidth=1.2)
             ax.set_yscale("log")
+            _shade_floor(ax, floors[floors.level == level], palette)
             ax.set_title(f"{level}" + (" (all heads)" if level == "head" else ""))
             ax.set_xlabel("layer")
             ax.set_ylabel("Non-linearity Score (log)")
         handles = [plt.Line2D([], [], color=palette[t], marker="o", label=t) for t in tasks]
+        if not floors.empty:
+            handles.append(plt.Rectangle((0, 0), 1, 1, color="grey", alpha=0.25, label="noise floor (rounding)"))
         if not model.empty:
             handles.append(plt.Line2D([], [], color="grey", linestyle="--", label="model level"))
         fig.legend(handles=handles, title="fine-tune", loc="outside right upper", frameon=False)
         plot.title(fig, "Non-linearity Score per layer (seed 002 Eq. 19) — median and IQR over samples", about)
     return fig
+
+
+def _shade_floor(ax, floors: pd.DataFrame, palette: dict) -> None:
+    """Shade each task's noise floor per layer (its largest over the layer's modules) from the axes' bottom."""
+    for task, part in floors[floors.nonlinearity_floor > 0].groupby("task"):
+        per_layer = part.groupby("layer").nonlinearity_floor.max()
+        ax.fill_between(per_layer.index, per_layer.min() / 10, per_layer.values, color=palette.get(task, "grey"),
+                        alpha=0.18, linewidth=0, step="mid")
 
 
 def nonlinearity_by_level(linearity: xr.Dataset, about: str = ""):
