@@ -12,6 +12,8 @@ replaces τ by s·τ (every variant θ0 + (k/N)·s·τ) on one full fine-tune.
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib
 import time
 import warnings
 from pathlib import Path
@@ -87,6 +89,31 @@ def run(experiment, args, floor_samples: int = 0):
     return dataset, time.perf_counter() - start
 
 
+def plot_sweep(frame: pd.DataFrame, path: Path) -> None:
+    """Mean score per level against the update scale, float32 (solid) and bfloat16 (dashed), each dtype's floor
+    shaded: where the bfloat16 lines leave their floor band and order the levels as float32 does."""
+    from submerge.diagnostics import plot
+
+    levels = list(dict.fromkeys(frame.level))
+    with plot.styled() as (plt, sns):
+        palette = dict(zip(levels, sns.color_palette("deep", len(levels))))
+        fig, ax = plt.subplots(figsize=(8.5, 5), layout="constrained")
+        for (level, dtype), part in frame.groupby(["level", "dtype"]):
+            part = part.sort_values("scale")
+            style = "-" if dtype == "float32" else "--"
+            ax.plot(part.scale, part.score, style, marker="o", color=palette[level], label=f"{level} · {dtype}")
+            ax.fill_between(part.scale, part.floor.min() / 10, part.floor, color=palette[level],
+                            alpha=0.08 if dtype == "float32" else 0.18, linewidth=0)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("update scale s (every variant θ0 + (k/N)·s·τ)")
+        ax.set_ylabel("Non-linearity Score, mean over modules")
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False, title="level · compute")
+        plot.title(fig, "Non-linearity Score against update scale — shaded: each line's noise floor",
+                   f"SmolLM2-135M · {frame.kit.iloc[0]} ({frame.task.iloc[0]})")
+        plot.save(fig, path)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("runs/precision"))
@@ -95,10 +122,20 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--levels", default="attn,mlp")
     parser.add_argument("--tasks", default="math")
+    parser.add_argument("--layers", default="0,7,14,21,28", help="blocks measured (comma-separated; '' for all)")
     parser.add_argument("--scales", default="1,3,10,30")
     parser.add_argument("--skip-levels", action="store_true", help="only the update-scale sweep")
+    parser.add_argument("--figure", type=Path, default=None, help="the sweep's figure (default: OUT/scale_sweep.png)")
+    parser.add_argument("--plot-only", action="store_true", help="draw the figure from OUT/scales.csv")
     args = parser.parse_args()
+    figure = args.figure or args.out / "scale_sweep.png"
+    if args.plot_only:
+        plot_sweep(pd.read_csv(args.out / "scales.csv"), figure)
+        return
     args.levels = tuple(args.levels.split(","))
+    if args.layers:  # only these blocks (the driver's sweep takes `layers`; its signature does not)
+        driver = importlib.import_module("submerge.diagnostics.linearity.nonlinearity")
+        driver.Sweep = functools.partial(driver.Sweep, layers=[int(n) for n in args.layers.split(",")])
     args.out.mkdir(parents=True, exist_ok=True)
     chosen = kits(args.tasks.split(","))
     if not args.skip_levels:
@@ -123,6 +160,7 @@ def main() -> None:
             rows += level_means(dataset, name, dtype, args.levels, scale=scale, seconds=seconds)
             print(f"scale {scale:g} {dtype}: {seconds:.0f} s", flush=True)
             pd.DataFrame(rows).to_csv(args.out / "scales.csv", index=False)
+    plot_sweep(pd.DataFrame(rows), figure)
 
 
 if __name__ == "__main__":

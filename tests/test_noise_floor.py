@@ -195,3 +195,26 @@ def test_report_flags_and_figures_shade(kit, tmp_path, monkeypatch):
     unmeasured = dataset.copy(deep=True)
     unmeasured["nonlinearity_floor"] = unmeasured.nonlinearity_floor * np.nan
     assert bands(dataset) == bands(unmeasured) + 3  # one floor band per panel (layer, attn, mlp), one task
+
+
+def test_cli_half_precision_warns_and_records(kit, tmp_path):
+    from typer.testing import CliRunner
+
+    from submerge.cli.main import app
+
+    out = tmp_path / "half.zarr"
+    arguments = ["linearity", "--model", kit.base_dir, "--finetuned", f"math={kit.finetuned_dir}",
+                 "--data", f"math={kit.data_path}", "--out", out, "--samples", "2", "--steps", "2",
+                 "--levels", "mlp", "--max-tokens", "24", "--device", "cpu", "--no-progress",
+                 "--compute-dtype", "bfloat16", "--floor-samples", "1"]
+    with pytest.warns(HalfPrecisionWarning, match="measure rounding"):
+        result = CliRunner().invoke(app, [str(a) for a in arguments], env={"COLUMNS": "300"})
+    assert result.exit_code == 0, result.output
+    assert "(floor " in result.output
+    dataset = Store(out).dataset("linearity")
+    assert dataset.attrs["settings"]["compute_dtype"] == "bfloat16" and dataset.attrs["settings"]["dtype"] == "bfloat16"
+    assert dataset.attrs["settings"]["floor_samples"] == 1 and np.isfinite(dataset.nonlinearity_floor.values).all()
+    result = CliRunner().invoke(app, ["eval", "--compute-dtype", "bfloat16", "--model", str(kit.base_dir),
+                                      "--finetuned", f"math={kit.finetuned_dir}", "--data", f"math={kit.data_path}",
+                                      "--out", str(tmp_path / "eval.zarr")], env={"COLUMNS": "300"})
+    assert result.exit_code == 2 and "--compute-dtype must be one of float32, float64" in " ".join(result.output.split())
