@@ -12,8 +12,9 @@ A score within `FLAG_RATIO` × its floor is flagged in the summary tables and `d
 rounding, not the fine-tune (the per-layer figures shade the floor band).
 
 The pass reuses the driver (``store=None``, the run's engine) on a smaller `Experiment` (`first_records`), so it
-costs about ``floor_samples / samples`` of a float64 run: ≤ 10 % of a float32 run at the defaults
-(README, "Is the MLP more non-linear than attention?", has the measurement).
+costs about ``floor_samples / samples`` of a float64 run. Estimated, not yet measured at the defaults
+(`benchmarks/noise_floor.py` does): a float64 run of one record cost 1.1× the float32 run on a loaded CPU, so the
+default floor is ≈ 7 % of a demo-kit run (16 records) and ≈ 4 % at seed 002's 30 records.
 """
 
 from __future__ import annotations
