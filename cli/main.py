@@ -14,6 +14,7 @@ from submerge.cli.options import (
     DATA_RUN,
     MODELS,
     SCALE_OUT,
+    FloorSamplesOption,
     RunOptions,
     engine_of,
     load_experiment,
@@ -39,6 +40,7 @@ from submerge.diagnostics.interference import interference as run_interference
 from submerge.diagnostics.linearity import ALPHA, GRANULARITIES, LINEARITY, PROJECTION, nonlinearity
 from submerge.diagnostics.linearity import alpha as run_alpha
 from submerge.diagnostics.linearity import projection as run_projection
+from submerge.diagnostics.linearity.floor import FLOOR_SAMPLES
 from submerge.diagnostics.modules import LEVELS
 from submerge.diagnostics.outputs import check_output_file, file_starts_with, replace_file
 from submerge.diagnostics.store import Store
@@ -104,6 +106,7 @@ def linearity(
     steps: Annotated[int, typer.Option("--steps", min=1, help="N of Eq. 19: points θ0 + (k/N)τ, k = 0..N.")] = 10,
     model_output: Annotated[str, typer.Option("--model-output", help="Model-level features: hidden (final hidden "
                                                                      "state after the final norm) or logits.")] = "hidden",
+    floor_samples: FloorSamplesOption = FLOOR_SAMPLES,
     run: RunOptions = None,
 ):
     """Non-linearity Score (seed 002 Eq. 19) of each fine-tune on its own task data, per submodule.
@@ -115,7 +118,8 @@ def linearity(
     if model_output not in ("hidden", "logits"):
         raise typer.BadParameter("--model-output must be hidden or logits")
     chosen = _levels(levels)
-    dataset = nonlinearity(run.experiment(), levels=chosen, steps=steps, model_output=model_output, run=run.run_settings())
+    dataset = nonlinearity(run.experiment(), levels=chosen, steps=steps, model_output=model_output,
+                           floor_samples=floor_samples, run=run.run_settings())
     LINEARITY.print_summary(dataset, out)
     out.print(f"Wrote group [bold]linearity[/] of {run.out}")
 
@@ -127,6 +131,7 @@ def projection(
     levels: LevelsOption = "model,layer,attn,mlp",
     alpha_values: Annotated[Optional[str], typer.Option(
         "--alpha", help="Comma-separated α values for the grid (default: seed 002 Fig. 3 grids).")] = None,
+    floor_samples: FloorSamplesOption = FLOOR_SAMPLES,
     run: RunOptions = None,
 ):
     """Projection Distance (Eq. 8), cosine_merge (Eq. 16) and cosine_base (Eq. 17) for every subset of
@@ -137,7 +142,8 @@ def projection(
     if run.model is not None and len(run.finetuned or []) < 2:
         raise typer.BadParameter(f"diag projection compares merges of two or more fine-tunes; got "
                                  f"{len(run.finetuned or [])} (give --finetuned NAME=PATH at least twice)")
-    dataset = run_projection(run.experiment(), levels=chosen, alphas=alphas, run=run.run_settings())
+    dataset = run_projection(run.experiment(), levels=chosen, alphas=alphas, floor_samples=floor_samples,
+                             run=run.run_settings())
     PROJECTION.print_summary(dataset, out)
     out.print(f"Wrote group [bold]projection[/] of {run.out}")
 

@@ -97,8 +97,16 @@ OffloadOption = Annotated[bool, typer.Option(
                       "while it runs: for a base larger than the GPU (needs ≈ one block in the compute dtype there). "
                       "No effect on the CPU.")]
 DtypeOption = Annotated[str, typer.Option("--dtype", help="auto (the checkpoint's dtype), float32, bfloat16, float16.")]
-ComputeDtypeOption = Annotated[str, typer.Option("--compute-dtype", help="float32 or float64: the dtype replays "
-                                                 "and forwards compute in (--dtype is the storage dtype).")]
+ComputeDtypeOption = Annotated[str, typer.Option("--compute-dtype", help="float32 (default) or float64: the dtype "
+                                                 "replays and forwards compute in (--dtype is the storage dtype). "
+                                                 "linearity, projection and alpha also take bfloat16 or float16, to "
+                                                 "reproduce half-precision GPU numbers: the base is then stored and "
+                                                 "computed in it (warned: with small updates this measures "
+                                                 "rounding; compare with each score's noise floor).")]
+FloorSamplesOption = Annotated[int, typer.Option(
+    "--floor-samples", min=0, help="Records per task (the first) replayed again in float64 for each score's noise "
+                                   "floor: what rounding at the compute dtype contributes (|score − score in "
+                                   "float64|; 0: none). `diag report` flags scores within 10× of it.")]
 PickleOption = Annotated[bool, typer.Option("--allow-pickle", help="Allow pickled .bin checkpoints "
                                                                    "(loaded with weights_only=True).")]
 RemoteCodeOption = Annotated[bool, typer.Option("--trust-remote-code", help="Run model code from the repository "

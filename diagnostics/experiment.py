@@ -7,6 +7,7 @@ task files are read (first `samples` records) and tokenised.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -21,15 +22,43 @@ from submerge.diagnostics.provenance import run_attrs
 from submerge.diagnostics.task_vectors import TaskVectorReader, open_finetunes
 
 COMPUTE_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+HALF_COMPUTE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+"""On request only, for the data-driven diagnostics: the base is stored in that dtype and everything computes in
+it, as a half-precision GPU run does (to reproduce published numbers; `HalfPrecisionWarning`)."""
 
 
-def pick_compute_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """`--compute-dtype`: float32 or float64 (replays never compute below float32)."""
-    if isinstance(dtype, torch.dtype) and dtype in COMPUTE_DTYPES.values():
+class HalfPrecisionWarning(UserWarning):
+    """Half-precision compute measures rounding when the fine-tuning updates are small."""
+
+
+def pick_compute_dtype(dtype: str | torch.dtype, *, half: bool = False) -> torch.dtype:
+    """`--compute-dtype`: float32 or float64 (replays never compute below float32); with `half`, also bfloat16 or
+    float16 (`HALF_COMPUTE_DTYPES`: the data-driven diagnostics, on request)."""
+    known = {**COMPUTE_DTYPES, **(HALF_COMPUTE_DTYPES if half else {})}
+    if isinstance(dtype, torch.dtype) and dtype in known.values():
         return dtype
-    if dtype in COMPUTE_DTYPES:
-        return COMPUTE_DTYPES[dtype]
-    raise ModelInputError(f"--compute-dtype must be one of {', '.join(COMPUTE_DTYPES)}, got '{dtype}'")
+    if dtype in known:
+        return known[dtype]
+    raise ModelInputError(f"--compute-dtype must be one of {', '.join(known)}, got '{dtype}'")
+
+
+def is_half(dtype: torch.dtype) -> bool:
+    return dtype in HALF_COMPUTE_DTYPES.values()
+
+
+def half_precision_storage(dtype: str, compute: torch.dtype) -> str:
+    """The storage dtype of a half-precision compute run: the compute dtype itself (``--dtype auto`` or the same);
+    a wider storage dtype would be promoted back to it, so it is refused."""
+    name = str(compute).removeprefix("torch.")
+    if dtype not in ("auto", name):
+        raise ModelInputError(f"--compute-dtype {name} computes in the storage dtype: leave --dtype auto or give "
+                              f"--dtype {name} (got --dtype {dtype})")
+    warnings.warn(f"--compute-dtype {name}: replays and forwards run in {name}, as a half-precision GPU run does. "
+                  "When fine-tuning updates are small relative to the weights (a few steps, LoRA), the scores then "
+                  "measure rounding rather than the fine-tune: compare each score with its noise floor "
+                  "(nonlinearity_floor, projection_distance_floor; flagged in `diag report`).",
+                  HalfPrecisionWarning, stacklevel=3)
+    return name
 
 
 def check_device(device: str) -> None:
@@ -74,8 +103,14 @@ class Experiment:
         return max(len(d.texts) for d in self.data.values())
 
     def parameter_source(self, compute_dtype: str | torch.dtype | None = None) -> ParameterSource:
-        """Variants of this base and its task vectors, computed in `compute_dtype` (default: the experiment's)."""
-        dtype = self.compute_dtype if compute_dtype is None else pick_compute_dtype(compute_dtype)
+        """Variants of this base and its task vectors, computed in `compute_dtype` (default: the experiment's).
+
+        Half-precision compute needs a base stored in that dtype (`Experiment.load` with that `compute_dtype`)."""
+        dtype = self.compute_dtype if compute_dtype is None else pick_compute_dtype(compute_dtype, half=True)
+        storage = self.settings.get("dtype")
+        if is_half(dtype) and storage != str(dtype).removeprefix("torch."):
+            raise ModelInputError(f"compute dtype {dtype} needs the base stored in it; this experiment's base is "
+                                  f"stored in {storage}: load it with compute_dtype='{str(dtype)[6:]}'")
         return ParameterSource(self.base, self.task_vectors, compute_dtype=dtype)
 
     @classmethod
@@ -114,7 +149,9 @@ class Experiment:
                 )
         if samples < 1:
             raise DataInputError("--samples must be at least 1")
-        compute = pick_compute_dtype(compute_dtype)
+        compute = pick_compute_dtype(compute_dtype, half=True)
+        if is_half(compute):
+            dtype = half_precision_storage(dtype, compute)
         check_device(device)
         task_data = {task: read_task_file(task, path, samples=samples, skip=skip) for task, path in data.items()}
         base = load_base_model(model, dtype=dtype, device=device, revision=revision, allow_pickle=allow_pickle,

@@ -50,21 +50,27 @@ def _cell(value) -> str:
     return str(value)
 
 
-def _mean_std(mean, std) -> str:
+def _mean_std(mean, std, floor=np.nan, flag="") -> str:
     if np.isnan(mean):
         return "—"
-    return f"{mean:.4g}" if np.isnan(std) else f"{mean:.4g} ± {std:.2g}"
+    text = f"{mean:.4g}" if np.isnan(std) else f"{mean:.4g} ± {std:.2g}"
+    if not np.isnan(floor):
+        text += f" (floor {floor:.2g})"
+    return f"{text} {flag}" if flag else text
 
 
 def _is_mean_std(columns: pd.Index) -> bool:
-    return isinstance(columns, pd.MultiIndex) and columns.nlevels == 2 and set(columns.get_level_values(1)) in (
-        {"mean", "std"}, {"mean", "stderr"})
+    if not (isinstance(columns, pd.MultiIndex) and columns.nlevels == 2):
+        return False
+    parts = set(columns.get_level_values(1))
+    return {"mean", "std"} <= parts <= {"mean", "std", "floor", "flag"} or parts == {"mean", "stderr"}
 
 
 def render_table(frame: pd.DataFrame, title: str) -> Table:
     """`frame` as a rich Table: one column per index level, then the columns (numbers to 4 significant digits,
     NaN as "—"); columns (key, "mean") and (key, "std") (or (key, "stderr"): a standard error) become one column
-    "mean ± std" per key."""
+    "mean ± std" per key, followed by "(floor f)" and the flag where (key, "floor") and (key, "flag") exist (a noise
+    floor: `linearity.floor`)."""
     table = Table(title=title, title_justify="left")
     names = [name or "" for name in frame.index.names]
     for name in names:
@@ -76,12 +82,21 @@ def render_table(frame: pd.DataFrame, title: str) -> Table:
         for key in keys:
             table.add_column(str(key), justify="right")
         for labels, (_, row) in zip(index, frame.iterrows()):
-            table.add_row(*map(str, labels), *[_mean_std(row[(key, "mean")], row[(key, spread)]) for key in keys])
-        return table
+            table.add_row(*map(str, labels), *[_mean_std(row[(key, "mean")], row[(key, spread)],
+                                                         row.get((key, "floor"), np.nan), row.get((key, "flag"), ""))
+                                               for key in keys])
+        return _flag_caption(table, frame)
     for column in frame.columns:
         table.add_column(" ".join(map(str, column)) if isinstance(column, tuple) else str(column), justify="right")
     for labels, (_, row) in zip(index, frame.iterrows()):
         table.add_row(*map(str, labels), *[_cell(value) for value in row.tolist()])
+    return _flag_caption(table, frame)
+
+
+def _flag_caption(table: Table, frame: pd.DataFrame) -> Table:
+    """The caption that explains the noise-floor flag "⚠ k/n", when a cell has one."""
+    if any(isinstance(value, str) and value.startswith("⚠") for value in frame.to_numpy().ravel()):
+        table.caption = "⚠ k/n: k of the n scores are within 10× of their noise floor (rounding at the compute dtype)"
     return table
 
 

@@ -472,7 +472,8 @@ def test_toy_table(every_level):
     for level, row in table.iterrows():
         print(f"  {level:7s}" + "".join(f"  {task}: {row[(task, 'mean')]:.3e} ± {row[(task, 'std')]:.1e}"
                                         for task in TASKS))
-    assert list(table.columns) == [(task, stat) for task in TASKS for stat in ("mean", "std")]
+    assert list(table.columns) == [(task, stat) for task in TASKS for stat in ("mean", "std", "floor", "flag")]
+    assert table.xs("floor", axis=1, level=1).isna().all().all()  # float64 compute: no floor to measure
     assert list(table.index) == ["model", "layer", "attn", "mlp", "head", "linear"]
     scores = every_level.nonlinearity_score.values
     assert np.isfinite(scores).all() and (scores >= 0).all()

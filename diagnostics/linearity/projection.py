@@ -22,6 +22,14 @@ from submerge.diagnostics.linearity.equations import (
     projection_distance,
     projection_terms,
 )
+from submerge.diagnostics.linearity.floor import (
+    FLOOR_NOTE,
+    FLOOR_SAMPLES,
+    first_records,
+    flagged,
+    reference_run,
+    wants_floor,
+)
 from submerge.diagnostics.linearity.sweep import Sweep
 from submerge.diagnostics.modules import DEFAULT_LEVELS
 from submerge.diagnostics.replay import Outputs, Unit, module_coords
@@ -65,6 +73,7 @@ def projection(
     *,
     levels: Sequence[str] = DEFAULT_LEVELS,
     alphas: Sequence[float] | None = None,
+    floor_samples: int = FLOOR_SAMPLES,
     run: RunSettings | None = None,
     **run_options,
 ) -> xr.Dataset:
@@ -73,6 +82,9 @@ def projection(
     For every subset S of two or more fine-tunes and every α in its grid (seed 002
     Fig. 3 unless `alphas`), over x in the union of S's task data:
     Δ_merge = f(x; θ0 + Σ α_t τ_t) − f(x; θ0), Δ_lin = Σ α_t Δf_t(x).
+    ``projection_distance_floor`` (module, combo): what rounding at the compute dtype contributes
+    (`submerge.diagnostics.linearity.floor`): |PD − PD in float64| over the first `floor_samples` records of each
+    task, the largest over the subset's α grid (NaN when the compute dtype is float64 or `floor_samples` is 0).
     ``run`` (or its fields as keywords: ``store``, ``force``, ``progress``, ``command``, ``on_unit``,
     ``capture_budget``, ``compute_dtype``, ``engine``): `submerge.diagnostics.execution.RunSettings`; with a
     ``RayEngine`` the layers are measured by a pipeline of Ray workers, and this process alone writes the store.
@@ -89,9 +101,10 @@ def projection(
     for c, (subset, alpha) in enumerate(combos):
         for task, value in zip(subset, alpha):
             combo_alpha[c, tasks.index(task)] = value
-    sweep = Sweep(experiment, levels, PROJECTION.name, {"levels": list(levels),
+    sweep = Sweep(experiment, levels, PROJECTION.name, {"levels": list(levels), "floor_samples": floor_samples,
                                                      "alphas": None if alphas is None else list(alphas)},
                   run)
+    floors = _floors(experiment, sweep, floor_samples, levels=levels, alphas=alphas)
 
     def measure(unit: Unit) -> dict:
         results = {}
@@ -112,9 +125,12 @@ def projection(
         return results
 
     def piece(modules, values) -> xr.Dataset:
+        floor = (np.full((len(modules), len(combos)), np.nan) if floors is None
+                 else floors.sel(module=[m.name for m in modules]).values)
         return xr.Dataset(
             {
                 "projection_distance": (("module", "combo"), np.stack([values[m.name][0] for m in modules])),
+                "projection_distance_floor": (("module", "combo"), floor),
                 "cosine_merge": (("module", "combo"), np.stack([values[m.name][1] for m in modules])),
                 "cosine_base": (("module", "subset"), np.stack([values[m.name][2] for m in modules])),
             },
@@ -131,18 +147,37 @@ def projection(
     sweep.run("Projection Distance", measure, piece)
     return sweep.writer.finish({"equations": "seed 002 Eq. 8 (PD), Eq. 16 (cosine_merge), Eq. 17 (cosine_base)",
                                 "cosine_base": "mean over pairs t<t' (Eq. 17 prints 1/(T(T-1)) over t<t', half a mean)",
-                                "data": "x ranges over the union of the subset's task data"})
+                                "data": "x ranges over the union of the subset's task data",
+                                "projection_distance_floor": FLOOR_NOTE})
+
+
+def _floors(experiment, sweep: Sweep, floor_samples: int, **options) -> xr.DataArray | None:
+    """|PD − PD in float64| (module, combo) on the first `floor_samples` records, the largest over the α grid of
+    the combo's subset (one difference can cancel by chance; the grid's are alike), or None (no floor, or nothing
+    left to measure). The Projection Distance is a mean over samples, so both dtypes run on the same records."""
+    if not wants_floor(sweep.compute_dtype, floor_samples) or sweep.finished():
+        return None
+    subset = first_records(experiment, floor_samples)
+    compute = str(sweep.source.compute_dtype).removeprefix("torch.")
+    distances = [projection(subset, floor_samples=0, run=reference_run(sweep.run_settings, dtype),
+                            **options).projection_distance for dtype in (compute, "float64")]
+    error = abs(distances[0] - distances[1])
+    return error.groupby("combo_subset").max().sel(combo_subset=error.combo_subset).drop_vars("combo_subset")
 
 
 def summary(dataset: xr.Dataset) -> pd.DataFrame:
     """Per level: mean and std of the Projection Distance over the level's modules and every (subset, α) of the
-    grid, and the mean cosine_merge (over the same) and cosine_base (over modules and subsets); NaN skipped."""
+    grid, and the mean cosine_merge (over the same) and cosine_base (over modules and subsets); NaN skipped.
+    "PD floor": the mean noise floor over the same; "near floor": "⚠ k/n" when k of the n (module, α) distances are
+    within 10× of their floor."""
     levels = np.array(strings(dataset.level.values))
     rows = {}
     for level in ordered(levels):
         chosen = levels == level
         distance_mean, distance_std = mean_std(dataset.projection_distance.values[chosen])
-        rows[level] = {"PD mean": distance_mean, "PD std": distance_std,
+        distances, floors = dataset.projection_distance.values[chosen], dataset.projection_distance_floor.values[chosen]
+        rows[level] = {"PD mean": distance_mean, "PD std": distance_std, "PD floor": mean_std(floors)[0],
+                       "near floor": flagged(distances, floors),
                        "cosine_merge": mean_std(dataset.cosine_merge.values[chosen])[0],
                        "cosine_base": mean_std(dataset.cosine_base.values[chosen])[0]}
     return pd.DataFrame.from_dict(rows, orient="index").rename_axis("level")
@@ -243,7 +278,8 @@ def _multi_points(means: pd.DataFrame, subsets: list[str], levels: list[str], co
 
 
 def projection_per_layer(projection: xr.Dataset, about: str = ""):
-    """Projection Distance per layer (mean and std over every subset and α), one line per level."""
+    """Projection Distance per layer (mean and std over every subset and α), one line per level; shaded: the noise
+    floor band (the layer's largest floor)."""
     frame = long_frame(projection.projection_distance).dropna(subset=["projection_distance"])
     levels = [level for level in ordered(frame.level) if level != "model"]
     model = frame[frame.level == "model"].projection_distance
@@ -256,6 +292,11 @@ def projection_per_layer(projection: xr.Dataset, about: str = ""):
             plot.integer_ticks(ax, part.layer)
         if not model.empty:
             ax.axhline(model.mean(), color="black", linestyle="--", linewidth=1.2, label="model (mean)")
+        floors = long_frame(projection.projection_distance_floor).dropna(subset=["projection_distance_floor"])
+        floors = floors[floors.level.isin(levels)].groupby("layer").projection_distance_floor.max()
+        if not floors.empty:
+            ax.fill_between(floors.index, 0, floors.values, color="grey", alpha=0.25, linewidth=0, step="mid",
+                            label="noise floor (rounding)")
         ax.set_xlabel("layer")
         ax.set_ylabel("Projection Distance")
         ax.set_ylim(bottom=0)
@@ -267,7 +308,8 @@ def projection_per_layer(projection: xr.Dataset, about: str = ""):
 PROJECTION = StoreGroup(
     name="projection",
     dim="module",
-    variables={"projection_distance": ("module", "combo"), "cosine_merge": ("module", "combo"),
+    variables={"projection_distance": ("module", "combo"), "projection_distance_floor": ("module", "combo"),
+               "cosine_merge": ("module", "combo"),
                "cosine_base": ("module", "subset")},
     title="Projection Distance and cosines (seed 002 Eq. 8, 16, 17), over modules and (subset, α)",
     summary=summary,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import torch
 import xarray as xr
 
 from submerge.diagnostics.capture import no_tf32
@@ -67,6 +68,15 @@ class Sweep:
                                  force=run.force, root=root, attrs={**attrs, "precision": PRECISION_NOTE},
                                  on_unit=run.on_unit)
 
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the replays compute in: the storage dtype promoted to the compute dtype."""
+        return torch.promote_types(getattr(torch, self.experiment.settings["dtype"]), self.source.compute_dtype)
+
+    def finished(self) -> bool:
+        """Whether the store holds every unit of this sweep already (a resumed run with nothing left)."""
+        return all(self.label(m) in self.writer.done for m in self.modules)
+
     def label(self, module: Submodule) -> str:
         """The store label of the unit that holds `module` (its name, or its layer's index)."""
         return str(module.layer) if self.unit_dim == "layer" else module.name
@@ -77,7 +87,7 @@ class Sweep:
         ``piece(modules, results)`` → one store unit."""
         done, engine = self.writer.done, self.run_settings.engine
         progress = self.run_settings.progress if progress is None else progress
-        if all(self.label(m) in done for m in self.modules):
+        if self.finished():
             return
         model = [m for m in self.modules if m.level == "model" and self.label(m) not in done]
         if model and isinstance(measure, LayerMeasure):
