@@ -511,16 +511,16 @@ def compare(
                           command=command_line(), recipes=parse_named(recipe, "recipe") if recipe else None,
                           lm_eval=harness)
     COMPARE.check(dataset)
-    print_table(leaderboard(dataset, rank_by=rank_by),
-                "Held-out loss and normalised gain (0 = base, 1 = the task's own fine-tune)"
-                + (" and task accuracy (lm-evaluation-harness)" if harness else "")
-                + (f", best mean {rank_by} first" if rank_by in ("gain", "accuracy") else f", best {rank_by} first"),
-                out)
+    title = (COMPARE.table_title(dataset) if not harness and rank_by == "gain" else  # as diag report prints it
+             "Held-out loss and normalised gain (0 = base, 1 = the task's own fine-tune)"
+             + (" and task accuracy (lm-evaluation-harness)" if harness else "")
+             + (f", best mean {rank_by} first" if rank_by in ("gain", "accuracy") else f", best {rank_by} first"))
+    print_table(leaderboard(dataset, rank_by=rank_by), title, out)
+    out.print(f"Wrote group [bold]compare[/] of {run.out}" + (" and [bold]compare_accuracy[/]" if harness else "")
+              + (f"; plan → {plan_out}" if plan_out else ""))
     for subset, by_seed in dataset.attrs.get("rank_correlation", {}).items():
         out.print(f"Spearman ρ(Σ block Eq. 10, held-out loss) across merges, {subset}: "
                   + ", ".join(f"seed {seed} {rho:.3f}" for seed, rho in by_seed.items()), highlight=False)
-    out.print(f"Wrote group [bold]compare[/] of {run.out}" + (" and [bold]compare_accuracy[/]" if harness else "")
-              + (f"; plan → {plan_out}" if plan_out else ""))
 
 
 def main() -> None:  # pragma: no cover
