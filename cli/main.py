@@ -454,8 +454,23 @@ def compare(
     skip: Annotated[Optional[int], typer.Option("--skip", help="Held-out records start after the first N "
                                                                "(default: --fit).")] = None,
     samples: Annotated[int, typer.Option("--samples", min=1, help="Held-out records per task.")] = 16,
-    lambdas: Annotated[str, typer.Option("--lambdas", help="λ grid of task-arithmetic-tuned.")] = "0.1,0.2,0.3,0.4,"
-                                                                                                  "0.5,0.6,0.7,0.8,0.9,1.0",
+    lambdas: Annotated[str, typer.Option("--lambdas", help="λ grid of task-arithmetic-tuned, and of every tuned "
+                                                           "method whose grid (merge/tuning.py GRIDS) has no λ "
+                                                           "of its own.")] = "0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1.0",
+    subsets: Annotated[str, typer.Option("--subsets", help="Which task subsets to merge, each scored on its own "
+                                                           "tasks: full (all tasks), pairs (every pair) or all "
+                                                           "(both).")] = "full",
+    tune: Annotated[str, typer.Option("--tune", help="Tune every method on the fit records over its paper's grid "
+                                                     "(merge/tuning.py): line (golden-section search over λ per "
+                                                     "setting of the other knobs), grid (every λ), or none (paper "
+                                                     "defaults, λ = 1).")] = "line",
+    seeds: Annotated[int, typer.Option("--seeds", min=1, help="Data-sample seeds: seed 0 takes the first records, "
+                                                              "seed s > 0 permutes them; the leaderboard gives "
+                                                              "mean ± std over seeds.")] = 1,
+    objective: Annotated[bool, typer.Option("--objective/--no-objective", help="Also score each merge's block "
+                                            "objective (Σ Eq. 10 over blocks) on the held-out records and print "
+                                            "its Spearman rank correlation with the held-out loss across merges: "
+                                            "whether the diagnostics can choose among merges.")] = True,
     plan_path: Annotated[Optional[Path], typer.Option("--plan", help="Plan file to compare as 'plan' (default: "
                                                                      "choose one, see --choose).")] = None,
     choose: Annotated[str, typer.Option("--choose", help="evidence (granularity per layer by cross-validated "
@@ -487,10 +502,12 @@ def compare(
                                                            "benchmark's column, e.g. 'demo_gsm8k exact_match'.")] = "gain",
     run: RunOptions = None,
 ):
-    """Every merge strategy at its paper's defaults, task arithmetic with λ tuned on the fit records, closed-form
-    α per layer and per attn+MLP, and the plan, each evaluated on held-out records; one merge at a time.
+    """Every merge strategy, closed-form α per layer and per attn+MLP, and the plan, each tuned on the fit records
+    (--tune) and evaluated on held-out records, on each task subset (--subsets) and data-sample seed (--seeds); one
+    merge at a time.
 
-    Writes store group `compare` (loss and normalised gain per method × task) and prints the leaderboard.
+    Writes store group `compare` (loss and normalised gain per subset × seed × method × task, the chosen
+    hyperparameters) and prints the leaderboard of each subset.
 
     The evidence step of the plan and the closed forms writes group `evidence` first (per layer, candidate
     granularity and fold: the held-out Eq. 10 objective; α per unit): a killed run resumes it, --force redoes it."""
@@ -506,23 +523,27 @@ def compare(
     dataset = run_compare(base, named_finetuned, named_data,
                           methods=[m.strip() for m in methods.split(",") if m.strip()] if methods else None,
                           fit=fit, skip=skip, samples=samples, max_tokens=run.max_tokens, batch_size=run.batch_size,
-                          lambdas=grid, plan=plan_path, choose=choose, evidence_options=evidence, plan_out=plan_out,
+                          lambdas=grid, subsets=subsets, tune=tune, seeds=seeds, objective=objective,
+                          plan=plan_path, choose=choose, evidence_options=evidence, plan_out=plan_out,
                           keep=keep, store=Store(run.out), force=run.force, dtype=run.dtype, device=run.device,
                           offload=run.offload,
                           allow_pickle=run.allow_pickle, vocab=run.vocab, progress=run.progress,
                           command=command_line(), recipes=parse_named(recipe, "recipe") if recipe else None,
                           lm_eval=harness)
     COMPARE.check(dataset)
-    print_table(leaderboard(dataset, rank_by=rank_by),
-                "Held-out loss and normalised gain (0 = base, 1 = the task's own fine-tune)"
-                + (" and task accuracy (lm-evaluation-harness)" if harness else "")
-                + (f", best mean {rank_by} first" if rank_by in ("gain", "accuracy") else f", best {rank_by} first"),
-                out)
+    title = (COMPARE.table_title(dataset) if not harness and rank_by == "gain" else  # as diag report prints it
+             "Held-out loss and normalised gain (0 = base, 1 = the task's own fine-tune)"
+             + (" and task accuracy (lm-evaluation-harness)" if harness else "")
+             + (f", best mean {rank_by} first" if rank_by in ("gain", "accuracy") else f", best {rank_by} first"))
+    print_table(leaderboard(dataset, rank_by=rank_by), title, out)
     if harness is not None:  # the accuracy of every model, as `diag report` prints it again
         COMPARE_ACCURACY.print_summary(Store(run.out).dataset(COMPARE_ACCURACY.name), out)
     out.print(f"Wrote group [bold]compare[/] of {run.out}"
               + (f" and [bold]{COMPARE_ACCURACY.name}[/]" if harness else "")
               + (f"; plan → {plan_out}" if plan_out else ""))
+    for subset, by_seed in dataset.attrs.get("rank_correlation", {}).items():
+        out.print(f"Spearman ρ(Σ block Eq. 10, held-out loss) across merges, {subset}: "
+                  + ", ".join(f"seed {seed} {rho:.3f}" for seed, rho in by_seed.items()), highlight=False)
 
 
 def main() -> None:  # pragma: no cover

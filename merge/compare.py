@@ -1,6 +1,14 @@
 """`diag compare`: every merge strategy, a tuned task arithmetic, closed-form α and the plan, on held-out records.
 
-Methods (labels along dimension ``method`` of the store group ``compare``):
+The protocol (seed 002's): each task subset (`subsets`: the full set, every pair, or both) is merged by every method
+and scored on its own tasks; every method is tuned on the fit records over its paper's grid (`tune`,
+`submerge.merge.tuning`; None: paper defaults); fit and held-out records are redrawn per data-sample seed (`seeds`).
+The store group ``compare`` has one unit per (subset, seed, method) along dimension ``unit`` ("math+code|0|ties"),
+with coordinates ``subset``, ``seed``, ``method``, ``kind``, ``detail`` and ``hyperparameters`` (the tuned choice,
+JSON); tasks outside a unit's subset are NaN. With `objective`, each merge's block objective (Σ Eq. 10 over blocks,
+held out) is stored too, and its Spearman rank correlation with the held-out loss across merges (`rank_correlations`).
+
+Methods (labels along coordinate ``method``):
 
 - ``base`` and ``finetuned:<task>``: the references, evaluated like the merges;
 - every registered strategy (`submerge.merge.strategies.STRATEGIES`) at its paper's default options
@@ -19,8 +27,8 @@ Methods (labels along dimension ``method`` of the store group ``compare``):
   rule per tensor and ranked beside the rest (kind ``recipe``).
 
 Records: the first `fit` records of each task fit α, λ, RegMean's Grams, the Fishers, the AdaMerging and LoraHub
-weights and the evidence choice; the
-`samples` records after the first `skip` (≥ `fit`) are held out, and every loss in the group is on
+weights, the evidence choice and every tuned hyperparameter; the
+`samples` records after the first `skip` (≥ `fit`) are held out (seed 0; `resampled` for other seeds), and every loss in the group is on
 them (`submerge.diagnostics.evaluate.streamed_losses`: mean next-token cross-entropy over real tokens, nats).
 
 Normalised gain of a model on task t: (L_base,t − L_model,t) / (L_base,t − L_finetune_t,t) — 0 is
@@ -28,8 +36,8 @@ the base, 1 the task's own fine-tune; the leaderboard sorts by its mean over tas
 
 Streaming: one merged checkpoint at a time is written to a temporary directory, evaluated block by
 block over the base (one block's weights at a time, as `diag eval`) and deleted (kept under
-``keep/<method>`` when `keep` is given). The group is written one method at a time, so a killed run
-resumes after the last finished method.
+``keep/<method>`` when `keep` is given). The group is written one unit at a time, so a killed run
+resumes after the last finished unit.
 
 Accuracy (`lm_eval`: `submerge.diagnostics.harness.HarnessSettings`): each reference and each merge is also scored
 with lm-evaluation-harness on the held-out records (built in memory from its checkpoint, before that is deleted),
@@ -44,6 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import math
 import os
 import re
@@ -57,18 +66,21 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import torch
 import xarray as xr
+from scipy.stats import spearmanr
 
 from submerge.diagnostics import plot
 from submerge.diagnostics.capture import GramsByLayer
 from submerge.diagnostics.checkpoints import open_checkpoint
-from submerge.diagnostics.data import read_task_file, tokenize
+from submerge.diagnostics.data import TaskData, read_task_file, tokenize
 from submerge.diagnostics.errors import SubmergeError
 from submerge.diagnostics.evaluate import checkpoint_source, scaled_source, streamed_losses
 from submerge.diagnostics.execution import RunSettings
 from submerge.diagnostics.experiment import Experiment
 from submerge.diagnostics.groups import StoreGroup
 from submerge.diagnostics.harness import COMPARE_ACCURACY, AccuracyRunner, accuracy_frame
+from submerge.diagnostics.linearity.evidence import block_objectives
 from submerge.diagnostics.outputs import (
     MERGE_MARKER,
     OutputError,
@@ -80,6 +92,7 @@ from submerge.diagnostics.placement import process_alive
 from submerge.diagnostics.progress import progress_bar
 from submerge.diagnostics.store import Store, UnitWriter
 from submerge.diagnostics.tables import long_frame, strings
+from submerge.diagnostics.task_vectors import TaskVectorReader
 from submerge.diagnostics.tensors import TensorTable
 from submerge.merge.learned import LEARNED_METHODS, learn
 from submerge.merge.plan import (
@@ -94,6 +107,16 @@ from submerge.merge.plan import (
 from submerge.merge.recipe import Recipe, same_model
 from submerge.merge.rules import regmean_rule
 from submerge.merge.strategies import STRATEGIES
+from submerge.merge.tuning import (
+    SCALE,
+    check_search,
+    grid_search,
+    lambdas_of,
+    search_function,
+    settings_of,
+)
+from submerge.merge.tuning import label as tuning_label
+from submerge.merge.tuning import record as tuning_record
 from submerge.merge.writer import ParameterRule, write_merge
 
 DEFAULT_LAMBDAS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
@@ -124,11 +147,12 @@ def normalised_gain(base_loss, model_loss, finetuned_loss) -> np.ndarray:
 DATA_STEPS = ("regmean", *LEARNED_METHODS)
 
 
-def default_methods() -> list[str]:
-    """Every registered strategy, the tuned task arithmetic, closed form at layer and attn-mlp, the plan."""
+def default_methods(tuned: bool = False) -> list[str]:
+    """Every registered strategy, closed form at layer and attn-mlp, the plan; untuned (`tuned` False) also the
+    task arithmetic with λ tuned on the fit records (tuned, every method is, `task-arithmetic` among them)."""
 
     strategies = [name for name, method in STRATEGIES.items() if not method.needs_data or name in DATA_STEPS]
-    return [*strategies, TUNED, *CLOSED_FORM, PLAN]
+    return [*strategies, *([] if tuned else [TUNED]), *CLOSED_FORM, PLAN]
 
 
 def check_methods(methods: list[str]) -> list[str]:
@@ -181,9 +205,9 @@ def _recipe_merge(label: str, recipe, base_spec: str, finetuned: dict[str, str],
                  {"method": label, "mergekit": recipe.to_mergekit(), "notes": recipe.notes()}, kind="recipe")
 
 
-def _strategy(name: str) -> Merge:
-    rule = ParameterRule(method=name, options={})
-    options = STRATEGIES[name].resolve_options({})
+def _strategy(name: str, given: dict | None = None) -> Merge:
+    rule = ParameterRule(method=name, options=dict(given or {}))
+    options = STRATEGIES[name].resolve_options(given or {})
     return Merge(lambda info: rule, f"defaults {options}" if options else "no options",
                  {"method": name, "options": options})
 
@@ -221,11 +245,13 @@ def _plan_merge(plan, label: str) -> Merge:
 
 def prepare(experiment, finetuned: dict[str, str], methods: list[str], *, plan=None, choose: str = "evidence",
             store: Store | None = None, evidence_options: dict | None = None, progress: bool = True,
-            command: str | None = None, force: bool = False) -> tuple[dict[str, Merge], object]:
+            command: str | None = None, force: bool = False, record_evidence: bool = True
+            ) -> tuple[dict[str, Merge], object]:
     """The `Merge` of every method except the tuned task arithmetic, fitted on the experiment's records.
 
     Runs before any merged weights are loaded: capture needs the base model's own weights. The evidence step
-    writes (or, resumed, reads) the group ``evidence`` of `store` (recomputed with `force`).
+    writes (or, resumed, reads) the group ``evidence`` of `store` (recomputed with `force`; not written with
+    `record_evidence` False: compare's other subsets and seeds, whose evidence would replace the full set's).
     Returns (merges, the plan used or None).
     """
 
@@ -255,7 +281,7 @@ def prepare(experiment, finetuned: dict[str, str], methods: list[str], *, plan=N
         among = list(options.pop("candidates", None) or ("layer", "attn-mlp"))
         candidates = list(dict.fromkeys(among + [m.removeprefix("closed-form-") for m in wanted_closed]))
         interference = store.dataset("interference") if store is not None and store.is_complete("interference") else None
-        run = RunSettings(store=store, force=force, progress=progress, command=command,
+        run = RunSettings(store=store if record_evidence else None, force=force, progress=progress, command=command,
                           **{key: options.pop(key) for key in ("capture_budget",) if key in options})
         evidence = evidence_plan(experiment, finetuned, candidates=tuple(candidates), interference=interference,
                                  run=run, **options)
@@ -303,6 +329,7 @@ class _Evaluator:
     def __init__(self, experiment, held_out: dict, *, allow_pickle: bool = False):
         self.base, self.arch, self.held_out, self.fit = experiment.base, experiment.arch, held_out, experiment.batches
         self.tasks, self.allow_pickle, self.compute = experiment.tasks, allow_pickle, experiment.compute_dtype
+        self.held_experiment = None  # set to score the block objective of each merge on the held-out records
         self.load(None)
 
     def losses(self, batches: dict | None = None) -> np.ndarray:
@@ -314,6 +341,14 @@ class _Evaluator:
         """The checkpoint `spec` (None: the base) is the model the next `losses` measure."""
 
         self.source, self.variant = checkpoint_source(self.base, spec, self.compute, allow_pickle=self.allow_pickle)
+
+    def objective(self, reader, scale: float = 1.0) -> float:
+        """Σ over blocks of the Eq. 10 objective (Eq. 33 balanced) of θ0 + scale·(θ_reader − θ0) on the held-out
+        records (`submerge.diagnostics.linearity.evidence.block_objectives`); NaN without `held_experiment`."""
+        if self.held_experiment is None:
+            return math.nan
+        delta = CheckpointDelta(TaskVectorReader("merged", self.base.reader, reader), float(scale))
+        return float(sum(block_objectives(self.held_experiment, delta).values()))
 
     def load_scaled(self, reader, scale: float, *, name: str = "scaled") -> None:
         """θ0 + scale · (θ_reader − θ0) is the model the next `losses` measure."""
@@ -328,31 +363,176 @@ def _tune_lambda(evaluator: _Evaluator, write: Callable, lambdas) -> tuple[float
     directory = write("task-arithmetic-sum", Merge(lambda info: summed, "", {"method": "task-arithmetic"}), False)
     try:
         reader = open_checkpoint(str(directory), base=evaluator.base.reader)
-        fit_loss = {}
-        for value in lambdas:
-            evaluator.load_scaled(reader, float(value))
-            fit_loss[float(value)] = float(np.mean(evaluator.losses(evaluator.fit)))
+        best, fit_loss = grid_search(lambdas, lambda value: _fit_loss(evaluator, reader, value))
     finally:
         shutil.rmtree(directory, ignore_errors=True)
-    best = min(fit_loss, key=lambda v: (fit_loss[v], v))
     return best, fit_loss
 
 
-def _piece(label: str, kind: str, detail: str, losses: np.ndarray, references: dict, tasks: list[str],
-           seconds: float) -> xr.Dataset:
-    base = references["base"]
-    tuned = np.array([references[f"finetuned:{t}"][i] for i, t in enumerate(tasks)])
-    gain = normalised_gain(base, losses, tuned)
+def _fit_loss(evaluator: _Evaluator, reader, scale: float) -> float:
+    """Mean loss over the evaluator's tasks of θ0 + scale·(θ_reader − θ0) on the fit records."""
+    evaluator.load_scaled(reader, float(scale))
+    return float(np.mean(evaluator.losses(evaluator.fit)))
+
+
+@dataclass(frozen=True)
+class CheckpointDelta:
+    """A written merge's update, scaled, as a `TensorDelta` of the evidence driver: scale · (θ_merge − θ0) of each
+    tensor in float32 (the block objective of any method, not only of α-weighted plans)."""
+
+    vectors: TaskVectorReader
+    scale: float
+
+    def __call__(self, info, vectors: list) -> torch.Tensor:
+        return self.scale * self.vectors.get(info.name, device=vectors[0].device)
+
+
+# ------------------------------------------------------------------ tuning every method on the fit records
+
+
+@dataclass
+class Tuned:
+    """The chosen candidate of one method: its options, λ, mean fit loss, and every candidate's fit loss."""
+
+    setting: dict
+    scale: float
+    scale_name: str
+    fit_loss: float
+    searched: dict[str, float]
+    objective: float = math.nan
+
+    @property
+    def label(self) -> str:
+        return tuning_label(self.setting, self.scale, self.scale_name)
+
+
+def _candidates(method: str, merge: Merge, grids: dict | None = None) -> tuple[list[tuple[dict, Merge]], str]:
+    """(setting, the Merge writing δ at λ = 1) per setting of the method's other knobs; the name of its λ."""
+    registered = method in STRATEGIES and method not in DATA_STEPS
+    has_scaling = method in STRATEGIES and SCALE in STRATEGIES[method].resolve_options({})
+    scale_name = SCALE if has_scaling else "λ"
+    if not registered:
+        return [({}, merge)], scale_name
+    unit = {SCALE: 1.0} if has_scaling else {}
+    return [(setting, _strategy(method, {**setting, **unit})) for setting in settings_of(method, grids)], scale_name
+
+
+def _tune(method: str, merge: Merge, evaluator: _Evaluator, write: Callable, *, search: str, lambdas,
+          on_candidate: Callable[[str], None], grids: dict | None = None) -> tuple[np.ndarray, Tuned]:
+    """Held-out losses of `method` at the candidate (setting × λ) with the lowest mean fit loss (`merge.tuning`:
+    each setting's δ written once, each λ evaluated as θ0 + λ·δ)."""
+    candidates, scale_name = _candidates(method, merge, grids)
+    values = lambdas_of(method, lambdas, grids)
+    best: tuple | None = None
+    searched: dict[str, float] = {}
+    try:
+        for index, (setting, candidate) in enumerate(candidates):
+            on_candidate(tuning_label(setting, math.nan, scale_name).replace(f"{scale_name}=nan", "") or "δ")
+            directory = write(f"{method}-candidate-{index}", candidate, False)
+            reader = open_checkpoint(str(directory), base=evaluator.base.reader)
+
+            def loss(value: float, setting=setting, reader=reader) -> float:
+                on_candidate(tuning_label(setting, value, scale_name))
+                return _fit_loss(evaluator, reader, value)
+
+            chosen, losses = search_function(search)(values, loss)
+            searched.update({tuning_label(setting, v, scale_name): value for v, value in losses.items()})
+            if best is None or losses[chosen] < best[0]:  # ties keep the earlier (the grid's first) setting
+                if best is not None:
+                    shutil.rmtree(best[3], ignore_errors=True)
+                best = (losses[chosen], setting, chosen, directory, reader)
+            else:
+                shutil.rmtree(directory, ignore_errors=True)
+        fit_loss, setting, scale, directory, reader = best
+        evaluator.load_scaled(reader, scale)
+        held = evaluator.losses()
+        objective = evaluator.objective(reader, scale)
+    finally:
+        if best is not None:
+            shutil.rmtree(best[3], ignore_errors=True)
+    return held, Tuned(setting, scale, scale_name, fit_loss, searched, objective)
+
+
+# ------------------------------------------------------------------ subsets, seeds and the store's units
+
+SUBSETS = ("full", "pairs", "all")
+UNIT = "unit"
+
+
+def task_subsets(tasks: list[str], which: str = "full") -> list[tuple[str, ...]]:
+    """The task subsets to merge: ``full`` (all tasks), ``pairs`` (every pair) or ``all`` (the full set, then
+    every pair); with two tasks the only pair is the full set."""
+    if which not in SUBSETS:
+        raise CompareError(f"--subsets must be one of {', '.join(SUBSETS)}; got {which!r}")
+    full = [tuple(tasks)]
+    pairs = list(itertools.combinations(tasks, 2))
+    chosen = {"full": full, "pairs": pairs, "all": full + pairs}[which]
+    return list(dict.fromkeys(chosen)) or full
+
+
+def subset_label(tasks) -> str:
+    """"math+code": the label of a task subset along the store's ``subset`` coordinate."""
+    return "+".join(tasks)
+
+
+def unit_label(subset: str, seed: int, method: str) -> str:
+    """The store's unit label of one (subset, seed, method): "math+code|0|ties"."""
+    return f"{subset}|{seed}|{method}"
+
+
+def resampled(task: str, path, *, fit: int, skip: int, samples: int, seed: int) -> tuple[TaskData, TaskData]:
+    """(fit records, held-out records) of `task` for data-sample seed `seed`: seed 0 takes the first `fit` records
+    and the `samples` after the first `skip`; seed s > 0 the same positions of the first skip + samples records
+    permuted by numpy's default_rng(s) (fit and held out stay disjoint)."""
+    pool = read_task_file(task, path, samples=skip + samples)
+    count = len(pool.texts)
+    order = np.arange(count) if seed == 0 else np.random.default_rng(seed).permutation(count)
+    if count <= skip:
+        raise CompareError(f"task '{task}': {path} has {count} records, none after the first {skip} to hold out")
+
+    def pick(rows) -> TaskData:
+        return dataclasses.replace(pool, texts=[pool.texts[i] for i in rows], indices=[pool.indices[i] for i in rows])
+
+    return pick(order[:fit]), pick(order[skip:skip + samples])
+
+
+def restricted(experiment, tasks, data: dict | None = None, batches: dict | None = None):
+    """The experiment on `tasks` only (and on other fit records: `data`, `batches` of every task)."""
+    data = experiment.data if data is None else data
+    batches = experiment.batches if batches is None else batches
+    return dataclasses.replace(experiment, task_vectors={t: experiment.task_vectors[t] for t in tasks},
+                               data={t: data[t] for t in tasks}, batches={t: batches[t] for t in tasks},
+                               settings={**experiment.settings, "tasks": list(tasks)})
+
+
+def _piece(unit: str, kind: str, detail: str, losses: np.ndarray, references: dict, tasks: list[str],
+           seconds: float, *, all_tasks: list[str] | None = None, subset: str | None = None, seed: int = 0,
+           method: str | None = None, tuned: Tuned | None = None, objective: float = math.nan) -> xr.Dataset:
+    """One unit of the group: `losses` on `tasks` (the subset's), NaN on the other tasks of `all_tasks`."""
+    all_tasks = list(tasks) if all_tasks is None else list(all_tasks)
+    where = [all_tasks.index(t) for t in tasks]
+    base = np.asarray(references["base"])[where]
+    own = np.array([references[f"finetuned:{t}"][all_tasks.index(t)] for t in tasks])
+    gain = normalised_gain(base, losses, own)
+    loss_row, gain_row = np.full(len(all_tasks), math.nan), np.full(len(all_tasks), math.nan)
+    loss_row[where], gain_row[where] = losses, gain
     return xr.Dataset(
         {
-            "loss": (("method", "task"), losses[None]),
-            "gain": (("method", "task"), gain[None]),
-            "mean_gain": (("method",), np.array([np.nanmean(gain) if np.isfinite(gain).any() else math.nan])),
-            "seconds": (("method",), np.array([seconds])),
+            "loss": ((UNIT, "task"), loss_row[None]),
+            "gain": ((UNIT, "task"), gain_row[None]),
+            "mean_gain": ((UNIT,), np.array([np.nanmean(gain) if np.isfinite(gain).any() else math.nan])),
+            "seconds": ((UNIT,), np.array([seconds])),
+            "fit_loss": ((UNIT,), np.array([tuned.fit_loss if tuned is not None else math.nan])),
+            "objective": ((UNIT,), np.array([objective], dtype=np.float64)),
         },
-        coords={"method": np.array([label], dtype=object), "task": np.array(tasks, dtype=object),
-                "kind": ("method", np.array([kind], dtype=object)),
-                "detail": ("method", np.array([detail], dtype=object))},
+        coords={UNIT: np.array([unit], dtype=object), "task": np.array(all_tasks, dtype=object),
+                "subset": (UNIT, np.array([subset or subset_label(tasks)], dtype=object)),
+                "seed": (UNIT, np.array([seed], dtype=np.int64)),
+                "method": (UNIT, np.array([method or unit], dtype=object)),
+                "kind": (UNIT, np.array([kind], dtype=object)),
+                "detail": (UNIT, np.array([detail], dtype=object)),
+                "hyperparameters": (UNIT, np.array([tuning_record(tuned.setting, tuned.scale, tuned.scale_name)
+                                                    if tuned is not None else ""], dtype=object))},
     )
 
 
@@ -367,24 +547,48 @@ def _warn_undefined_gain(references: dict, tasks: list[str]) -> None:
                           "mean gain is over the other tasks", UserWarning, stacklevel=3)
 
 
-def _references(evaluator: _Evaluator, writer: UnitWriter, finetuned: dict[str, str], tasks: list[str]) -> dict:
-    """Held-out losses of the base and of each fine-tune (from the store when a resumed run has them)."""
+def _stored_references(writer: UnitWriter, seed: int, labels: dict, tasks: list[str], subsets) -> dict | None:
+    """The reference losses (label → loss per task of `tasks`) of `seed` from a resumed run's units, when every
+    reference unit of the seed is stored; else None."""
+    wanted = [unit_label(subset_label(s), seed, label) for s in subsets
+              for label in ["base", *(f"finetuned:{t}" for t in s)]]
+    if not writer.pieces or not all(unit in writer.done for unit in wanted):
+        return None
+    done = writer.pieces[0]
+    references = {label: np.full(len(tasks), math.nan) for label in labels}
+    for unit in wanted:
+        row = done.sel({UNIT: unit})
+        label = str(row.method.values)
+        losses = row.loss.sel(task=tasks).values.astype(np.float64)
+        references[label] = np.where(np.isnan(references[label]), losses, references[label])
+    return references
+
+
+def _references(evaluator: _Evaluator, writer: UnitWriter, finetuned: dict[str, str], tasks: list[str],
+                seed: int, subsets) -> dict:
+    """Held-out losses (seed `seed`) of the base and of each fine-tune on every task (from the store when a
+    resumed run has them all), written as each subset's reference units."""
     labels = {"base": None, **{f"finetuned:{t}": spec for t, spec in finetuned.items()}}
-    done = writer.pieces[0] if writer.done else None
-    references, seconds = {}, {}
-    for label, spec in labels.items():
-        if label in writer.done:
-            # a dict, not sel(method=label): `method` is sel's own keyword (inexact matching)
-            references[label] = done.loss.sel({"method": label}).values.astype(np.float64)
-            continue
-        start = time.perf_counter()
-        evaluator.load(spec)
-        references[label] = evaluator.losses()
-        seconds[label] = time.perf_counter() - start
-    for label, spec in labels.items():
-        if label not in writer.done:
+    references = _stored_references(writer, seed, labels, tasks, subsets)
+    seconds = dict.fromkeys(labels, math.nan)
+    if references is None:
+        references = {}
+        for label, spec in labels.items():
+            start = time.perf_counter()
+            evaluator.load(spec)
+            references[label] = evaluator.losses()
+            seconds[label] = time.perf_counter() - start
+    for subset in subsets:
+        name = subset_label(subset)
+        for label in ["base", *(f"finetuned:{t}" for t in subset)]:
+            unit = unit_label(name, seed, label)
+            if unit in writer.done:
+                continue
+            spec = labels[label]
             kind, detail = ("base", "the base model") if spec is None else ("finetune", spec)
-            writer.add(_piece(label, kind, detail, references[label], references, tasks, seconds[label]), label)
+            losses = np.array([references[label][tasks.index(t)] for t in subset])
+            writer.add(_piece(unit, kind, detail, losses, references, list(subset), seconds[label],
+                              all_tasks=tasks, subset=name, seed=seed, method=label), unit)
     return references
 
 
@@ -400,6 +604,11 @@ def compare(
     max_tokens: int = 512,
     batch_size: int = 8,
     lambdas=DEFAULT_LAMBDAS,
+    subsets: str = "full",
+    tune: str | None = "line",
+    seeds: int = 1,
+    grids: dict | None = None,
+    objective: bool = True,
     plan=None,
     choose: str = "evidence",
     evidence_options: dict | None = None,
@@ -420,21 +629,35 @@ def compare(
 ) -> xr.Dataset:
     """Merge with every method in turn and evaluate each on held-out records (see the module docstring).
 
-    Returns the ``compare`` dataset (method × task loss and normalised gain, mean gain, seconds);
-    with `store`, writes it as group ``compare`` method by method (resumable). `recipes` (label → mergekit
-    config file or `Recipe`) adds users' recipes, ranked under their labels. `lm_eval` (`HarnessSettings`)
-    also scores every model's task accuracy (group ``compare_accuracy``; ``accuracy`` in the result).
+    Returns the ``compare`` dataset: units (subset × seed × method) × task loss and normalised gain, mean gain,
+    seconds, the chosen candidate's fit loss, with ``method`` indexed (``dataset.sel({"method": "plan"})``); with
+    `store`, writes it as group ``compare`` unit by unit (resumable). `subsets`: full, pairs or all (`task_subsets`);
+    `tune`: line, grid or None (`submerge.merge.tuning`; None: every method at its paper's defaults); `seeds`:
+    data-sample seeds (`resampled`); `grids` (method → {option: values}) replaces rows of `merge.tuning.GRIDS`; `objective`: also score each merge's block objective
+    (Σ Eq. 10 over blocks) on the held-out records, and its Spearman rank correlation with the held-out loss across
+    methods per subset and seed (attrs ``rank_correlation``). `recipes` (label → mergekit config file or `Recipe`) adds users' recipes,
+    ranked under their labels (full set only). `lm_eval` (`HarnessSettings`) also scores every model's task accuracy
+    (group ``compare_accuracy``; ``accuracy`` in the result; untuned, full set, one seed).
     """
-
-    methods = check_methods(list(methods) if methods else default_methods())
+    tune = check_search(tune)
+    methods = check_methods(list(methods) if methods else default_methods(tuned=tune is not None))
     plan_file, plan = plan, Plan.load(plan) if isinstance(plan, (str, Path)) else plan  # checked before any work
     loaded_recipes = load_recipes(recipes, base_spec, methods)
     methods += list(loaded_recipes)
-    if lm_eval is not None and lm_eval.samples is None:  # the local tasks score compare's held-out records
-        lm_eval = dataclasses.replace(lm_eval, samples=samples)
     skip = fit if skip is None else skip
     if skip < fit:
         raise CompareError(f"--skip {skip} < --fit {fit}: held-out records would include fit records")
+    if seeds < 1:
+        raise CompareError(f"--seeds must be at least 1, got {seeds}")
+    protocol = subsets != "full" or seeds > 1
+    if (keep is not None or lm_eval is not None) and (protocol or tune is not None):
+        raise CompareError("--keep and --lm-eval score the merges at their paper defaults on the full set: give "
+                           "them with --tune none, --subsets full and one seed")
+    if protocol and (plan is not None or choose == "thresholds"):
+        raise CompareError("a given plan (--plan, --choose thresholds) merges the full set once: use --subsets full "
+                           "and one seed")
+    if lm_eval is not None and lm_eval.samples is None:  # the local tasks score compare's held-out records
+        lm_eval = dataclasses.replace(lm_eval, samples=samples)
     experiment = Experiment.load(base_spec, finetuned, data, samples=fit, max_tokens=max_tokens,
                                  batch_size=batch_size, dtype=dtype, device=device, offload=offload,
                                  allow_pickle=allow_pickle, vocab=vocab)
@@ -442,11 +665,13 @@ def compare(
     if plan is not None:  # a given plan's units must be the model's, before any work
         plan.check_units(TensorTable.from_model(experiment.base.model, experiment.base.checkpoint_names,
                                                 experiment.arch))
-    held_data = {t: read_task_file(t, data[t], samples=samples, skip=skip) for t in tasks}
-    held_out = {t: tokenize(d, experiment.base.tokenizer, max_tokens=max_tokens, batch_size=batch_size)
-                for t, d in held_data.items()}
+    chosen_subsets = task_subsets(tasks, subsets)
+    records = {seed: {t: resampled(t, data[t], fit=fit, skip=skip, samples=samples, seed=seed) for t in tasks}
+               for seed in range(seeds)}
     settings = {**experiment.settings, "fit": fit, "held_out_skip": skip, "held_out_samples": samples,
                 "methods": methods, "lambdas": [float(v) for v in lambdas], "choose": choose,
+                "subsets": subsets, "tune": tune or "none", "seeds": seeds, "objective": objective,
+                **({"grids": {m: {k: list(v) for k, v in g.items()} for m, g in grids.items()}} if grids else {}),
                 "plan": str(plan_file) if isinstance(plan_file, (str, Path)) else None,
                 **({"plan_sha256": hashlib.sha256(Path(plan_file).read_bytes()).hexdigest()}  # an edited plan
                    if isinstance(plan_file, (str, Path)) else {}),
@@ -458,53 +683,182 @@ def compare(
         check_evidence_options(experiment, evidence_options)
     if not all(math.isfinite(float(value)) for value in lambdas):
         raise CompareError(f"--lambdas must be finite numbers, got {list(lambdas)}")
-    writer = UnitWriter(store, COMPARE.name, settings, dim=COMPARE.dim, force=force, on_unit=on_unit,
+    held_provenance = {t: d.provenance() for t, (_, d) in records[0].items()}
+    drawn = {str(seed): {t: {"fit": fit_data.indices, "held_out": held.indices}
+                         for t, (fit_data, held) in by_task.items()} for seed, by_task in records.items()}
+    writer = UnitWriter(store, COMPARE.name, settings, dim=UNIT, force=force, on_unit=on_unit,
                         root=experiment.root_attrs(command),
-                        attrs=experiment.group_attrs(command, held_out={t: d.provenance() for t, d in held_data.items()}))
-    pending = [m for m in methods if m not in writer.done]
-    _check_outputs(pending, keep, plan_out, store, force)
-    merges, used_plan = prepare(experiment, finetuned, [m for m in pending if m != TUNED], plan=plan, choose=choose,
-                                store=store, evidence_options=evidence_options, progress=progress, command=command,
-                                force=force)
-    merges.update({label: _recipe_merge(label, recipe, base_spec, finetuned, allow_pickle)
-                   for label, recipe in loaded_recipes.items() if label in pending})
-    if plan_out is not None and used_plan is not None:
-        used_plan.save(plan_out, force=True)  # checked by _check_outputs
-    elif plan_out is not None and PLAN in methods:
+                        attrs=experiment.group_attrs(command, held_out=held_provenance, drawn_records=drawn))
+    full_pending = [m for m in methods if unit_label(subset_label(tasks), 0, m) not in writer.done]
+    _check_outputs(full_pending, keep, plan_out, store, force)
+    if plan_out is not None and PLAN in methods and PLAN not in full_pending:
         warnings.warn(f"'{PLAN}' was compared by an earlier run of this store, so no plan was built and {plan_out} "
                       f"is not written: run with --force to recompute, or write a plan with `diag plan`")
-    evaluator = _Evaluator(experiment, held_out, allow_pickle=allow_pickle)
-    references = _references(evaluator, writer, finetuned, tasks)
-    _warn_undefined_gain(references, tasks)
+    run = _Run(experiment, finetuned, methods, loaded_recipes, writer, store=store, tune=tune, lambdas=lambdas,
+               plan=plan, choose=choose, evidence_options=evidence_options, plan_out=plan_out, keep=keep,
+               base_spec=base_spec, allow_pickle=allow_pickle, vocab=vocab, progress=progress, command=command,
+               force=force, max_tokens=max_tokens, batch_size=batch_size, grids=grids, objective=objective)
     scorer = None if lm_eval is None else _accuracy_scorer(experiment, lm_eval, data, skip, store=store, force=force,
                                                            command=command, progress=progress, allow_pickle=allow_pickle)
     try:
         if scorer is not None:
             for label, spec in {"base": None, **{f"finetuned:{t}": s for t, s in finetuned.items()}}.items():
                 scorer.run(label, spec)
-        notes = _run_methods(pending, merges, evaluator, writer, references, base_spec, finetuned,
-                             lambdas=lambdas, keep=keep, allow_pickle=allow_pickle, vocab=vocab, progress=progress,
-                             store=store, accuracy=scorer.run if scorer is not None else None)
+        run.accuracy = scorer.run if scorer is not None else None
+        with progress_bar(progress) as bar:
+            run.bar, run.job = bar, bar.add_task("Comparing merges",
+                                                total=seeds * sum(len(run.methods_of(s)) for s in chosen_subsets))
+            for seed in range(seeds):
+                run.seed_run(seed, records[seed], chosen_subsets)
         scores = scorer.finish() if scorer is not None else None
     finally:
         if scorer is not None:
             scorer.close()
+    return _finish(writer, run, tasks, fit, skip, samples, store, scores)
+
+
+def _finish(writer: UnitWriter, run, tasks, fit, skip, samples, store, scores) -> xr.Dataset:
+    """The whole group (units concatenated, `method` indexed); base and fine-tune losses of seed 0 in attrs."""
     result = writer.finish({
         "loss": "mean next-token cross-entropy over real tokens on held-out records, nats",
         "gain": "(loss_base - loss_model) / (loss_base - loss_finetune_of_the_task): 0 = base, 1 = own fine-tune",
         "records": f"fit: the first {fit} records of each task file; held out: {samples} records after the "
-                   f"first {skip}",
-        **notes,
+                   f"first {skip} (seed s > 0: the same positions of the first {skip + samples} records permuted "
+                   f"by numpy default_rng(s); the drawn indices are in attrs 'drawn_records')",
+        **run.notes,
     })
-    result.attrs.update({"base_loss": dict(zip(tasks, map(float, references["base"]))),
-                         "finetuned_loss": {t: float(references[f"finetuned:{t}"][i]) for i, t in enumerate(tasks)}})
-    if store is not None:
-        store.finish(COMPARE.name, {key: result.attrs[key] for key in ("base_loss", "finetuned_loss")})
+    correlation = rank_correlations(result)
+    if correlation:
+        result.attrs["rank_correlation"] = correlation
+        if store is not None:
+            store.finish(COMPARE.name, {"rank_correlation": correlation})
+    references = run.references.get(0)
+    if references is not None:
+        result.attrs.update({"base_loss": dict(zip(tasks, map(float, references["base"]))),
+                             "finetuned_loss": {t: float(references[f"finetuned:{t}"][i])
+                                                for i, t in enumerate(tasks)}})
+        if store is not None:
+            store.finish(COMPARE.name, {key: result.attrs[key] for key in ("base_loss", "finetuned_loss")})
     if scores is not None:
         frame = accuracy_frame(scores).reindex([str(m) for m in result.method.values])
-        result["accuracy"] = xr.DataArray(frame.to_numpy(dtype=np.float64), dims=("method", "benchmark"),
+        result["accuracy"] = xr.DataArray(frame.to_numpy(dtype=np.float64), dims=(UNIT, "benchmark"),
                                           coords={"benchmark": np.array(frame.columns, dtype=object)})
+    return indexed(result)
+
+
+def rank_correlations(dataset: xr.Dataset) -> dict:
+    """{subset: {seed: ρ}}: Spearman's rank correlation, across the merges of one subset and seed (every unit with
+    a block objective), between Σ_blocks Eq. 10 on the held-out records and the mean held-out loss over the subset's
+    tasks. ρ near 1: the objective orders the merges as the loss does, so it can choose among them. NaN with fewer
+    than three merges or a constant column."""
+    if "objective" not in dataset or UNIT not in dataset.dims:
+        return {}
+    result: dict = {}
+    objective, loss = dataset.objective.values, np.nanmean(dataset.loss.values, axis=1)
+    subsets, seeds = strings(dataset.subset.values), dataset.seed.values
+    for subset in dict.fromkeys(subsets):
+        for seed in dict.fromkeys(int(s) for s in seeds):
+            rows = (np.array(subsets) == subset) & (seeds == seed) & np.isfinite(objective) & np.isfinite(loss)
+            if rows.sum() >= 3 and np.ptp(objective[rows]) > 0 and np.ptp(loss[rows]) > 0:
+                rho = float(spearmanr(objective[rows], loss[rows]).statistic)
+            elif rows.any():
+                rho = math.nan
+            else:
+                continue
+            result.setdefault(subset, {})[str(seed)] = rho
     return result
+
+
+def _title(dataset: xr.Dataset) -> str:
+    """The leaderboard's title, with the rank correlation of block objective and held-out loss per subset."""
+    title = "Held-out loss and normalised gain (0 = base, 1 = the task's own fine-tune), best mean gain first"
+    correlation = dataset.attrs.get("rank_correlation") or rank_correlations(dataset)
+    if correlation:
+        shown = "; ".join(f"{subset} " + ", ".join(f"{rho:.2f}" for rho in by_seed.values())
+                          for subset, by_seed in correlation.items())
+        title += f". Spearman ρ(Σ block Eq. 10, held-out loss) across merges: {shown}"
+    return title
+
+
+def indexed(dataset: xr.Dataset) -> xr.Dataset:
+    """The group with its ``method`` coordinate indexed: ``dataset.sel({"method": "plan"})`` (every subset and seed's
+    unit of that method; one unit when the group has one subset and one seed)."""
+    if UNIT in dataset.dims and "method" in dataset.coords and "method" not in dataset.xindexes:
+        return dataset.set_xindex("method")
+    return dataset
+
+
+class _Run:
+    """One `compare` call: each seed's records, then each subset's methods, unit by unit into `writer`."""
+
+    def __init__(self, experiment, finetuned, methods, recipes, writer, *, store, tune, lambdas, plan, choose,
+                 evidence_options, plan_out, keep, base_spec, allow_pickle, vocab, progress, command, force,
+                 max_tokens, batch_size, grids=None, objective=False):
+        self.experiment, self.finetuned, self.methods, self.recipes = experiment, finetuned, methods, recipes
+        self.writer, self.store, self.tune, self.lambdas, self.plan, self.choose = writer, store, tune, lambdas, plan, choose
+        self.evidence_options, self.plan_out, self.keep, self.base_spec = evidence_options, plan_out, keep, base_spec
+        self.allow_pickle, self.vocab, self.progress, self.command = allow_pickle, vocab, progress, command
+        self.force, self.max_tokens, self.batch_size, self.grids = force, max_tokens, batch_size, grids
+        self.objective = objective
+        self.notes: dict = {}
+        self.references: dict[int, dict] = {}
+        self.accuracy = self.bar = self.job = None
+
+    def methods_of(self, subset) -> list[str]:
+        """The methods merged on `subset` (users' recipes bind every fine-tune: on the full set only)."""
+        full = list(subset) == self.experiment.tasks
+        return self.methods if full else [m for m in self.methods if m not in self.recipes]
+
+    def tokenized(self, data: TaskData):
+        return tokenize(data, self.experiment.base.tokenizer, max_tokens=self.max_tokens, batch_size=self.batch_size)
+
+    def seed_run(self, seed: int, records: dict, subsets) -> None:
+        """Every pending unit of `seed`: the references once, then each subset's merges."""
+        tasks = self.experiment.tasks
+        pending = {s: [m for m in self.methods_of(s) if unit_label(subset_label(s), seed, m) not in self.writer.done]
+                   for s in subsets}
+        self.bar.advance(self.job, sum(len(self.methods_of(s)) - len(p) for s, p in pending.items()))
+        references_done = all(unit_label(subset_label(s), seed, label) in self.writer.done for s in subsets
+                              for label in ["base", *(f"finetuned:{t}" for t in s)])
+        if not any(pending.values()) and references_done:
+            return
+        if seed == 0:
+            experiment = self.experiment  # loaded on the first `fit` records: seed 0's
+        else:
+            data = {t: fit_data for t, (fit_data, _) in records.items()}
+            experiment = dataclasses.replace(self.experiment, data=data,
+                                             batches={t: self.tokenized(d) for t, d in data.items()})
+        held_out = {t: self.tokenized(held) for t, (_, held) in records.items()}
+        self.bar.update(self.job, description=f"Comparing · seed {seed} · base and fine-tunes")
+        everything = _Evaluator(experiment, held_out, allow_pickle=self.allow_pickle)
+        self.references[seed] = _references(everything, self.writer, self.finetuned, tasks, seed, subsets)
+        _warn_undefined_gain(self.references[seed], tasks)
+        for subset in subsets:
+            if pending[subset]:
+                self.subset_run(seed, subset, experiment, held_out, pending[subset])
+
+    def subset_run(self, seed: int, subset: tuple[str, ...], experiment, held_out: dict, pending: list[str]) -> None:
+        name = subset_label(subset)
+        full = list(subset) == self.experiment.tasks
+        finetuned = {t: self.finetuned[t] for t in subset}
+        part = restricted(experiment, subset)
+        recipes = {label: r for label, r in self.recipes.items() if label in pending} if full else {}
+        self.bar.update(self.job, description=f"Comparing · {name} · seed {seed} · fitting the data-driven merges")
+        merges, used_plan = prepare(part, finetuned, [m for m in pending if m != TUNED and m not in self.recipes],
+                                    plan=self.plan, choose=self.choose, store=self.store,
+                                    evidence_options=self.evidence_options, progress=self.progress,
+                                    command=self.command, force=self.force, record_evidence=full and seed == 0)
+        merges.update({label: _recipe_merge(label, recipe, self.base_spec, finetuned, self.allow_pickle)
+                       for label, recipe in recipes.items()})
+        if full and seed == 0 and self.plan_out is not None and used_plan is not None:
+            used_plan.save(self.plan_out, force=True)  # checked by _check_outputs
+        evaluator = _Evaluator(part, {t: held_out[t] for t in subset}, allow_pickle=self.allow_pickle)
+        if self.objective:
+            evaluator.held_experiment = dataclasses.replace(part, batches={t: held_out[t] for t in subset})
+        pending = [m for m in pending if m in merges or m == TUNED]
+        self.notes.update(_run_methods(pending, merges, evaluator, self.writer, self.references[seed],
+                                       self.base_spec, finetuned, self, subset=name, seed=seed,
+                                       all_tasks=self.experiment.tasks))
 
 
 class _AccuracyScorer:
@@ -589,13 +943,15 @@ def _scratch_directory() -> Path:
     return Path(tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-"))
 
 
-def _run_methods(pending, merges, evaluator, writer, references, base_spec, finetuned, *, lambdas, keep,
-                 allow_pickle, vocab, progress, store=None, accuracy: Callable | None = None) -> dict:
-    """Write, load, evaluate and (unless kept) delete each pending method's merge; returns notes for attrs."""
+def _run_methods(pending, merges, evaluator, writer, references, base_spec, finetuned, run, *, subset: str,
+                 seed: int, all_tasks: list[str]) -> dict:
+    """Write, load, evaluate and (unless kept) delete each pending method's merge, tuned on the fit records
+    unless ``run.tune`` is None; returns notes for attrs."""
 
     notes = {}
     scratch = _scratch_directory()
-    keep = Path(keep) if keep is not None else None
+    keep = Path(run.keep) if run.keep is not None else None
+    store, bar, job = run.store, run.bar, run.job
 
     def write(label: str, merge: Merge, kept: bool = True) -> Path:
         directory = (keep if (keep is not None and kept) else scratch) / label
@@ -603,35 +959,47 @@ def _run_methods(pending, merges, evaluator, writer, references, base_spec, fine
                                               if store is not None else None}}
         # force: scratch is this run's; keep/<label> was checked by _check_outputs before any work
         return write_merge(base_spec, finetuned, directory, merge.rule_for, record=record, force=True,
-                           allow_pickle=allow_pickle, vocab=vocab, gram_matrices=merge.gram_matrices,
+                           allow_pickle=run.allow_pickle, vocab=run.vocab, gram_matrices=merge.gram_matrices,
                            progress=False)
 
     try:
-        with progress_bar(progress) as bar:
-            job = bar.add_task("Comparing merges", total=len(pending))
-            for label in pending:
-                bar.update(job, description=f"Comparing · {label}")
-                start = time.perf_counter()
-                if label == TUNED:
-                    best, fit_loss = _tune_lambda(evaluator, write, lambdas)
-                    notes["lambda_search"] = {f"{v:g}": loss for v, loss in fit_loss.items()}
-                    writer.note({"lambda_search": notes["lambda_search"]})  # kept if the run is killed later
-                    rule = ParameterRule(method="task-arithmetic", options={"scaling": best})
-                    merges[label] = Merge(lambda info, rule=rule: rule, f"λ = {best:g} (mean fit loss "
-                                          f"{fit_loss[best]:.4g})", {"method": "task-arithmetic",
-                                                                    "options": {"scaling": best}})
-                merge = merges[label]
+        for label in pending:
+            where = f"{subset} · seed {seed} · {label}"
+            bar.update(job, description=f"Comparing · {where}")
+            start = time.perf_counter()
+            if label == TUNED:
+                best, fit_loss = _tune_lambda(evaluator, write, run.lambdas)
+                key = "lambda_search" if (subset, seed) == (subset_label(all_tasks), 0) else f"lambda_search {where}"
+                notes[key] = {f"{v:g}": loss for v, loss in fit_loss.items()}
+                writer.note({key: notes[key]})  # kept if the run is killed later
+                rule = ParameterRule(method="task-arithmetic", options={"scaling": best})
+                merges[label] = Merge(lambda info, rule=rule: rule, f"λ = {best:g} (mean fit loss "
+                                      f"{fit_loss[best]:.4g})", {"method": "task-arithmetic",
+                                                                "options": {"scaling": best}})
+            merge, tuned = merges[label], None
+            kind = merge.kind or ("plan" if label == PLAN else "closed-form" if label in CLOSED_FORM else "strategy")
+            if run.tune is not None and label != TUNED and kind != "recipe":
+                losses, tuned = _tune(label, merge, evaluator, write, search=run.tune, lambdas=run.lambdas, grids=run.grids,
+                                      on_candidate=lambda text, where=where: bar.update(
+                                          job, description=f"Comparing · {where} · {text}"))
+                notes[f"search {unit_label(subset, seed, label)}"] = tuned.searched
+                writer.note({f"search {unit_label(subset, seed, label)}": tuned.searched})
+                detail, objective = f"tuned ({run.tune}): {tuned.label}; {merge.detail}", tuned.objective
+            else:
                 directory = write(label, merge)
                 evaluator.load(str(directory))
                 losses = evaluator.losses()
-                if accuracy is not None:  # before the loss unit: a killed run redoes this merge and resumes here
-                    accuracy(label, str(directory))
+                objective = evaluator.objective(open_checkpoint(str(directory), base=evaluator.base.reader))
+                if run.accuracy is not None:  # before the loss unit: a killed run redoes this merge and resumes here
+                    run.accuracy(label, str(directory))
                 if keep is None:
                     shutil.rmtree(directory, ignore_errors=True)
-                kind = merge.kind or ("plan" if label == PLAN else "closed-form" if label in CLOSED_FORM else "strategy")
-                writer.add(_piece(label, kind, merge.detail, losses, references, evaluator.tasks,
-                                  time.perf_counter() - start), label)
-                bar.advance(job)
+                detail = merge.detail
+            unit = unit_label(subset, seed, label)
+            writer.add(_piece(unit, kind, detail, losses, references, list(evaluator.tasks),
+                              time.perf_counter() - start, all_tasks=all_tasks, subset=subset, seed=seed,
+                              method=label, tuned=tuned, objective=objective), unit)
+            bar.advance(job)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return notes
@@ -640,11 +1008,74 @@ def _run_methods(pending, merges, evaluator, writer, references, base_spec, fine
 # ------------------------------------------------------------------ the store group
 
 
+def by_subset(dataset: xr.Dataset) -> list[tuple[str, xr.Dataset]]:
+    """(subset label, its method × task dataset) per subset of the group, in the group's order: loss, gain and
+    mean gain averaged over seeds, ``mean_gain_std`` their standard deviation over seeds (ddof 1; NaN with one
+    seed), the subset's own tasks only; ``hyperparameters`` the chosen ones per seed joined by "; ".
+    A dataset already by method (no ``unit`` dimension) is one subset as it is."""
+    if UNIT not in dataset.dims:
+        return [(str(dataset.attrs.get("subset", "")), dataset)]
+    dataset = dataset.drop_indexes([name for name in dataset.xindexes if name != UNIT])
+    subsets = list(dict.fromkeys(strings(dataset.subset.values)))
+    parts = []
+    for subset in subsets:
+        part = dataset.isel({UNIT: np.array(strings(dataset.subset.values)) == subset})
+        methods = list(dict.fromkeys(strings(part.method.values)))
+        tasks = [t for t in strings(dataset.task.values) if np.isfinite(part.loss.sel(task=t).values).any()]
+        rows = {m: np.array(strings(part.method.values)) == m for m in methods}
+        mean = {v: np.stack([part[v].values[rows[m]].mean(axis=0) for m in methods])
+                for v in ("loss", "gain", "mean_gain", "seconds", "fit_loss") if v in part}
+        std = np.array([part.mean_gain.values[rows[m]].std(ddof=1) if rows[m].sum() > 1 else math.nan
+                        for m in methods])
+
+        def first(name: str, joined: bool = False, part=part, methods=methods, rows=rows) -> np.ndarray:
+            values = []
+            for m in methods:
+                chosen = strings(part[name].values[rows[m]])
+                values.append("; ".join(dict.fromkeys(chosen)) if joined else chosen[0])
+            return np.array(values, dtype=object)
+
+        task_index = [strings(dataset.task.values).index(t) for t in tasks]
+        by_method = xr.Dataset(
+            {"loss": (("method", "task"), mean["loss"][:, task_index]),
+             "gain": (("method", "task"), mean["gain"][:, task_index]),
+             "mean_gain": (("method",), mean["mean_gain"]), "mean_gain_std": (("method",), std),
+             "seconds": (("method",), mean["seconds"])},
+            coords={"method": np.array(methods, dtype=object), "task": np.array(tasks, dtype=object),
+                    "kind": ("method", first("kind")), "detail": ("method", first("detail")),
+                    "seeds": ("method", np.array([int(rows[m].sum()) for m in methods]))},
+            attrs={"subset": subset})
+        if "hyperparameters" in part.coords:
+            by_method.coords["hyperparameters"] = ("method", first("hyperparameters", joined=True))
+        if "accuracy" in part:
+            by_method["accuracy"] = xr.DataArray(part.accuracy.values, dims=("method", "benchmark"),
+                                                 coords={"benchmark": part.benchmark.values})
+        parts.append((subset, by_method))
+    return parts
+
+
 def summary(dataset: xr.Dataset, rank_by: str = "gain") -> pd.DataFrame:
-    """The leaderboard: one row per method, its loss and normalised gain per task and the mean gain, and with
-    ``accuracy`` (``compare`` with ``lm_eval``) each benchmark's accuracy and their mean. Sorted by `rank_by`, best
-    first (NaN last): ``gain`` (the mean gain), ``accuracy`` (the mean accuracy) or one benchmark's column (e.g.
-    ``"demo_gsm8k exact_match"``)."""
+    """The leaderboard of every subset (`by_subset`), each sorted by `rank_by`, best first, one after the other
+    (with several subsets a first column ``subset`` says which): one row per method, its loss and normalised gain
+    per task and the mean gain (± its standard deviation over seeds with several seeds), the tuned hyperparameters
+    (``tuned``) when the run tuned, and with ``accuracy`` (``compare`` with ``lm_eval``) each benchmark's accuracy and
+    their mean. `rank_by`: ``gain`` (the mean gain), ``accuracy`` (the mean accuracy) or one benchmark's column
+    (e.g. ``"demo_gsm8k exact_match"``)."""
+    parts = by_subset(dataset)
+    frames = []
+    for subset, part in parts:
+        frame = _ranked(part, rank_by)
+        if len(parts) > 1:
+            frame.insert(0, "subset", subset)
+        frames.append(frame)
+    frame = pd.concat(frames) if len(frames) > 1 else frames[0]
+    if "rank_correlation" in dataset.attrs:
+        frame.attrs["rank_correlation"] = dataset.attrs["rank_correlation"]
+    return frame
+
+
+def _ranked(dataset: xr.Dataset, rank_by: str) -> pd.DataFrame:
+    """One subset's leaderboard (a method × task dataset)."""
     tasks = strings(dataset.task.values)
     frame = pd.DataFrame(index=pd.Index(strings(dataset.method.values), name="method"))
     for task in tasks:
@@ -652,6 +1083,10 @@ def summary(dataset: xr.Dataset, rank_by: str = "gain") -> pd.DataFrame:
     for task in tasks:
         frame[f"gain {task}"] = dataset.gain.sel(task=task).values
     frame["mean gain"] = dataset.mean_gain.values
+    if "mean_gain_std" in dataset and np.isfinite(dataset.mean_gain_std.values).any():
+        frame["± std"] = dataset.mean_gain_std.values
+    if "hyperparameters" in dataset.coords and any(strings(dataset.hyperparameters.values)):
+        frame["tuned"] = [_short(text) for text in strings(dataset.hyperparameters.values)]
     if "accuracy" in dataset:
         for benchmark in dataset.benchmark.values:
             frame[str(benchmark)] = dataset.accuracy.sel(benchmark=benchmark).values
@@ -664,6 +1099,21 @@ def summary(dataset: xr.Dataset, rank_by: str = "gain") -> pd.DataFrame:
     return frame.sort_values(column, ascending=False, na_position="last")
 
 
+def _short(hyperparameters: str) -> str:
+    """'{"scaling": 0.6, "top_k": 0.2}' → "scaling=0.6 top_k=0.2" (each seed's, "; " between seeds)."""
+    import json
+
+    shown = []
+    for text in hyperparameters.split("; "):
+        try:
+            values = json.loads(text) if text else {}
+        except ValueError:
+            shown.append(text)
+            continue
+        shown.append(" ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in values.items()))
+    return "; ".join(shown)
+
+
 leaderboard = summary  # the name the Python API has used
 
 
@@ -672,39 +1122,49 @@ _KIND_COLOURS = {"plan": "#c0392b", "closed-form": "#e67e22", "strategy": "#7f8c
 
 
 def compare_leaderboard(comparison: xr.Dataset, about: str = ""):
-    """The leaderboard as a figure: mean normalised gain per method (bars, best on top) and each task's gain
-    (dots). 0 is the base, 1 the task's own fine-tune (dashed lines)."""
-    if comparison.sizes.get("method", 0) == 0:
+    """The leaderboard as a figure, one panel per subset: mean normalised gain per method (bars, best on top; over
+    seeds with several) and each task's gain (dots). 0 is the base, 1 the task's own fine-tune (dashed lines)."""
+    parts = [(subset, part) for subset, part in by_subset(comparison) if part.sizes.get("method", 0)]
+    if not parts:
         return None
-    methods = strings(comparison.method.values)
-    mean = pd.Series(comparison.mean_gain.values, index=methods).sort_values(ascending=True, na_position="first")
-    frame = long_frame(comparison.gain)
-    kinds = dict(zip(methods, strings(comparison.kind.values))) if "kind" in comparison.coords else {}
     with plot.styled() as (plt, _):
-        fig, ax = plt.subplots(figsize=(8.5, 0.38 * len(methods) + 1.8), layout="constrained")
-        positions = np.arange(len(mean))
-        ax.barh(positions, mean.fillna(0).values, alpha=0.85,
-                color=[_KIND_COLOURS.get(kinds.get(m, "strategy"), "#7f8c8d") for m in mean.index])
-        order = {m: i for i, m in enumerate(mean.index)}
-        for task, marker in zip(strings(comparison.task.values), ("o", "s", "^", "D", "v", "P")):
-            rows = frame[frame.task == task]
-            ax.scatter(rows.gain, [order[m] for m in rows.method], marker=marker, s=22, color="black",
-                       zorder=3, label=task)
-        for value in (0.0, 1.0):
-            ax.axvline(value, color="black", linestyle="--", linewidth=0.8)
-        ax.set_yticks(positions, mean.index)
-        ax.set_xlabel("normalised gain (base − model) / (base − fine-tune); bars: mean over tasks")
-        ax.legend(title="task", loc="lower right", frameon=True, fontsize=8)
+        heights = [0.38 * part.sizes["method"] + 1.2 for _, part in parts]
+        fig, axes = plt.subplots(len(parts), 1, figsize=(8.5, sum(heights) + 0.6), layout="constrained",
+                                 gridspec_kw={"height_ratios": heights}, squeeze=False)
+        for ax, (subset, part) in zip(axes[:, 0], parts):
+            _leaderboard_panel(ax, part, subset if len(parts) > 1 else "")
         plot.title(fig, "Held-out leaderboard of merges (group compare)", about)
     return fig
 
 
+def _leaderboard_panel(ax, comparison: xr.Dataset, subset: str) -> None:
+    methods = strings(comparison.method.values)
+    mean = pd.Series(comparison.mean_gain.values, index=methods).sort_values(ascending=True, na_position="first")
+    frame = long_frame(comparison.gain)
+    kinds = dict(zip(methods, strings(comparison.kind.values))) if "kind" in comparison.coords else {}
+    positions = np.arange(len(mean))
+    ax.barh(positions, mean.fillna(0).values, alpha=0.85,
+            color=[_KIND_COLOURS.get(kinds.get(m, "strategy"), "#7f8c8d") for m in mean.index])
+    order = {m: i for i, m in enumerate(mean.index)}
+    for task, marker in zip(strings(comparison.task.values), ("o", "s", "^", "D", "v", "P")):
+        rows = frame[frame.task == task]
+        ax.scatter(rows.gain, [order[m] for m in rows.method], marker=marker, s=22, color="black",
+                   zorder=3, label=task)
+    for value in (0.0, 1.0):
+        ax.axvline(value, color="black", linestyle="--", linewidth=0.8)
+    ax.set_yticks(positions, mean.index)
+    if subset:
+        ax.set_title(f"subset {subset}", fontsize=9)
+    ax.set_xlabel("normalised gain (base − model) / (base − fine-tune); bars: mean over tasks")
+    ax.legend(title="task", loc="lower right", frameon=True, fontsize=8)
+
+
 COMPARE = StoreGroup(
     name="compare",
-    dim="method",
-    variables={"loss": ("method", "task"), "gain": ("method", "task"), "mean_gain": ("method",),
-               "seconds": ("method",)},
-    title="Held-out loss and normalised gain (0 = base, 1 = the task's own fine-tune), best mean gain first",
+    dim=UNIT,
+    variables={"loss": (UNIT, "task"), "gain": (UNIT, "task"), "mean_gain": (UNIT,), "seconds": (UNIT,),
+               "fit_loss": (UNIT,), "objective": (UNIT,)},
+    title=_title,
     summary=summary,
     figures={"compare": compare_leaderboard},
 )

@@ -21,7 +21,7 @@ import xarray as xr
 from submerge.diagnostics.linearity import task_gram
 from submerge.diagnostics.linearity.evidence import EvidenceError, fold_alphas
 from submerge.diagnostics.tensors import TensorInfo
-from submerge.merge.compare import normalised_gain
+from submerge.merge.compare import indexed, normalised_gain
 from submerge.merge.plan import PER_LAYER, Plan, PlanError, interference_marks, one_se_choice, steer
 
 # ----------------------------------------------------------------------- normalised gain
@@ -351,7 +351,7 @@ FIT = 4  # records 0..3 of each task file fit α, λ and the evidence plan; reco
 METHODS = ["task-arithmetic", "ties", "task-arithmetic-tuned", "closed-form-layer", "plan"]
 LAMBDAS = (0.2, 0.6, 1.0)
 RUN = {"fit": FIT, "samples": FIT, "max_tokens": 48, "batch_size": 4, "lambdas": LAMBDAS,
-       "evidence_options": {"folds": 2}, "dtype": "float32", "device": "cpu", "progress": False}
+       "evidence_options": {"folds": 2}, "dtype": "float32", "device": "cpu", "progress": False, "tune": None}
 
 
 class Killed(Exception):
@@ -436,8 +436,10 @@ def test_compare_group_dims_and_reference_gains(compared):
     labels = ["base", "finetuned:math", "finetuned:code", *METHODS]
     assert list(dataset.method.values) == labels
     assert list(dataset.task.values) == list(TASKS)
-    assert dataset.loss.dims == dataset.gain.dims == ("method", "task")
-    assert dataset.mean_gain.dims == dataset.seconds.dims == ("method",)
+    assert dataset.loss.dims == dataset.gain.dims == ("unit", "task")
+    assert dataset.mean_gain.dims == dataset.seconds.dims == dataset.fit_loss.dims == ("unit",)
+    assert list(dataset.unit.values) == [f"math+code|0|{label}" for label in labels]
+    assert set(dataset.subset.values) == {"math+code"} and set(dataset.seed.values) == {0}
     assert list(dataset.kind.values) == ["base", "finetune", "finetune", "strategy", "strategy", "strategy",
                                          "closed-form", "plan"]
     stored = Store(store_path).dataset("compare")
@@ -488,7 +490,7 @@ def test_tuned_lambda_is_the_argmin_of_the_fit_loss(compared, trained_kit):
 def test_compare_leaves_nothing_on_disk_without_keep(compared):
     dataset, store_path, scratch = compared
     # streaming: each merged checkpoint is deleted once evaluated, before the next method is merged
-    assert dataset.attrs["test_on_disk"] == {label: [] for label in dataset.method.values}
+    assert dataset.attrs["test_on_disk"] == {unit: [] for unit in dataset.unit.values}
     assert list(scratch.iterdir()) == []  # every merged checkpoint (and the Σ τ of the λ search) deleted
     assert not (store_path.parent / "keep").exists()
 
@@ -518,6 +520,11 @@ def _counting(monkeypatch) -> dict[str, list]:
     return calls
 
 
+def _units(*methods, subset: str = "math+code", seed: int = 0) -> list[str]:
+    """The store's unit labels of `methods` (one subset and seed)."""
+    return [f"{subset}|{seed}|{method}" for method in methods]
+
+
 def test_killed_compare_resumes_after_the_last_finished_method(compared, trained_kit, tmp_path, monkeypatch):
     from submerge.diagnostics.store import Store
     from submerge.merge.compare import compare
@@ -528,18 +535,18 @@ def test_killed_compare_resumes_after_the_last_finished_method(compared, trained
 
     def kill_after_tuned(label):
         seen.append(label)
-        if label == "task-arithmetic-tuned":
+        if label.endswith("|task-arithmetic-tuned"):
             raise Killed(label)
 
     with pytest.raises(Killed):
         compare(base, finetuned, data, methods=METHODS, store=store, on_unit=kill_after_tuned, **RUN)
-    assert seen == ["base", "finetuned:math", "finetuned:code", "task-arithmetic", "ties", "task-arithmetic-tuned"]
+    assert seen == _units("base", "finetuned:math", "finetuned:code", "task-arithmetic", "ties", "task-arithmetic-tuned")
     assert not store.is_complete("compare")
     calls = _counting(monkeypatch)
     seen.clear()
     resumed = compare(base, finetuned, data, methods=METHODS, store=Store(tmp_path / "store.zarr"),
                       on_unit=seen.append, **RUN)
-    assert seen == ["closed-form-layer", "plan"]  # only the methods not finished
+    assert seen == _units("closed-form-layer", "plan")  # only the methods not finished
     assert calls["written"] == ["closed-form-layer", "plan"]  # no λ search again
     assert calls["evidence"] == [1]
     assert not any(spec in finetuned.values() for spec in calls["loaded"])  # references read from the store
@@ -634,7 +641,7 @@ def test_compare_keep_and_plan_out_never_delete_what_the_user_owns(trained_kit, 
     original = compare_module._piece
 
     def killed_piece(label, *args, **kwargs):
-        if label == "ties":
+        if label.endswith("|ties"):
             raise Killed
         return original(label, *args, **kwargs)
 
@@ -752,7 +759,7 @@ def test_compare_plan_steers_the_matrices_the_store_interference_marks(trained_k
     # the plan file given back to compare is the plan compared (same held-out losses as the steered plan)
     again = compare(base, finetuned, data, methods=["plan"], plan=tmp_path / "plan.yaml", **RUN)
     np.testing.assert_allclose(again.loss.sel({"method": "plan"}).values,
-                               store.dataset("compare").loss.sel({"method": "plan"}).values, rtol=1e-6)
+                               indexed(store.dataset("compare")).loss.sel({"method": "plan"}).values, rtol=1e-6)
 
 
 def test_evidence_with_heads_ties_attn_mlp_and_keeps_the_coarser(hand_kit):

@@ -262,7 +262,7 @@ def test_killed_compare_resumes_its_evidence_step(hand_kit, tmp_path):  # noqa: 
     from submerge.merge.compare import compare
 
     base, finetuned, data = hand_kit
-    options = {"methods": ["plan"], "fit": HAND_FIT, "samples": 4, "max_tokens": 48, "batch_size": 4,
+    options = {"methods": ["plan"], "tune": None, "fit": HAND_FIT, "samples": 4, "max_tokens": 48, "batch_size": 4,
                "evidence_options": {"folds": 2}, "dtype": "float32", "device": "cpu", "progress": False}
     original = evidence_module._EvidenceOfLayer.__call__
     measured = []

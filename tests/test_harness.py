@@ -215,7 +215,7 @@ def test_compare_scores_every_model_and_ranks_by_accuracy(kit, tmp_path):
     data = {"math": _write(tmp_path / "math.jsonl", [{"text": f"{r['prompt']}7"} | r for r in records]),
             "trivia": _write(tmp_path / "trivia.jsonl", [{"text": f"{r['prompt']}7"} | r for r in records])}
     settings = HarnessSettings(("demo_trivia",), max_gen_toks=GENERATION, batch_size=2)
-    run = {"methods": ["task-arithmetic"], "fit": 2, "samples": 2, "max_tokens": 32, "batch_size": 2,
+    run = {"methods": ["task-arithmetic"], "tune": None, "fit": 2, "samples": 2, "max_tokens": 32, "batch_size": 2,
            "dtype": "float32", "device": "cpu", "progress": False, "lm_eval": settings}
     store = Store(tmp_path / "compare.zarr")
     result = compare(kit["base"], kit["tuned"], data, store=store, **run)

@@ -300,7 +300,7 @@ def test_compare_runs_the_learned_methods_on_its_fit_records(llama, monkeypatch,
                                data_options={**strategies.STRATEGIES["adamerging"].data_options, "steps": 3})
     monkeypatch.setitem(strategies.STRATEGIES, "adamerging", fast)
     result = compare(base, finetuned, data, methods=["fisher", "adamerging", "lorahub"], fit=3, samples=2,
-                     max_tokens=24, batch_size=2, dtype="float32", device="cpu", progress=False)
+                     max_tokens=24, batch_size=2, dtype="float32", device="cpu", progress=False, tune=None)
     assert np.isfinite(result.loss.sel({"method": ["fisher", "adamerging", "lorahub"]}).values).all()
     details = dict(zip(result.method.values, result.detail.values))
     assert details["lorahub"].startswith("w math=") and "3 steps" in details["adamerging"]

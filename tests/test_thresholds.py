@@ -145,7 +145,7 @@ def test_compare_at_its_default_methods_runs_on_full_finetunes_on_both_sides_of_
     from submerge.merge.compare import CompareError, compare, default_methods
 
     base, finetuned, data = full
-    run = {"fit": 4, "samples": 3, "max_tokens": 32, "batch_size": 2, "dtype": "float32", "device": "cpu",
+    run = {"tune": None, "fit": 4, "samples": 3, "max_tokens": 32, "batch_size": 2, "dtype": "float32", "device": "cpu",
            "progress": False, "evidence_options": {"folds": 2}}
     for name, options in SHORT_SEARCH.items():  # compare runs each method at its registered defaults
         registered = STRATEGIES[name]

@@ -1,0 +1,134 @@
+"""The hyperparameter grid of every merge method `diag compare` tunes, and the search over it.
+
+Every merge compare runs is θ0 + λ·δ: δ is the merged update written once per setting of the method's other knobs
+(its options at ``scaling`` 1), and each λ is evaluated as the scaled model θ0 + λ·δ
+(`submerge.diagnostics.evaluate.scaled_source`), without writing another checkpoint. For a strategy with a
+``scaling`` option (λ of its paper's equation: τ_M = λ·f(τ_1 … τ_T)) this λ *is* that option; for one without (RegMean,
+Fisher, STAR, the closed form, the plan …) it is a global scale of the merged update, the same knob the baselines get.
+
+The grids (`GRIDS`, method → {option: values}; λ for every method is `LAMBDAS` unless the method's own grid names
+``scaling``):
+
+- task arithmetic: λ ∈ {0.1, …, 1.0} (seed 002, App. A.3.4 / Table 12);
+- DARE: drop rate ∈ {0.6, 0.7, 0.8, 0.9} × λ ∈ {0.6, 0.8, 1.0} (seed 002, App. A.3.4 / Table 12);
+- Consensus TA / TALL masks: mask λ ∈ {0.2, …, 0.6} (seed 003, §TALL-masks);
+- the trimming methods (TIES, PCB, SFTM, KnOTS): kept fraction top-k ∈ {0.1, 0.2, 0.3}; Breadcrumbs β ∈ {0.85, 0.9};
+  DELLA drop rate ∈ {0.5, 0.7, 0.9}; CART rank ratio ∈ {0.04, 0.08, 0.16}: the seeds name these knobs (seed 003)
+  but no grid; these values bracket each paper's default and are this project's choice. Their λ grid is
+  `LAMBDAS_WIDE` (a trimmed update is smaller than Σ τ, so the best λ may exceed 1).
+
+`search`: ``"grid"`` evaluates every λ of the grid; ``"line"`` (`line_search`) finds the minimum of the fit loss
+over the sorted λ grid by a discrete golden-section search, which assumes the loss is unimodal in λ (a quadratic
+to first order: the loss of θ0 + λδ near θ0) and evaluates about log_φ(n) + 2 values instead of n.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from collections.abc import Callable, Sequence
+
+from submerge.diagnostics.errors import SubmergeError
+
+LAMBDAS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+LAMBDAS_WIDE = (0.2, 0.4, 0.6, 0.8, 1.0, 1.2, 1.4, 1.6, 1.8, 2.0)
+TOP_K = (0.1, 0.2, 0.3)
+
+#: method → {option: values}. ``scaling`` here replaces the λ grid; every other option is written as its own δ.
+GRIDS: dict[str, dict[str, tuple]] = {
+    "task-arithmetic": {"scaling": LAMBDAS},
+    "dare": {"drop_rate": (0.6, 0.7, 0.8, 0.9), "scaling": (0.6, 0.8, 1.0)},
+    "consensus": {"mask_lambda": (0.2, 0.3, 0.4, 0.5, 0.6), "scaling": LAMBDAS_WIDE},
+    "ties": {"top_k": TOP_K, "scaling": LAMBDAS_WIDE},
+    "pcb": {"top_k": TOP_K, "scaling": LAMBDAS_WIDE},
+    "sftm": {"top_k": TOP_K, "scaling": LAMBDAS_WIDE},
+    "knots": {"top_k": TOP_K, "scaling": LAMBDAS_WIDE},
+    "breadcrumbs": {"beta": (0.85, 0.9), "scaling": LAMBDAS_WIDE},
+    "della": {"drop_rate": (0.5, 0.7, 0.9), "scaling": LAMBDAS_WIDE},
+    "cart": {"rank_ratio": (0.04, 0.08, 0.16)},
+}
+
+SEARCHES = ("line", "grid")
+SCALE = "scaling"
+
+
+class TuningError(SubmergeError):
+    """A tuning request compare cannot run (unknown search, an empty grid)."""
+
+
+def check_search(search: str | None) -> str | None:
+    """None (or "none"): no tuning, the paper defaults; else "line" or "grid"."""
+    if search in (None, "none", False):
+        return None
+    if search not in SEARCHES:
+        raise TuningError(f"--tune must be one of none, {', '.join(SEARCHES)}; got {search!r}")
+    return search
+
+
+def settings_of(method: str, options: dict | None = None) -> list[dict]:
+    """The settings of `method`'s knobs other than λ, each a dict of options, in grid order ([{}] when it has
+    none). `options` (method → {option: values}) replaces those methods' rows of `GRIDS`."""
+    grid = {k: v for k, v in (GRIDS | (options or {})).get(method, {}).items() if k != SCALE}
+    if any(len(values) == 0 for values in grid.values()):
+        raise TuningError(f"the grid of {method} has an option with no value: {grid}")
+    return [dict(zip(grid, combination)) for combination in itertools.product(*grid.values())]
+
+
+def lambdas_of(method: str, lambdas: Sequence[float] | None = None, options: dict | None = None) -> tuple[float, ...]:
+    """λ values of `method`: its grid's ``scaling``, else `lambdas` (compare's ``--lambdas``), else `LAMBDAS`."""
+    grid = (GRIDS | (options or {})).get(method, {})
+    values = grid.get(SCALE) or lambdas or LAMBDAS
+    if not values:
+        raise TuningError(f"the λ grid of {method} is empty")
+    return tuple(sorted(float(v) for v in values))
+
+
+def grid_search(values: Sequence[float], loss: Callable[[float], float]) -> tuple[float, dict[float, float]]:
+    """Every value's loss; the value with the lowest (ties: the smaller value)."""
+    losses = {float(v): float(loss(float(v))) for v in values}
+    return min(losses, key=lambda v: (losses[v], v)), losses
+
+
+def line_search(values: Sequence[float], loss: Callable[[float], float]) -> tuple[float, dict[float, float]]:
+    """The minimiser of `loss` over the sorted `values` by discrete golden-section search (exact when `loss` is
+    unimodal over them; NaN counts as +inf); returns (best, the losses evaluated)."""
+    points = sorted(float(v) for v in values)
+    losses: dict[float, float] = {}
+
+    def at(index: int) -> float:
+        value = points[index]
+        if value not in losses:
+            result = float(loss(value))
+            losses[value] = float("inf") if math.isnan(result) else result
+        return losses[value]
+
+    low, high = 0, len(points) - 1
+    ratio = (5 ** 0.5 - 1) / 2
+    while high - low > 2:
+        left = high - round(ratio * (high - low))
+        right = low + round(ratio * (high - low))
+        if left >= right:
+            left, right = (low + high) // 2, (low + high) // 2 + 1
+        if at(left) <= at(right):
+            high = right
+        else:
+            low = left
+    for index in range(low, high + 1):
+        at(index)
+    return min(losses, key=lambda v: (losses[v], v)), losses
+
+
+def search_function(search: str) -> Callable:
+    return {"line": line_search, "grid": grid_search}[search]
+
+
+def label(setting: dict, scale: float, scale_name: str) -> str:
+    """The chosen hyperparameters as one line: "top_k=0.2 scaling=1.2"."""
+    parts = [f"{key}={value:g}" if isinstance(value, float) else f"{key}={value}" for key, value in setting.items()]
+    return " ".join([*parts, f"{scale_name}={scale:g}"])
+
+
+def record(setting: dict, scale: float, scale_name: str) -> str:
+    """The chosen hyperparameters as JSON (the store's ``hyperparameters`` coordinate)."""
+    return json.dumps({**setting, scale_name: scale}, sort_keys=True)
