@@ -662,6 +662,8 @@ def compare(
                                  batch_size=batch_size, dtype=dtype, device=device, offload=offload,
                                  allow_pickle=allow_pickle, vocab=vocab)
     tasks = experiment.tasks
+    if plan is not None and sorted(plan.finetuned) != sorted(finetuned):
+        raise CompareError(f"the plan merges {sorted(plan.finetuned)}, compare was given {sorted(finetuned)}")
     if plan is not None:  # a given plan's units must be the model's, before any work
         plan.check_units(TensorTable.from_model(experiment.base.model, experiment.base.checkpoint_names,
                                                 experiment.arch))
