@@ -136,7 +136,9 @@ def test_unknown_compute_dtype_and_missing_cuda_are_clear_errors(llama):
     from submerge.diagnostics.errors import ModelInputError
 
     base, tuned, data = llama
-    with pytest.raises(ModelInputError, match="--compute-dtype must be one of float32, float64"):
+    with pytest.raises(ModelInputError, match="--compute-dtype must be one of float32, float64, bfloat16, float16"):
+        Experiment.load(base, tuned, data, samples=2, dtype="float32", device="cpu", compute_dtype="int8")
+    with pytest.raises(ModelInputError, match="--compute-dtype bfloat16 computes in the storage dtype"):
         Experiment.load(base, tuned, data, samples=2, dtype="float32", device="cpu", compute_dtype="bfloat16")
     if not torch.cuda.is_available():
         with pytest.raises(ModelInputError, match="CUDA is not available"):
