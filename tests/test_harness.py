@@ -282,7 +282,7 @@ def test_cli_compare_prints_the_accuracy_table_the_report_prints(kit, tmp_path):
                  *[f"--data={t}={p}" for t, p in data.items()], "--methods", "task-arithmetic", "--fit", "2",
                  "--samples", "2", "--max-tokens", "32", "--batch-size", "2", "--dtype", "float32", "--device", "cpu",
                  "--no-progress", "--out", str(out), "--lm-eval", "demo_trivia", "--max-gen-toks", str(GENERATION),
-                 "--lm-eval-batch-size", "2", "--rank-by", "accuracy"]
+                 "--lm-eval-batch-size", "2", "--rank-by", "accuracy", "--tune", "none"]
     result = CliRunner().invoke(app, arguments, env={"COLUMNS": "300"})
     assert result.exit_code == 0, result.output
     assert "Wrote group compare of" in result.output and "and compare_accuracy" in result.output
