@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import random
+import warnings
 from pathlib import Path
 
 import torch
@@ -163,3 +164,17 @@ def perturbed_finetunes(base_dir: str | Path, tasks, *, seed: int = 1) -> dict[s
                 shutil.copy2(base_dir / file, folder / file)
         folders[task] = folder
     return folders
+
+
+def trained_kit(root: str | Path, tasks, *, records: int) -> tuple[str, dict[str, str], dict[str, str]]:
+    """A tiny Llama 'pre-trained' on mixed text, then fine-tuned on each of `tasks` (real gradient updates), and
+    `records` records of task data per task: (base directory, {task: fine-tune directory}, {task: data file})."""
+    root = Path(root)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        random_init = build_model(root / "random", "llama", layers=2, hidden=32, heads=4, kv_heads=2)
+        base = finetune(random_init, root / "base", "mix", steps=15, lr=3e-3, seed=9)
+        finetuned = {task: str(finetune(base, root / task, task, steps=8, lr=3e-3, seed=index))
+                     for index, task in enumerate(tasks)}
+    data = {task: str(write_task_data(root / f"{task}.jsonl", task, count=records, seed=7)) for task in tasks}
+    return str(base), finetuned, data

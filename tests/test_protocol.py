@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import warnings
 
 import numpy as np
 import pytest
@@ -123,14 +122,8 @@ def kit(tmp_path_factory):
     from submerge.diagnostics import toy
 
     root = tmp_path_factory.mktemp("protocol")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        random_init = toy.build_model(root / "random", "llama", layers=2, hidden=32, heads=4, kv_heads=2)
-        base = toy.finetune(random_init, root / "base", "mix", steps=15, lr=3e-3, seed=9)
-        finetuned = {task: str(toy.finetune(base, root / task, task, steps=8, lr=3e-3, seed=index))
-                     for index, task in enumerate(TASKS)}
-    data = {task: str(toy.write_task_data(root / f"{task}.jsonl", task, count=8, seed=7)) for task in TASKS}
-    return root, str(base), finetuned, data
+    base, finetuned, data = toy.trained_kit(root, TASKS, records=8)
+    return root, base, finetuned, data
 
 
 @pytest.fixture(scope="module")
