@@ -150,6 +150,20 @@ def measure(command: list[str], env: dict | None = None) -> dict:
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
+    peak_gpu, gpu_sampler = [None], None
+    if shutil.which("nvidia-smi"):
+        def sample_gpu():  # the device's used memory, whoever holds it: run nothing else on the GPU meanwhile
+            while not done.is_set():
+                try:
+                    used = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                                          capture_output=True, text=True, timeout=10).stdout.split()
+                    peak_gpu[0] = max(peak_gpu[0] or 0, max(int(value) for value in used))
+                except (OSError, ValueError, subprocess.SubprocessError):
+                    return
+                time.sleep(0.2)
+
+        gpu_sampler = threading.Thread(target=sample_gpu, daemon=True)
+        gpu_sampler.start()
     stdout_chunks, stderr_chunks = [], []
     readers = [threading.Thread(target=lambda s=s, c=c: c.append(s.read()), daemon=True)
                for s, c in ((process.stdout, stdout_chunks), (process.stderr, stderr_chunks))]
@@ -159,13 +173,15 @@ def measure(command: list[str], env: dict | None = None) -> dict:
     wall = time.perf_counter() - start
     done.set()
     sampler.join()
+    if gpu_sampler is not None:
+        gpu_sampler.join()
     for reader in readers:
         reader.join()
     process.returncode = os.waitstatus_to_exitcode(status)
     if process.returncode != 0:
         raise RuntimeError(f"{' '.join(command[:3])} ... failed ({process.returncode}):\n{''.join(stderr_chunks)[-3000:]}")
     return {"wall_s": wall, "peak_rss_mib": usage.ru_maxrss / 1024, "peak_anon_mib": peak_anon[0] / 1024,
-            "stdout": "".join(stdout_chunks)}
+            "stdout": "".join(stdout_chunks), **({"peak_gpu_mib": peak_gpu[0]} if peak_gpu[0] is not None else {})}
 
 
 def parse_size(text: str) -> int:

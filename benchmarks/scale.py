@@ -251,13 +251,14 @@ def flops_per_block(tokens: int, command: str, steps: int = 10) -> float:
 
 
 def commands(paths: dict[str, Path], data: dict[str, Path], work: Path, samples: int, max_tokens: int,
-             matrices: str | None = None) -> dict:
+             matrices: str | None = None, device: str | None = None, offload: bool = False) -> dict:
     diag = [sys.executable, "-m", "submerge.cli.main"]
+    placed = (["--device", device] if device else []) + (["--offload"] if offload else [])  # data-driven commands
     dense = [arg for t in TASKS for arg in ("-f", f"{t}={paths[t]}")]
     lora = [arg for t in TASKS for arg in ("-f", f"{t}={paths['lora_' + t]}")]
     tasks_data = [arg for t in TASKS for arg in ("-d", f"{t}={data[t]}")]
     common = ["--model", str(paths["base"]), "--samples", str(samples), "--max-tokens", str(max_tokens),
-              "--no-progress", "--dtype", "float16"]
+              "--no-progress", "--dtype", "float16", *placed]
     store = str(work / "scale.zarr")
     selected = ["--matrices", matrices] if matrices else []
     # --force everywhere: with --keep a second invocation must measure the work again, not a resume that skips it
@@ -280,10 +281,10 @@ def commands(paths: dict[str, Path], data: dict[str, Path], work: Path, samples:
                                 "--no-progress"],
         "merge-regmean": diag + ["merge", "--model", str(paths["base"]), *dense, "--method", "regmean", *tasks_data,
                                  "--samples", str(samples), "--max-tokens", str(max_tokens), "--out",
-                                 str(work / "regmean"), "--no-progress"],
+                                 str(work / "regmean"), "--no-progress", *placed],
         "eval": diag + ["eval", "--model", str(paths["base"]), *dense, "--merged", f"ta={work / 'ta'}",
                         *tasks_data, "--skip", "0", "--samples", str(samples), "--max-tokens", str(max_tokens),
-                        "--dtype", "float16", "--out", str(work / "eval.zarr"), "--no-progress"],
+                        "--dtype", "float16", "--out", str(work / "eval.zarr"), "--no-progress", *placed],
     }.items()}
 
 
@@ -335,8 +336,8 @@ def run_slice(layers: int, directory: Path, args, tokenizer_dir: Path, data: dic
         built.write_text(json.dumps({name: str(path) for name, path in paths.items()}))
     print(f"L = {layers}: built base + 3 dense fine-tunes + 3 LoRA adapters in {time.perf_counter() - start:.0f} s",
           flush=True)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    runs = commands(paths, data, work, args.samples, args.max_tokens, args.matrices)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    runs = commands(paths, data, work, args.samples, args.max_tokens, args.matrices, args.device, args.offload)
     results = {}
     for name in args.commands:
         if name == "merge-plan":
@@ -350,7 +351,8 @@ def run_slice(layers: int, directory: Path, args, tokenizer_dir: Path, data: dic
         results[name] = measure(runs[name], env=env)
         r = results[name]
         print(f"  {name:<18} wall {r['wall_s']:8.1f} s   peak RSS {r['peak_rss_mib']:8.0f} MiB   "
-              f"peak anon {r['peak_anon_mib']:8.0f} MiB", flush=True)
+              f"peak anon {r['peak_anon_mib']:8.0f} MiB"
+              + (f"   peak GPU {r['peak_gpu_mib']:8.0f} MiB" if "peak_gpu_mib" in r else ""), flush=True)
     if "interference" in results and "interference-exact" in results:
         results["interference:accuracy"] = in_fresh_process(interference_differences, work / "interference.zarr",
                                                             work / "interference-exact.zarr")
@@ -424,6 +426,10 @@ def main() -> None:
     parser.add_argument("--mergekit-python", help="Python of a venv with mergekit 0.1.5 (task_arithmetic, ties).")
     parser.add_argument("--matrices", help="diag interference --matrices for the interference commands (names or glob "
                         "patterns, comma-separated): measure some matrices only.")
+    parser.add_argument("--device", help="--device for the data-driven commands (default: theirs, auto = CUDA "
+                        "when present; merges other than regmean stay on the CPU).")
+    parser.add_argument("--offload", action="store_true", help="--offload for the data-driven commands: the base "
+                        "stays in host memory, one block at a time on --device.")
     parser.add_argument("--keep", type=Path, help="Build here and keep the checkpoints (default: a temp dir).")
     parser.add_argument("--results", type=Path, help="JSON file that accumulates measurements across runs.")
     args = parser.parse_args()

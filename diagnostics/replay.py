@@ -146,15 +146,17 @@ def shared_maps(module: torch.nn.Module, recorded: Recorded) -> tuple[SharedMap,
     return _SHARED_MAPS[key]
 
 
-def _in_dtype_of(module: torch.nn.Module, stream) -> dict[str, torch.Tensor] | None:
-    """The module's parameters in the dtype of the recorded stream when they differ (the floor's float64 pass
-    probes a module whose weights are stored in float32); None: its own."""
+def _placed_like(module: torch.nn.Module, stream) -> dict[str, torch.Tensor] | None:
+    """The module's parameters in the dtype and on the device of the recorded stream when they differ (the floor's
+    float64 pass probes a module whose weights are stored in float32; an offloaded base keeps them on the host
+    while the stream is on the GPU); None: its own."""
     if not (isinstance(stream, torch.Tensor) and stream.is_floating_point()):
         return None
     parameters = dict(module.named_parameters())
-    if all(p.dtype == stream.dtype for p in parameters.values()):
+    if all(p.dtype == stream.dtype and p.device == stream.device for p in parameters.values()):
         return None
-    return {name: p.to(stream.dtype) if p.is_floating_point() else p for name, p in parameters.items()}
+    return {name: p.to(device=stream.device, dtype=stream.dtype) if p.is_floating_point() else p.to(stream.device)
+            for name, p in parameters.items()}
 
 
 def _probe_shared_maps(module: torch.nn.Module, recorded: Recorded) -> tuple[SharedMap, ...]:
@@ -169,7 +171,7 @@ def _probe_shared_maps(module: torch.nn.Module, recorded: Recorded) -> tuple[Sha
                 handles.append(sub.register_forward_pre_hook(
                     lambda m, args, name=name: inputs.setdefault(name, []).append(args[0] if args else None)))
                 handles.append(sub.register_forward_hook(lambda m, args, out, name=name: outputs.setdefault(name, out)))
-        replay(module, recorded, _in_dtype_of(module, stream))
+        replay(module, recorded, _placed_like(module, stream))
     norms = [name for name, sub in module.named_modules() if name and not list(sub.children())
              and "norm" in type(sub).__name__.lower() and inputs.get(name, [None])[0] is stream]
     found = []

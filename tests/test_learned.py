@@ -158,7 +158,8 @@ def test_fisher_is_the_per_record_squared_gradient_of_sampled_labels(kit):
         for name, value in expected.items():
             got = diagonals(name)[index].double()
             assert bool((got >= 0).all()), name
-            torch.testing.assert_close(got, value, rtol=1e-5, atol=1e-12, msg=name)
+            # float32 gradients, summed in another order block by block: a squared entry moves by a few 1e-5 relative
+            torch.testing.assert_close(got, value, rtol=1e-4, atol=1e-12, msg=name)
         assert len(set(diagonals.files[task].values())) <= stages  # written stage by stage
     if architecture == "gpt2":  # one checkpoint tensor for the tied head and embedding
         assert "lm_head.weight" not in diagonals.names and "transformer.wte.weight" in diagonals.names

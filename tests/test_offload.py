@@ -112,7 +112,8 @@ def test_offloaded_base_stays_on_the_host_and_scores_as_on_the_cpu(deep_kit):
 
 @needs_cuda
 def test_offloaded_capture_holds_about_one_block_on_the_gpu(deep_kit):
-    """Peak GPU memory of a capture and a model-level sweep: offloaded, well under the model; loaded whole, over it."""
+    """Peak GPU memory of a capture and a model-level sweep: loaded whole, over the model; offloaded, lower by most of
+    the model's bytes."""
     base, _, _ = deep_kit
     model_bytes = sum(p.numel() * 4 for p in load_base_model(base, dtype="float32", device="cpu").model.parameters())
     peaks = {}
@@ -127,5 +128,7 @@ def test_offloaded_capture_holds_about_one_block_on_the_gpu(deep_kit):
         peaks[offload] = torch.cuda.max_memory_allocated()
         del experiment
         torch.cuda.empty_cache()
+    # what both share (recorded inputs, activations, the CUDA workspace) outweighs this small model; offloading must
+    # take the model off the device but about one of its 8 blocks and the embedding stage
     assert peaks[False] >= model_bytes
-    assert peaks[True] < model_bytes / 2, (peaks, model_bytes)
+    assert peaks[False] - peaks[True] >= 0.6 * model_bytes, (peaks, model_bytes)

@@ -252,7 +252,7 @@ def _pair_block(first: GramSpectrum, second: GramSpectrum, cross: torch.Tensor |
     """Σ_i V_iᵀ V_j Σ_j over the top k directions (k × k, float64): from V = Y, or (``cross`` = K_ij) from
     V = Z as Y_iᵀ K_ij Y_j."""
     if k == 0:
-        return torch.zeros(0, 0, dtype=torch.float64)
+        return torch.zeros(0, 0, dtype=torch.float64, device=first.Y.device)
     left_vectors, right_vectors = first.Y[:, :k], second.Y[:, :k]
     if cross is None:
         gram = (left_vectors.mT @ right_vectors).to(torch.float64)

@@ -42,7 +42,7 @@ def _grams(outputs: dict[str, Outputs], tasks):
         for sample in outputs[a].per_sample():
             base = sample[0]
             d = [tuned - base for tuned in sample[1:]]
-            per_sample.append(task_gram(d).numpy())
+            per_sample.append(task_gram(d).cpu().numpy())
             deltas.append((base, d))
         grams.append(np.stack(per_sample))
         features.append(deltas)

@@ -47,7 +47,7 @@ def _pairwise_distances(rows: torch.Tensor) -> torch.Tensor:
 def _nonlinearity_from_distances(distances: torch.Tensor) -> torch.Tensor:
     """Eq. 19 of seed 002 given the (..., N+1, N+1) distance matrices."""
     steps = distances.shape[-1] - 1
-    index = torch.arange(steps + 1, dtype=torch.float64)
+    index = torch.arange(steps + 1, dtype=torch.float64, device=distances.device)
     ideal = (index[:, None] - index[None, :]).abs() / steps  # |i - j| / N
     endpoint = distances[..., steps, 0]  # ‖F_N − F_0‖ = D(f(x;θ), f(x;θ0))
     safe_endpoint = torch.where(endpoint > 0, endpoint, torch.ones_like(endpoint))
@@ -91,7 +91,7 @@ def nonlinearity_scores(trajectories: torch.Tensor | Sequence[torch.Tensor]) -> 
         if trajectories.ndim != 3 or trajectories.shape[1] < 2:
             raise ValueError(f"trajectories must be (S, N+1, D) with N >= 1, got {tuple(trajectories.shape)}")
         rows = trajectories.detach().to(torch.float64)
-        return _nonlinearity_from_distances(_pairwise_distances(rows)).numpy()
+        return _nonlinearity_from_distances(_pairwise_distances(rows)).cpu().numpy()
     return np.array([nonlinearity_score(trajectory) for trajectory in trajectories], dtype=np.float64)
 
 

@@ -152,7 +152,7 @@ def merged_block(source, path: str, delta: TensorDelta, table: TensorTable, task
 
 def _grams(outputs: Outputs) -> np.ndarray:
     """The (n, T, T) per-sample Grams (Eq. 14) of outputs of variants [base, fine-tune 1 … T]."""
-    return np.stack([task_gram([tuned - sample[0] for tuned in sample[1:]]).numpy()
+    return np.stack([task_gram([tuned - sample[0] for tuned in sample[1:]]).cpu().numpy()
                      for sample in outputs.per_sample()])
 
 
