@@ -18,8 +18,9 @@ Drivers never import Ray and never decide where they run: the caller (the CLI's 
 ``--threads``) builds the engine and passes it in `RunSettings`. The driver alone writes the store, in order, so
 resume, settings checks and provenance are the same on every engine, and a run resumes across engines.
 
-Threads. torch's multi-threaded float reductions sum in another order with another thread count. Every engine
-therefore fixes the intra-op thread count of every task (`threads`; default: this process's count when the engine
+Threads. torch's multi-threaded float reductions, and LAPACK's (scipy's eigendecompositions in the Gram route), sum
+in another order with another thread count. Every engine therefore fixes the intra-op thread count of every task,
+torch's and the BLAS libraries' alike (`threads`; default: this process's count when the engine
 is made) and records it in the store's provenance (``provenance.engine``): with the same `threads`, stores and
 merged checkpoints are bitwise equal whatever the engine and the worker count. A Ray worker holds 1 CPU of the
 cluster's accounting (``num_cpus=1``, so a run needs `workers` CPUs) and computes with `threads` threads.
@@ -38,6 +39,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import threadpoolctl
 import torch
 
 from submerge.diagnostics.capture import DEFAULT_CAPTURE_BUDGET
@@ -81,13 +83,21 @@ def _check_count(value, what: str) -> int:
 
 @contextlib.contextmanager
 def fixed_threads(threads: int):
-    """torch's intra-op thread count set to `threads` inside the block, restored after."""
+    """torch's intra-op thread count and the BLAS libraries' (scipy's LAPACK, which the Gram route's
+    eigendecompositions call) set to `threads` inside the block, restored after."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        yield
+        with threadpoolctl.threadpool_limits(limits=threads, user_api="blas"):
+            yield
     finally:
         torch.set_num_threads(before)
+
+
+def worker_environment(threads: int) -> dict[str, str]:
+    """The thread variables a Ray worker starts with: Ray sets OMP_NUM_THREADS to the worker's CPU share (1), and
+    OpenBLAS sizes its pool when it loads, so `threads` must be in the environment before the worker imports."""
+    return {name: str(threads) for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
 
 
 def process_stats() -> dict:
@@ -204,7 +214,8 @@ class RayEngine:
         import ray
 
         return ray.remote(worker).options(num_cpus=1, num_gpus=self.gpus_per_worker, max_restarts=self.max_retries,
-                                          max_task_retries=self.max_retries)
+                                          max_task_retries=self.max_retries,
+                                          runtime_env={"env_vars": worker_environment(self.threads)})
 
     def map(self, task: WorkerTask, groups: Sequence[list]) -> Iterator:
         """``task.open().<method>(group)`` for each group, computed by the actors, returned in group order."""
@@ -235,6 +246,7 @@ class TaskActor:
 
     def __init__(self, task: WorkerTask, threads: int):
         torch.set_num_threads(threads)
+        threadpoolctl.threadpool_limits(limits=threads, user_api="blas")  # held for the actor's life
         self.worker = task.open()
         self.method = getattr(self.worker, task.method)
 

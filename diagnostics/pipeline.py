@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
+import threadpoolctl
 import torch
 from torch import nn
 from torch.utils._pytree import tree_map
@@ -120,6 +121,7 @@ class BlockWorker:
 
     def __init__(self, job: dict, layers: list[int], modules: dict[int, list[Submodule]], incoming: list):
         torch.set_num_threads(job["threads"])
+        threadpoolctl.threadpool_limits(limits=job["threads"], user_api="blas")  # held for the actor's life
         self.device = pick_device(job["device"])
         self.layers = range(layers[0], layers[-1] + 1)
         last = self.layers[-1] == job["num_layers"] - 1

@@ -516,38 +516,37 @@ def _dare_rule(rules: RecipeRules, info, densities, options) -> ParameterRule:
                                                  **options})
 
 
+def _per_model_pair(densities: list[float], extras: list[float], whole: tuple[float, float],
+                    pair) -> tuple[list[float], list[float]]:
+    """Per model, two option values: `whole` where its density is ≥ 1 (the model is kept whole), else
+    ``pair(density, extra)``."""
+    values = [whole if density >= 1 else pair(density, extra) for density, extra in zip(densities, extras)]
+    return [first for first, _ in values], [second for _, second in values]
+
+
 def _breadcrumbs_rule(rules: RecipeRules, info, densities, options) -> ParameterRule:
     """mergekit's magnitude_outliers counts as Breadcrumbs' β, γ for this tensor's n entries: keep the ascending
     ranks [n_bot, n_bot + ⌊density·n⌋) with n_bot = max(0, n − ⌊density·n⌋ − ⌊gamma·n⌋)."""
     n = math.prod(info.shape) or 1
-    gammas = rules._per_task("gamma", info, 0.0)
-    betas, uppers = [], []
-    for density, gamma in zip(densities, gammas):
-        if density >= 1:
-            betas.append(0.0)
-            uppers.append(1.0)
-            continue
+
+    def kept_ranks(density: float, gamma: float) -> tuple[float, float]:
         target, top = int(density * n), int(gamma * n)
         bottom = max(0, n - target - top)
-        betas.append(bottom / n)
-        uppers.append((bottom + target) / n)
+        return bottom / n, (bottom + target) / n
+
+    betas, uppers = _per_model_pair(densities, rules._per_task("gamma", info, 0.0), (0.0, 1.0), kept_ranks)
     return ParameterRule(method="breadcrumbs", options={"beta": _scalar_or_list(betas),
                                                         "gamma": _scalar_or_list(uppers), **options})
 
 
 def _della_rule(rules: RecipeRules, info, densities, options) -> ParameterRule:
-    epsilons = rules._per_task("epsilon", info, 0.0)
-    drop, spread = [], []
-    for density, epsilon in zip(densities, epsilons):
-        if density >= 1:
-            drop.append(0.0)
-            spread.append(0.0)
-            continue
+    def drop_and_spread(density: float, epsilon: float) -> tuple[float, float]:
         if not (0 < density - epsilon and density + epsilon < 1):
             raise RecipeError(f"della: density ± epsilon must lie in (0, 1), got {density} ± {epsilon} "
                               f"(tensor {info.name})")
-        drop.append(1.0 - density)
-        spread.append(2.0 * epsilon)
+        return 1.0 - density, 2.0 * epsilon
+
+    drop, spread = _per_model_pair(densities, rules._per_task("epsilon", info, 0.0), (0.0, 0.0), drop_and_spread)
     return ParameterRule(method="della", options={"drop_rate": _scalar_or_list(drop),
                                                   "epsilon": _scalar_or_list(spread), **options})
 

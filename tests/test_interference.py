@@ -616,6 +616,35 @@ def test_interference_on_ray_equals_one_process_and_survives_a_killed_worker(tin
     assert spread.attrs == fresh.attrs
 
 
+def _threads_here(group):
+    """torch's intra-op threads and every loaded BLAS library's (scipy's LAPACK among them) in this process."""
+    import scipy.linalg  # noqa: F401 (loads scipy's BLAS)
+    import threadpoolctl
+
+    return torch.get_num_threads(), sorted({info["num_threads"] for info in threadpoolctl.threadpool_info()
+                                            if info["user_api"] == "blas"})
+
+
+def test_every_engine_fixes_blas_threads_as_well_as_torch_threads():
+    """The Gram route's eigendecompositions run in scipy's LAPACK, whose sums depend on its own thread count, which
+    torch.set_num_threads does not reach and Ray sets to a worker's CPU share: each engine fixes both to `threads`
+    (the demo kit's 576-wide matrices differed between one process and Ray by up to 4e-6 before)."""
+    from types import SimpleNamespace
+
+    from submerge.diagnostics.execution import LocalEngine
+
+    task = SimpleNamespace(method="threads", open=lambda: SimpleNamespace(threads=_threads_here))
+    for threads in (1, 2):
+        assert list(LocalEngine(threads).map(task, [[0]])) == [(threads, [threads])]
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        for threads in (1, 2):
+            assert list(RayEngine("auto", workers=2, threads=threads).map(task, [[0], [1]])) == [(threads, [threads])] * 2
+    finally:
+        ray.shutdown()
+
+
 # ------------------------------------------------------------- the two routes: exact SVDs and Gram matrices
 
 def _previous_task_matrix_interference(task_matrices, rank_fracs, merged, eps, svd_dtype):
