@@ -616,15 +616,6 @@ def test_interference_on_ray_equals_one_process_and_survives_a_killed_worker(tin
     assert spread.attrs == fresh.attrs
 
 
-def _threads_here(group):
-    """torch's intra-op threads and every loaded BLAS library's (scipy's LAPACK among them) in this process."""
-    import scipy.linalg  # noqa: F401 (loads scipy's BLAS)
-    import threadpoolctl
-
-    return torch.get_num_threads(), sorted({info["num_threads"] for info in threadpoolctl.threadpool_info()
-                                            if info["user_api"] == "blas"})
-
-
 def test_every_engine_fixes_blas_threads_as_well_as_torch_threads():
     """The Gram route's eigendecompositions run in scipy's LAPACK, whose sums depend on its own thread count, which
     torch.set_num_threads does not reach and Ray sets to a worker's CPU share: each engine fixes both to `threads`
@@ -633,7 +624,15 @@ def test_every_engine_fixes_blas_threads_as_well_as_torch_threads():
 
     from submerge.diagnostics.execution import LocalEngine
 
-    task = SimpleNamespace(method="threads", open=lambda: SimpleNamespace(threads=_threads_here))
+    def threads_here(group):  # nested, so that Ray pickles it by value: workers cannot import the tests
+        """torch's intra-op threads and every loaded BLAS library's (scipy's LAPACK among them) here."""
+        import scipy.linalg  # noqa: F401 (loads scipy's BLAS)
+        import threadpoolctl
+
+        return torch.get_num_threads(), sorted({info["num_threads"] for info in threadpoolctl.threadpool_info()
+                                                if info["user_api"] == "blas"})
+
+    task = SimpleNamespace(method="threads", open=lambda: SimpleNamespace(threads=threads_here))
     for threads in (1, 2):
         assert list(LocalEngine(threads).map(task, [[0]])) == [(threads, [threads])]
     ray = pytest.importorskip("ray")
