@@ -726,14 +726,15 @@ class Store:
             piece.to_zarr(self._zarr_store(f"{group}/zarr.json"), group=group, mode="a", zarr_format=3,
                           consolidated=False, write_empty_chunks=True, **append)
             _fault_point("append")
-            self._put_attrs(group, {**attrs, "units_done": done + dataset.sizes[dim]})
+            self._put_attrs(group, {**attrs, **_detached_coordinates(piece), "units_done": done + dataset.sizes[dim]})
 
     def write(self, group: str, dataset: xr.Dataset, settings: dict, *, force: bool = False,
               root: dict | None = None, attrs: dict | None = None) -> None:
         """Write a whole group at once (small results)."""
         self.begin(group, settings, force=force, root=root, attrs=attrs, dim="__none__")
         with self._writing():
-            self._put_attrs(group, {**self.group_attrs(group), "complete": False, "units_done": 0})
+            self._put_attrs(group, {**self.group_attrs(group), **_detached_coordinates(dataset), "complete": False,
+                                    "units_done": 0})
             for array_dir in self._arrays(group):
                 shutil.rmtree(array_dir)
             self._fit_strings(group, dataset.drop_attrs(deep=False)).to_zarr(
@@ -896,6 +897,16 @@ def _stored_dtype(directory: Path) -> np.dtype | None:
     if isinstance(data_type, dict) and data_type.get("name") == "fixed_length_utf32":
         return np.dtype(f"<U{data_type['configuration']['length_bytes'] // 4}")
     return np.dtype(object) if data_type in ("string", "variable_length_utf8") else np.dtype(float)
+
+
+def _detached_coordinates(dataset: xr.Dataset) -> dict:
+    """The group attr that names the coordinates no data variable carries (projection's combo_alpha, combo × task,
+    beside variables over module × combo): xarray reads them back as coordinates only if the group's "coordinates"
+    attr names them, which writing into an existing group does not do; without it they come back as data variables
+    and a resumed run cannot join its stored units to its new ones."""
+    names = [name for name, coord in dataset.coords.items() if name not in dataset.dims
+             and not any(set(coord.dims) <= set(variable.dims) for variable in dataset.data_vars.values())]
+    return {"coordinates": " ".join(sorted(names))} if names else {}
 
 
 def _readable_strings(dataset: xr.Dataset) -> xr.Dataset:

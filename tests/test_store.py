@@ -463,6 +463,29 @@ def test_unit_writer_several_rows_per_unit_and_the_empty_case(tmp_path):
     assert UnitWriter(None, "e", {}).finish({}).sizes == {}
 
 
+def test_a_coordinate_no_variable_carries_reads_back_as_a_coordinate_and_a_resume_joins(tmp_path):
+    """Projection's combo_alpha (combo × task) is a coordinate that no variable (module × combo) carries; xarray
+    names such coordinates in the group's "coordinates" attr, which the unit count's write used to drop, so the
+    stored units read back with it as a data variable and a run resumed after its first unit could not join them
+    (found by the full-stride fault matrix: projection, kill at write 56)."""
+    def unit(names):
+        return xr.Dataset({"pd": (("module", "combo"), np.ones((len(names), 3)))},
+                          coords={"module": np.array(names, dtype=object), "combo": np.arange(3),
+                                  "task": np.array(["a", "b"], dtype=object),
+                                  "combo_alpha": (("combo", "task"), np.full((3, 2), 0.5))})
+
+    store = Store(tmp_path / "s.zarr")
+    writer = UnitWriter(store, "p", {}, dim="module")
+    writer.add(unit(["m0"]), "m0")
+    writer.add(unit(["m1"]), "m1")
+    assert "combo_alpha" in store.dataset("p").coords
+    resumed = UnitWriter(store, "p", {}, dim="module")
+    resumed.add(unit(["m2"]), "m2")
+    result = resumed.finish({})
+    assert list(result.module.values) == ["m0", "m1", "m2"] and "combo_alpha" in result.coords
+    assert "combo_alpha" in store.dataset("p").coords
+
+
 def test_unit_writer_builds_provenance_from_inputs(tmp_path):
     store = Store(tmp_path / "s.zarr")
     inputs = {"base_model": _model("/m/base", "0"), "finetuned": {"t": _model("/m/t", "c")}}
