@@ -262,6 +262,31 @@ def _sum(pieces: Sequence[torch.Tensor]) -> torch.Tensor:
     return total
 
 
+# --------------------------------------------------------------------------- the registry
+
+#: name → the function and what `MergeMethod` needs beside it, filled by `registered` as the module is read.
+_REGISTERED: dict[str, dict] = {}
+
+#: Options of the closed-form merge's data step (`submerge.diagnostics.linearity.alpha`): the unit α is fitted and
+#: applied at, and whether the objective is balanced (seed 002 Eq. 33–34) or plain (Eq. 10–14).
+CLOSED_FORM_OPTIONS = {"granularity": "attn-mlp", "balance": True}
+
+
+def registered(name: str, description: str, *, matrix_only: bool = False,
+               data_options: Sequence[str] | Mapping[str, object] = ()):
+    """Register the decorated function as the merge strategy `name` (`STRATEGIES`). Its options and their defaults
+    are its signature's; ``matrix_only``: it merges 2-D weights only (others fall back, `DEFAULT_FALLBACK`);
+    ``data_options``: its data step's options, by name (defaults from the signature) or with their values."""
+    def register(function: Callable) -> Callable:
+        if name in _REGISTERED:
+            raise ValueError(f"merge strategy {name!r} is registered twice")
+        _REGISTERED[name] = {"function": function, "description": description, "matrix_only": matrix_only,
+                             "data_options": data_options}
+        return function
+    return register
+
+
+@registered("weight-average", "mean of the fine-tuned weights (Wortsman et al. 2022, model soups)")
 def weight_average(task_vectors: Sequence[torch.Tensor]) -> torch.Tensor:
     """Simple average of the fine-tuned weights (Wortsman et al. 2022, model soups).
 
@@ -272,6 +297,7 @@ def weight_average(task_vectors: Sequence[torch.Tensor]) -> torch.Tensor:
     return _by_chunks(task_vectors, lambda pieces: _sum(pieces).div_(len(pieces)))
 
 
+@registered("task-arithmetic", "θ0 + λ·Σ task vectors (Ilharco et al. 2023, Task Arithmetic)")
 def task_arithmetic(task_vectors: Sequence[torch.Tensor], *, scaling: float = 1.0) -> torch.Tensor:
     """Task Arithmetic (Ilharco et al. 2023): τ_M = λ Σ_t τ_t.
 
@@ -282,6 +308,9 @@ def task_arithmetic(task_vectors: Sequence[torch.Tensor], *, scaling: float = 1.
     return _by_chunks(task_vectors, lambda pieces: _sum(pieces).mul_(float(scaling)))
 
 
+@registered("closed-form",
+            "θ0 + Σ_t α_t τ_t with α per submodule solved on task data (seed 002 Eq. 12–14, 33–34; needs data)",
+            data_options=CLOSED_FORM_OPTIONS)
 def weighted_task_arithmetic(
     task_vectors: Sequence[torch.Tensor], weights: Sequence[float | torch.Tensor] | torch.Tensor
 ) -> torch.Tensor:
@@ -401,6 +430,7 @@ def _trimmed_elect(pieces: list[torch.Tensor], masks: Sequence[_TopMagnitude], s
     return float(scaling) * elect_sign_disjoint_mean(trimmed, weights=weights, normalize=normalize)
 
 
+@registered("ties", "trim to top-k %, elect sign, disjoint mean (Yadav et al. 2023, TIES-Merging)")
 def ties(task_vectors: Sequence[torch.Tensor], *, top_k: float | Sequence[float] = 0.2, scaling: float = 1.0,
          weights: Sequence[float] | None = None, normalize: bool = True) -> torch.Tensor:
     """TIES-Merging (Yadav et al. 2023, Algorithm 1): trim, elect sign, disjoint mean, scale by λ.
@@ -471,6 +501,7 @@ class _Drawn:
         return torch.where(self.kept[rows], piece / (1 - probability), 0.0)
 
 
+@registered("dare", "random drop p and rescale 1/(1-p), then task arithmetic or TIES (Yu et al. 2024, DARE)")
 def dare(
     task_vectors: Sequence[torch.Tensor],
     *,
@@ -561,6 +592,8 @@ def breadcrumbs_mask(task_vector: torch.Tensor, beta: float, gamma: float) -> to
     return _BreadcrumbsMask(values, beta, gamma)(values)
 
 
+@registered("breadcrumbs",
+            "mask the smallest β and largest 1-γ magnitudes per tensor (Davari & Belilovsky 2024, Model Breadcrumbs)")
 def breadcrumbs(
     task_vectors: Sequence[torch.Tensor], *, beta: float | Sequence[float] = 0.85,
     gamma: float | Sequence[float] = 0.993, scaling: float = 1.0, weights: Sequence[float] | None = None,
@@ -631,6 +664,7 @@ def magprune(task_vector: torch.Tensor, drop_rate: float, epsilon: float, genera
     return _magprune_draw(task_vector, drop_rate, epsilon, generator)(_compute(task_vector))
 
 
+@registered("della", "magnitude-ranked drop and rescale, elect sign, fuse (Deep et al. 2024, DELLA-Merging)")
 def della(
     task_vectors: Sequence[torch.Tensor],
     *,
@@ -694,6 +728,8 @@ def pcb_balance(task_vectors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return betas
 
 
+@registered("pcb",
+            "intra/inter-task balancing scores, keep the top r, score-weighted mean (Du et al. 2024, PCB-Merging)")
 def pcb(task_vectors: Sequence[torch.Tensor], *, top_k: float = 0.1, scaling: float = 1.0) -> torch.Tensor:
     """PCB-Merging (Du et al. 2024): balance, drop the low-scoring entries, β-weighted mean, scale by λ.
 
@@ -739,6 +775,8 @@ def _check_mask_lambda(mask_lambda: float) -> float:
     return mask_lambda
 
 
+@registered("consensus",
+            "task arithmetic on the entries that ≥ k tasks' TALL masks select (Wang et al. 2024, Consensus TA)")
 def consensus(task_vectors: Sequence[torch.Tensor], *, mask_lambda: float = 0.4, min_tasks: int = 2,
               scaling: float = 1.0) -> torch.Tensor:
     """Consensus Task Arithmetic with TALL masks (Wang et al. 2024; seed 002 Table 9's "Consensus TA").
@@ -785,6 +823,7 @@ def nan_coefficients(task_vectors: Sequence[torch.Tensor], base_weight: torch.Te
     return [value / sum(inverse) for value in inverse]
 
 
+@registered("nan", "task arithmetic with α ∝ 1/‖θ_t‖ per tensor, times T/2 (Si et al. 2025, NAN)")
 def nan(task_vectors: Sequence[torch.Tensor], *, base_weight: torch.Tensor, scaling: float = 1.0) -> torch.Tensor:
     """NAN (Si et al. 2025): task arithmetic with coefficients from the inverse norms of the models' weights.
 
@@ -798,6 +837,9 @@ def nan(task_vectors: Sequence[torch.Tensor], *, base_weight: torch.Tensor, scal
     return weighted_task_arithmetic(task_vectors, [factor * coefficient for coefficient in coefficients])
 
 
+@registered("fisher",
+            "Fisher-weighted average, diagonal Fishers estimated on the fit records (Matena & Raffel 2022; needs data)",
+            data_options=("seed",))
 def fisher(task_vectors: Sequence[torch.Tensor], *, fisher_diagonals: Sequence[torch.Tensor],
            fisher_floor: float = 1e-6, scaling: float = 1.0, seed: int = 0) -> torch.Tensor:
     """Fisher merging (Matena & Raffel 2022): the Fisher-weighted average of the fine-tuned weights.
@@ -886,6 +928,9 @@ def tsv_bases(task_vectors: Sequence[torch.Tensor], rank_per_task: int | None = 
     return TsvBases(procrustes_orthonormalise(left), singular_values, procrustes_orthonormalise(right))
 
 
+@registered("tsv-m",
+            "top r/T singular vectors per task, Procrustes-decorrelated (Gargiulo et al. 2025, TSV-Merge)",
+            matrix_only=True)
 def tsv_m(task_vectors: Sequence[torch.Tensor], *, scaling: float = 1.0) -> torch.Tensor:
     """TSV-Merge (Gargiulo et al. 2025): τ_M = α U_⊥ Σ̂ V_⊥ᵀ.
 
@@ -898,6 +943,7 @@ def tsv_m(task_vectors: Sequence[torch.Tensor], *, scaling: float = 1.0) -> torc
     return _as_output(float(scaling) * merged, task_vectors[0])
 
 
+@registered("iso-c", "task-arithmetic sum with a flat singular spectrum (Marczak et al. 2025, Iso-C)", matrix_only=True)
 def iso_c(task_vectors: Sequence[torch.Tensor], *, scaling: float = 1.0) -> torch.Tensor:
     """Iso-C (Marczak et al. 2025): flatten the spectrum of the task-arithmetic sum.
 
@@ -918,6 +964,9 @@ def iso_c(task_vectors: Sequence[torch.Tensor], *, scaling: float = 1.0) -> torc
     return _as_output(float(scaling) * merged, task_vectors[0])
 
 
+@registered("iso-cts",
+            "Iso-C on a common subspace plus task-specific directions (Marczak et al. 2025, Iso-CTS)",
+            matrix_only=True)
 def iso_cts(
     task_vectors: Sequence[torch.Tensor], *, common_fraction: float = 0.8, scaling: float = 1.0
 ) -> torch.Tensor:
@@ -963,6 +1012,7 @@ def iso_cts(
     return _as_output(float(scaling) * merged, task_vectors[0])
 
 
+@registered("cart", "weight average plus low-rank centred task matrices (Choi et al. 2025, CART)", matrix_only=True)
 def cart(task_vectors: Sequence[torch.Tensor], *, rank_ratio: float = 0.08, scaling: float = 1.0) -> torch.Tensor:
     """CART (Choi et al. 2025): weight average plus low-rank centred task matrices.
 
@@ -1004,6 +1054,9 @@ def star_truncate(task_matrix: torch.Tensor, energy_fraction: float) -> torch.Te
     return (left[:, :rank] * rescaled) @ right[:, :rank].mT
 
 
+@registered("star",
+            "spectral truncation to η of the nuclear norm, rescale, average (Lee et al. 2025, STAR)",
+            matrix_only=True)
 def star(task_vectors: Sequence[torch.Tensor], *, energy_fraction: float = 0.4) -> torch.Tensor:
     """STAR (Lee et al. 2025): truncate each task matrix's spectrum, rescale, average.
 
@@ -1053,6 +1106,9 @@ def sftm_system(task_matrices: Sequence[torch.Tensor]) -> SftmSystem:
     return SftmSystem(coefficient_matrix, singular_values, alpha, left, right)
 
 
+@registered("sftm",
+            "trim, then superpose singular features by solving (Σ∘U∘V)α = σ (Qiu et al., SFTM)",
+            matrix_only=True)
 def sftm(task_vectors: Sequence[torch.Tensor], *, top_k: float = 0.2, scaling: float = 1.0) -> torch.Tensor:
     """SFTM (seed 001, Algorithms 1–2): superpose the task matrices' singular features.
 
@@ -1070,6 +1126,9 @@ def sftm(task_vectors: Sequence[torch.Tensor], *, top_k: float = 0.2, scaling: f
     return _as_output(float(scaling) * merged, task_vectors[0])
 
 
+@registered("knots",
+            "SVD of the concatenated updates, TIES on the aligned Σ V_t, rebuild (Stoica et al. 2024, KnOTS)",
+            matrix_only=True)
 def knots(task_vectors: Sequence[torch.Tensor], *, base: str = "ties", top_k: float = 0.2,
           scaling: float = 1.0) -> torch.Tensor:
     """KnOTS (Stoica et al. 2024): align the task updates by one SVD, merge their aligned parts, rebuild.
@@ -1101,6 +1160,9 @@ def knots(task_vectors: Sequence[torch.Tensor], *, base: str = "ties", top_k: fl
     return _as_output(left @ merged, task_vectors[0])
 
 
+@registered("regmean",
+            "closed-form least squares on recorded input Gram matrices (Jin et al. 2023, RegMean; needs data)",
+            matrix_only=True)
 def regmean(
     task_vectors: Sequence[torch.Tensor],
     *,
@@ -1149,6 +1211,10 @@ def regmean(
 # ------------------------------------------------------------------ coefficients learned from data
 
 
+@registered("adamerging",
+            "θ0 + Σ λ τ, λ per tensor learned by next-token entropy minimisation (Yang et al. 2024, AdaMerging; "
+            "needs data)",
+            data_options=("granularity", "steps", "learning_rate", "initial"))
 def adamerging(task_vectors: Sequence[torch.Tensor], weights: Sequence[float | torch.Tensor], *,
                granularity: str = "layer", steps: int = 500, learning_rate: float = 1e-3,
                initial: float = 0.3) -> torch.Tensor:
@@ -1168,6 +1234,9 @@ def adamerging(task_vectors: Sequence[torch.Tensor], weights: Sequence[float | t
     return weighted_task_arithmetic(task_vectors, weights)
 
 
+@registered("lorahub",
+            "θ0 + Σ w τ, w searched by CMA-ES on the fit records' loss + L1 (Huang et al. 2023, LoraHub; needs data)",
+            data_options=("steps", "l1_weight", "bound", "seed"))
 def lorahub(task_vectors: Sequence[torch.Tensor], weights: Sequence[float | torch.Tensor], *,
             steps: int = 40, l1_weight: float = 0.05, bound: float = 1.5, seed: int = 42) -> torch.Tensor:
     """LoraHub (Huang et al. 2023): θ0 + Σ_t w_t τ_t with w found by a gradient-free search on a few examples.
@@ -1279,71 +1348,21 @@ def _coerce(value: object, default: object, what: str) -> object:
     return value
 
 
-# name, function, matrix-only, description
-_REGISTERED = (
-    ("weight-average", weight_average, False, "mean of the fine-tuned weights (Wortsman et al. 2022, model soups)"),
-    ("task-arithmetic", task_arithmetic, False, "θ0 + λ·Σ task vectors (Ilharco et al. 2023, Task Arithmetic)"),
-    ("ties", ties, False, "trim to top-k %, elect sign, disjoint mean (Yadav et al. 2023, TIES-Merging)"),
-    ("dare", dare, False,
-     "random drop p and rescale 1/(1-p), then task arithmetic or TIES (Yu et al. 2024, DARE)"),
-    ("breadcrumbs", breadcrumbs, False,
-     "mask the smallest β and largest 1-γ magnitudes per tensor (Davari & Belilovsky 2024, Model Breadcrumbs)"),
-    ("della", della, False, "magnitude-ranked drop and rescale, elect sign, fuse (Deep et al. 2024, DELLA-Merging)"),
-    ("tsv-m", tsv_m, True,
-     "top r/T singular vectors per task, Procrustes-decorrelated (Gargiulo et al. 2025, TSV-Merge)"),
-    ("iso-c", iso_c, True, "task-arithmetic sum with a flat singular spectrum (Marczak et al. 2025, Iso-C)"),
-    ("iso-cts", iso_cts, True,
-     "Iso-C on a common subspace plus task-specific directions (Marczak et al. 2025, Iso-CTS)"),
-    ("cart", cart, True, "weight average plus low-rank centred task matrices (Choi et al. 2025, CART)"),
-    ("star", star, True, "spectral truncation to η of the nuclear norm, rescale, average (Lee et al. 2025, STAR)"),
-    ("sftm", sftm, True, "trim, then superpose singular features by solving (Σ∘U∘V)α = σ (Qiu et al., SFTM)"),
-    ("regmean", regmean, True,
-     "closed-form least squares on recorded input Gram matrices (Jin et al. 2023, RegMean; needs data)"),
-    ("pcb", pcb, False,
-     "intra/inter-task balancing scores, keep the top r, score-weighted mean (Du et al. 2024, PCB-Merging)"),
-    ("consensus", consensus, False,
-     "task arithmetic on the entries that ≥ k tasks' TALL masks select (Wang et al. 2024, Consensus TA)"),
-    ("nan", nan, False, "task arithmetic with α ∝ 1/‖θ_t‖ per tensor, times T/2 (Si et al. 2025, NAN)"),
-    ("knots", knots, True,
-     "SVD of the concatenated updates, TIES on the aligned Σ V_t, rebuild (Stoica et al. 2024, KnOTS)"),
-)
-#: Options of the closed-form merge's data step (`submerge.diagnostics.linearity.alpha`): the unit α is fitted and
-#: applied at, and whether the objective is balanced (seed 002 Eq. 33–34) or plain (Eq. 10–14).
-CLOSED_FORM_OPTIONS = {"granularity": "attn-mlp", "balance": True}
 
 
 
-def _data_options(function: Callable, names: Sequence[str]) -> dict[str, object]:
-    """The defaults of the keyword options `names` of `function`: its data step's options, read from its signature."""
-    parameters = inspect.signature(function).parameters
-    return {name: parameters[name].default for name in names}
+def _method(name: str, entry: dict) -> MergeMethod:
+    """The `MergeMethod` of a `registered` function; data-step options given by name take their defaults from the
+    function's signature."""
+    options = entry["data_options"]
+    if not isinstance(options, Mapping):
+        parameters = inspect.signature(entry["function"]).parameters
+        options = {option: parameters[option].default for option in options}
+    return MergeMethod(name, entry["function"], entry["description"], entry["matrix_only"], data_options=options)
 
 
-STRATEGIES: dict[str, MergeMethod] = {
-    **{name: MergeMethod(name, function, description, matrix_only) for name, function, matrix_only, description
-       in _REGISTERED},
-    "closed-form": MergeMethod(
-        "closed-form", weighted_task_arithmetic,
-        "θ0 + Σ_t α_t τ_t with α per submodule solved on task data (seed 002 Eq. 12–14, 33–34; needs data)",
-        data_options=CLOSED_FORM_OPTIONS,
-    ),
-    "fisher": MergeMethod(
-        "fisher", fisher,
-        "Fisher-weighted average, diagonal Fishers estimated on the fit records (Matena & Raffel 2022; needs data)",
-        data_options=_data_options(fisher, ("seed",)),
-    ),
-    "adamerging": MergeMethod(
-        "adamerging", adamerging,
-        "θ0 + Σ λ τ, λ per tensor learned by next-token entropy minimisation (Yang et al. 2024, AdaMerging; "
-        "needs data)",
-        data_options=_data_options(adamerging, ("granularity", "steps", "learning_rate", "initial")),
-    ),
-    "lorahub": MergeMethod(
-        "lorahub", lorahub,
-        "θ0 + Σ w τ, w searched by CMA-ES on the fit records' loss + L1 (Huang et al. 2023, LoraHub; needs data)",
-        data_options=_data_options(lorahub, ("steps", "l1_weight", "bound", "seed")),
-    ),
-}
+#: Every registered strategy, in the order the functions are defined above.
+STRATEGIES: dict[str, MergeMethod] = {name: _method(name, entry) for name, entry in _REGISTERED.items()}
 
 #: mergekit's spellings of methods that mean the same merge here → (method, options it implies).
 #: Only the method is translated, not mergekit's parameters: mergekit's ``density`` is our ``top_k`` (TIES)
