@@ -17,14 +17,6 @@ from submerge.diagnostics.toy import ARCHITECTURES
 LEVELS = ("model", "layer", "attn", "mlp", "linear")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 def test_shared_replay_scores_match_plain_replay(toy_kit, architecture):
     experiment = toy_kit(architecture).experiment(dtype="float64")

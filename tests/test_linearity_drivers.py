@@ -46,15 +46,6 @@ STEPS = 10
 TASKS = ("math", "code")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny float64 matmuls: one thread is much faster than several on a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def kit(llama_kit, tmp_path_factory):
     """Base, fine-tunes {math, code}, a fine-tune that changes only layer 0, and task data."""
