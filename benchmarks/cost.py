@@ -145,7 +145,7 @@ def base_forward(experiment) -> None:
     source.clear()
 
 
-def command_runner(name: str, experiment, held_out: dict, store_dir: Path, alphas=None):
+def command_runner(name: str, experiment, held_out: dict, store_dir: Path, alphas=None, floor_samples=None):
     """A no-argument function that runs command `name` once (each call writes its group afresh)."""
     from submerge.diagnostics.evaluate import streamed_losses
     from submerge.diagnostics.linearity import alpha, nonlinearity, projection
@@ -156,7 +156,8 @@ def command_runner(name: str, experiment, held_out: dict, store_dir: Path, alpha
     options = {"store": store, "force": True, "progress": False}
     if name in ("linearity", "linearity-plain"):
         plain = name == "linearity-plain"
-        return lambda: nonlinearity(experiment, levels=LEVELS, steps=10, plain_replay=plain, **options)
+        floor = {} if floor_samples is None else {"floor_samples": floor_samples}  # None: the command's default
+        return lambda: nonlinearity(experiment, levels=LEVELS, steps=10, plain_replay=plain, **floor, **options)
     if name == "projection":
         return lambda: projection(experiment, levels=LEVELS, alphas=alphas, **options)
     if name == "alpha":
@@ -284,7 +285,7 @@ def run_kit(kit: str, args, scratch: Path) -> dict:
     results = {}
     with tempfile.TemporaryDirectory(dir=scratch) as store_dir:
         for name in args.commands:
-            run = command_runner(name, experiment, held_out, Path(store_dir), args.alphas)
+            run = command_runner(name, experiment, held_out, Path(store_dir), args.alphas, args.floor_samples)
             entry = {"wall_s": timed(run)}
             if name == "projection":
                 entry["alphas"] = args.alphas or "seed 002's grids"
@@ -337,6 +338,8 @@ def main() -> None:
     parser.add_argument("--alphas", help="Projection's α grid values, comma-separated (default: seed 002's grids; "
                         "its cost grows with the number of α combinations).")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's own).")
+    parser.add_argument("--floor-samples", type=int, help="linearity's noise-floor samples per task (default: the "
+                        "command's, 1; 0 measures the scores alone, as before the floor existed).")
     parser.add_argument("--no-flops", dest="flops", action="store_false", help="Skip the FLOP-counting run.")
     parser.add_argument("--keep", type=Path, help="Build the slices here and keep them (default: a temp dir).")
     parser.add_argument("--json", type=Path, help="Write every measurement to this JSON file.")
