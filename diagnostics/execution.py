@@ -30,10 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
-import platform
-import resource
-import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -45,6 +41,7 @@ import torch
 from submerge.diagnostics.capture import DEFAULT_CAPTURE_BUDGET
 from submerge.diagnostics.errors import EngineError, SubmergeError  # noqa: F401 (EngineError: re-exported)
 from submerge.diagnostics.pipeline import Pipeline, remote_error
+from submerge.diagnostics.placement import hold_threads, process_stats
 from submerge.diagnostics.replay import LocalLayers
 
 RAY_EXTRA = "pip install 'submerge[ray]' (or pip install 'ray>=2.9')"
@@ -98,13 +95,6 @@ def worker_environment(threads: int) -> dict[str, str]:
     """The thread variables a Ray worker starts with: Ray sets OMP_NUM_THREADS to the worker's CPU share (1), and
     OpenBLAS sizes its pool when it loads, so `threads` must be in the environment before the worker imports."""
     return {name: str(threads) for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
-
-
-def process_stats() -> dict:
-    """This process: its pid, host and peak resident memory (MiB)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"pid": os.getpid(), "host": platform.node(),
-            "peak_rss_mib": peak / (1 << 20) if sys.platform == "darwin" else peak / 1024}
 
 
 def group_items(names: list[str], sizes: list[int], workers: int) -> list[list[str]]:
@@ -245,8 +235,7 @@ class TaskActor:
     """A Ray actor that opens a `WorkerTask`'s worker once and runs its method on the groups it is given."""
 
     def __init__(self, task: WorkerTask, threads: int):
-        torch.set_num_threads(threads)
-        threadpoolctl.threadpool_limits(limits=threads, user_api="blas")  # held for the actor's life
+        hold_threads(threads)
         self.worker = task.open()
         self.method = getattr(self.worker, task.method)
 

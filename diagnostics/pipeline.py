@@ -33,7 +33,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-import threadpoolctl
 import torch
 from torch import nn
 from torch.utils._pytree import tree_map
@@ -50,7 +49,7 @@ from submerge.diagnostics.capture import (
 from submerge.diagnostics.checkpoints import checkpoint_spec, reopen_checkpoint
 from submerge.diagnostics.errors import EngineError, SubmergeError
 from submerge.diagnostics.modules import Submodule, find_architecture
-from submerge.diagnostics.placement import offload_to, offloads, pick_device, process_stats
+from submerge.diagnostics.placement import hold_threads, offload_to, offloads, pick_device, process_stats
 from submerge.diagnostics.replay import Unit, measure_layer, model_replayed, units_of
 from submerge.diagnostics.task_vectors import reopen_task_vectors, task_vector_specs
 
@@ -120,8 +119,7 @@ class BlockWorker:
     """
 
     def __init__(self, job: dict, layers: list[int], modules: dict[int, list[Submodule]], incoming: list):
-        torch.set_num_threads(job["threads"])
-        threadpoolctl.threadpool_limits(limits=job["threads"], user_api="blas")  # held for the actor's life
+        hold_threads(job["threads"])
         self.device = pick_device(job["device"])
         self.layers = range(layers[0], layers[-1] + 1)
         last = self.layers[-1] == job["num_layers"] - 1

@@ -12,6 +12,7 @@ import resource
 import sys
 from pathlib import Path
 
+import threadpoolctl
 import torch
 
 
@@ -108,6 +109,13 @@ def process_stats() -> dict:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return {"pid": os.getpid(), "host": platform.node(),
             "peak_rss_mib": peak / (1 << 20) if sys.platform == "darwin" else peak / 1024}
+
+
+def hold_threads(threads: int) -> None:
+    """This worker process computes with `threads` threads from now on: torch's intra-op count and the BLAS
+    libraries' (scipy's LAPACK), whose sums depend on it (`submerge.diagnostics.execution` says why)."""
+    torch.set_num_threads(threads)
+    threadpoolctl.threadpool_limits(limits=threads, user_api="blas")
 
 
 def process_alive(pid: int) -> bool:
