@@ -29,6 +29,7 @@ from submerge.diagnostics.evaluate import EVAL, evaluate
 from submerge.diagnostics.harness import (
     ACCURACY,
     COMPARE_ACCURACY,
+    NO_OFFLOAD,
     HarnessError,
     HarnessSettings,
     accuracy,
@@ -392,16 +393,13 @@ def evaluate_command(
                               "model another name")
     models = {**named_finetuned, **named_merged}
     dataset = evaluate(base, models, named_data, skip=skip, samples=samples, max_tokens=run.max_tokens,
-                       batch_size=run.batch_size, dtype=run.dtype, compute_dtype=run.compute_dtype, device=run.device,
-                       offload=run.offload,
-                       allow_pickle=run.allow_pickle,
-                       trust_remote_code=run.trust_remote_code, run=run.run_settings())
+                       batch_size=run.batch_size, compute_dtype=run.compute_dtype, load=run.load_settings(),
+                       run=run.run_settings())
     EVAL.print_summary(dataset, out)
     out.print(f"Wrote group [bold]eval[/] of {run.out}")
     if harness is not None:
-        scores = accuracy(base, models, named_data, harness, skip=skip, dtype=run.dtype,
-                          compute_dtype=run.compute_dtype, device=run.device, allow_pickle=run.allow_pickle,
-                          trust_remote_code=run.trust_remote_code, run=run.run_settings())
+        scores = accuracy(base, models, named_data, harness, skip=skip, compute_dtype=run.compute_dtype,
+                          load=run.load_settings(), run=run.run_settings())
         ACCURACY.print_summary(scores, out)
         out.print(f"Wrote group [bold]{ACCURACY.name}[/] of {run.out}")
 
@@ -414,7 +412,7 @@ def _harness_settings(tasks: str | None, allow_code_execution: bool, max_gen_tok
             raise typer.BadParameter("--allow-code-execution and --max-gen-toks go with --lm-eval")
         return None
     if offload:
-        raise HarnessError("--lm-eval builds each model whole on the device; it does not work with --offload")
+        raise HarnessError(NO_OFFLOAD)
     require_harness()
     return HarnessSettings(parse_tasks(tasks), allow_code_execution=allow_code_execution, max_gen_toks=max_gen_toks,
                            batch_size=batch_size, samples=samples)

@@ -27,6 +27,7 @@ from typing import Annotated, Optional
 import typer
 
 from submerge.cli.common import ConfigOption, command_line, console, resolve_inputs
+from submerge.diagnostics.base_model import LoadSettings
 from submerge.diagnostics.execution import LocalEngine, RayEngine, RunSettings
 from submerge.diagnostics.experiment import Experiment
 from submerge.diagnostics.store import Store, check_store_path
@@ -185,6 +186,11 @@ class RunOptions:
         return RunSettings(store=Store(self.out), force=self.force, progress=self.progress, command=command_line(),
                            capture_budget=self.capture_bytes, engine=self.engine, **settings)
 
+    def load_settings(self) -> LoadSettings:
+        """How these options read the models: --dtype, --device, --offload, --allow-pickle, --trust-remote-code."""
+        return LoadSettings(dtype=self.dtype, device=self.device, offload=self.offload, allow_pickle=self.allow_pickle,
+                            trust_remote_code=self.trust_remote_code)
+
     @property
     def capture_bytes(self) -> int:
         return int(self.capture_budget * 2**30)
@@ -198,10 +204,8 @@ class RunOptions:
 
         With --ray the base stays on the meta device here: each worker reads its own blocks."""
         return load_experiment(self.model, self.finetuned, self.data, samples=self.samples, skip=skip,
-                               max_tokens=self.max_tokens, batch_size=self.batch_size, dtype=self.dtype,
-                               compute_dtype=self.compute_dtype, device=self.device, offload=self.offload,
-                               allow_pickle=self.allow_pickle,
-                               trust_remote_code=self.trust_remote_code, vocab=self.vocab,
+                               max_tokens=self.max_tokens, batch_size=self.batch_size,
+                               compute_dtype=self.compute_dtype, vocab=self.vocab, **self.load_settings().keywords(),
                                weights=self.ray is None)  # on Ray, the workers read the blocks
 
 

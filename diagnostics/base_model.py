@@ -8,7 +8,7 @@ maps the model's parameter names to the checkpoint's tensor names.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -40,6 +40,22 @@ class BaseModel:
 
     def checkpoint_name(self, parameter_name: str) -> str:
         return self.checkpoint_names.get(parameter_name, parameter_name)
+
+
+@dataclass(frozen=True)
+class LoadSettings:
+    """How a command reads its models and where they compute (--dtype, --device, --offload, --allow-pickle,
+    --trust-remote-code): `load_base_model`'s keywords as one object, which drivers take and Ray workers receive."""
+
+    dtype: str = "auto"
+    device: str = "auto"
+    offload: bool = False
+    allow_pickle: bool = False
+    trust_remote_code: bool = False
+
+    def keywords(self) -> dict:
+        """These settings as `load_base_model` keywords."""
+        return asdict(self)
 
 
 def pick_dtype(dtype: str | None, config=None) -> torch.dtype:

@@ -26,12 +26,12 @@ import xarray as xr
 from torch.func import functional_call
 
 from submerge.diagnostics import plot
-from submerge.diagnostics.base_model import BaseModel, load_base_model
+from submerge.diagnostics.base_model import BaseModel, LoadSettings, load_base_model
 from submerge.diagnostics.capture import ParameterSource, model_outputs, no_tf32, output_head_path, upcast
 from submerge.diagnostics.checkpoints import model_fingerprints, open_checkpoint
 from submerge.diagnostics.data import read_task_file, tokenize
 from submerge.diagnostics.errors import ModelInputError
-from submerge.diagnostics.execution import LocalEngine, RunSettings
+from submerge.diagnostics.execution import LocalEngine, RunSettings, driver_settings
 from submerge.diagnostics.experiment import check_device, pick_compute_dtype
 from submerge.diagnostics.groups import StoreGroup
 from submerge.diagnostics.modules import find_architecture
@@ -205,31 +205,27 @@ def evaluate(
     samples: int | None = 100,
     max_tokens: int = 512,
     batch_size: int = 8,
-    dtype: str = "auto",
     compute_dtype: str = "float32",
-    device: str = "auto",
-    offload: bool = False,
-    allow_pickle: bool = False,
-    trust_remote_code: bool = False,
+    load: LoadSettings | None = None,
     run: RunSettings | None = None,
-    **run_options,
+    **options,
 ) -> xr.Dataset:
     """Loss and perplexity of 'base' and every model in `models` (label → spec) on each task's held-out records.
 
-    Weights are kept in `dtype` (storage); the forwards run in `compute_dtype` stage by stage, TF32 off
-    (`offload`: the base's weights stay in host memory and go to `device` one block at a time).
+    ``load`` (or its fields as keywords: ``dtype``, ``device``, ``offload``, ``allow_pickle``,
+    ``trust_remote_code``; `submerge.diagnostics.base_model.LoadSettings`): weights are kept in ``dtype``
+    (storage); the forwards run in `compute_dtype` stage by stage, TF32 off (``offload``: the base's weights stay
+    in host memory and go to ``device`` one block at a time).
     ``run`` (or its fields as keywords: ``store``, ``force``, ``progress``, ``command``, ``on_unit``, ``engine``;
     `submerge.diagnostics.execution.RunSettings`): with a ``RayEngine`` each model is a task of its Ray workers,
     each holding one model instance; this process loads the base on the meta device only and alone writes the
     store, model by model, in order.
     """
-    run = RunSettings.of(run, **run_options)
+    load, run = driver_settings(load, run, options)
     compute = pick_compute_dtype(compute_dtype)
-    check_device(device)
+    check_device(load.device)
     local = isinstance(run.engine, LocalEngine)
-    load = {"dtype": dtype, "device": device, "allow_pickle": allow_pickle, "trust_remote_code": trust_remote_code,
-            "offload": offload}
-    base = load_base_model(base_spec, **load, weights=local)  # on Ray, each worker loads the model
+    base = load_base_model(base_spec, **load.keywords(), weights=local)  # on Ray, each worker loads the model
     if not hasattr(base.model, "get_output_embeddings") or base.model.get_output_embeddings() is None:
         raise ModelInputError(f"{base_spec}: eval needs a causal language model with an output head")
     task_data = {task: read_task_file(task, path, samples=samples, skip=skip) for task, path in data.items()}
@@ -248,7 +244,7 @@ def evaluate(
     find_architecture(base.model)  # an architecture submerge cannot split fails here, before any work
     inputs = {
         "base_model": base.reader.fingerprint() | {"spec": base_spec},
-        "models": model_fingerprints(models, base.reader, allow_pickle=allow_pickle),
+        "models": model_fingerprints(models, base.reader, allow_pickle=load.allow_pickle),
         "data": {t: d.provenance() for t, d in task_data.items()},
         "engine": run.engine.provenance(),  # provenance only: a run resumes across engines
     }
@@ -256,7 +252,7 @@ def evaluate(
                         inputs=inputs, command=run.command)
     todo = [label for label in labels if label not in writer.done]
     specs = {label: None if label == "base" else models[label] for label in labels}
-    task = EvalTask(base_spec, load, tasks, batches, compute, opened=base if local else None)
+    task = EvalTask(base_spec, load.keywords(), tasks, batches, compute, opened=base if local else None)
     with progress_bar(run.progress) as bar, run.engine.running():
         job = bar.add_task("Evaluating", total=len(labels) * len(tasks))
         bar.advance(job, (len(labels) - len(todo)) * len(tasks))

@@ -38,6 +38,7 @@ from typing import Protocol
 import threadpoolctl
 import torch
 
+from submerge.diagnostics.base_model import LoadSettings
 from submerge.diagnostics.capture import DEFAULT_CAPTURE_BUDGET
 from submerge.diagnostics.errors import EngineError, SubmergeError  # noqa: F401 (EngineError: re-exported)
 from submerge.diagnostics.pipeline import Pipeline, remote_error
@@ -355,3 +356,12 @@ class RunSettings:
         if run is not None and options:
             raise TypeError(f"give run=RunSettings(...) or the settings {sorted(options)} as keywords, not both")
         return run if run is not None else cls(**options)
+
+
+def driver_settings(load: LoadSettings | None, run: RunSettings | None, options: dict) -> tuple[LoadSettings, RunSettings]:
+    """A model-loading driver's `LoadSettings` and `RunSettings`, each given as its object or as keywords (the
+    driver's ``**options``: ``device="cpu", progress=False`` …, each name to the object that has it)."""
+    loading = {name: options.pop(name) for name in list(options) if name in LoadSettings.__dataclass_fields__}
+    if load is not None and loading:
+        raise TypeError(f"give load=LoadSettings(...) or the settings {sorted(loading)} as keywords, not both")
+    return (load if load is not None else LoadSettings(**loading)), RunSettings.of(run, **options)

@@ -39,11 +39,11 @@ import torch
 import xarray as xr
 
 from submerge.diagnostics import plot
-from submerge.diagnostics.base_model import BaseModel, load_base_model
+from submerge.diagnostics.base_model import BaseModel, LoadSettings, load_base_model
 from submerge.diagnostics.checkpoints import model_fingerprints, open_checkpoint
 from submerge.diagnostics.demo import humaneval_tests
 from submerge.diagnostics.errors import SubmergeError
-from submerge.diagnostics.execution import RunSettings
+from submerge.diagnostics.execution import RunSettings, driver_settings
 from submerge.diagnostics.experiment import check_device, pick_compute_dtype
 from submerge.diagnostics.groups import StoreGroup
 from submerge.diagnostics.progress import progress_bar
@@ -56,6 +56,9 @@ LOCAL_TASKS = {"demo_gsm8k": "math", "demo_trivia": "trivia", "demo_humaneval": 
 #: Tasks (name prefixes) whose scoring executes generated code.
 CODE_EXECUTING = ("demo_humaneval", "humaneval", "mbpp", "ds1000", "apps", "instructhumaneval")
 DATA_PLACEHOLDER = "SUBMERGE_DATA_FILE"
+
+
+NO_OFFLOAD = "--lm-eval builds each model whole on the device; it does not work with --offload"
 
 
 class HarnessError(SubmergeError):
@@ -424,33 +427,32 @@ def accuracy(
     settings: HarnessSettings,
     *,
     skip: int = 30,
-    dtype: str = "auto",
     compute_dtype: str = "float32",
-    device: str = "auto",
-    allow_pickle: bool = False,
-    trust_remote_code: bool = False,
     group: str = ACCURACY.name,
+    load: LoadSettings | None = None,
     run: RunSettings | None = None,
-    **run_options,
+    **options,
 ) -> xr.Dataset:
     """Accuracy of 'base' and every model of `models` (label → checkpoint) on the settings' tasks; with a store
     (`run`, or ``store=...`` among the keywords), group `group`, one unit per (model, task), resumable. Local tasks
-    read the records after the first `skip` of `data`'s files (``settings.samples`` of them)."""
-    run = RunSettings.of(run, **run_options)
+    read the records after the first `skip` of `data`'s files (``settings.samples`` of them). ``load`` (or its
+    fields as keywords) says how the base is read; the harness builds each model whole, so not ``offload``."""
+    load, run = driver_settings(load, run, options)
+    if load.offload:
+        raise HarnessError(NO_OFFLOAD)
     progress = run.progress
     require_harness()
     compute = pick_compute_dtype(compute_dtype)
-    check_device(device)
-    base = load_base_model(base_spec, dtype=dtype, device=device, allow_pickle=allow_pickle,
-                           trust_remote_code=trust_remote_code)
+    check_device(load.device)
+    base = load_base_model(base_spec, **load.keywords())
     labels = {"base": None, **models}
-    inputs = {"base_model": base.reader.fingerprint() | {"spec": base_spec}, "models": model_fingerprints(models, base.reader, allow_pickle=allow_pickle),
+    inputs = {"base_model": base.reader.fingerprint() | {"spec": base_spec}, "models": model_fingerprints(models, base.reader, allow_pickle=load.allow_pickle),
               "data": data_provenance(settings.tasks, data)}
     writer = UnitWriter(run.store, group, {**settings.record(), "skip": skip, "compute_dtype": compute_dtype},
                         dim=ACCURACY.dim, force=run.force, on_unit=run.on_unit, inputs=inputs, command=run.command)
     with progress_bar(progress) as bar:
         job = bar.add_task("lm-eval", total=len(labels) * len(settings.tasks))
-        runner = AccuracyRunner(base, settings, data, writer, skip=skip, compute=compute, allow_pickle=allow_pickle,
+        runner = AccuracyRunner(base, settings, data, writer, skip=skip, compute=compute, allow_pickle=load.allow_pickle,
                                 progress=progress, report=_reporter(bar, job, progress))
         try:
             bar.advance(job, sum(len(settings.tasks) - len(runner.pending(label)) for label in labels))
