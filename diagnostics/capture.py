@@ -485,6 +485,19 @@ class ParameterSource:
         self.compute_dtype = compute_dtype
         self.device = execution_device(base.model)
         self._cache: dict[tuple[str, str], torch.Tensor] = {}
+        self._placed: dict[tuple[str, torch.dtype], torch.Tensor] = {}  # offloaded base weights on the device
+
+    def _own_on_device(self, path: str, own: dict[str, torch.Tensor], local: str, dtype: torch.dtype) -> torch.Tensor:
+        """Base parameter `local` of the module at `path` in `dtype` on the execution device. An offloaded base's
+        weights are copied there once per unit (until `clear`), not once per variant: the N + 1 points of a line
+        share them."""
+        tensor = own[local]
+        if tensor.device == self.device:
+            return tensor.to(dtype)
+        key = (module_parameter_names(self.base.model, path)[local], dtype)
+        if key not in self._placed:
+            self._placed[key] = tensor.to(device=self.device, dtype=dtype)
+        return self._placed[key]
 
     def base_parameters(self, path: str) -> dict[str, torch.Tensor]:
         module = get_module(self.base.model, path)
@@ -526,7 +539,7 @@ class ParameterSource:
         deltas = {t: self.deltas(path, t, names) for t in active}
         params = {}
         for local in names:
-            value = own[local].to(device=self.device, dtype=compute[local])
+            value = self._own_on_device(path, own, local, compute[local])
             for task, coefficient in active.items():
                 value = value + coefficient * deltas[task][local].to(compute[local])
             params[local] = value
@@ -547,6 +560,7 @@ class ParameterSource:
         RSS; a file is reopened on its next read) and, unless `release_pages` is False, release the memory-mapped
         base weights' pages (`release_mapped_pages`), so memory does not grow with the units done."""
         self._cache.clear()
+        self._placed.clear()
         for reader in self.task_vectors.values():
             reader.finetuned.release()
             reader.base.release()
