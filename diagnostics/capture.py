@@ -230,6 +230,12 @@ DEFAULT_CAPTURE_BUDGET = 2 * 1024**3  # bytes of recorded inputs held at once (-
 RELEASE_BYTES = 2**30
 
 
+def releases_pages(model: nn.Module) -> bool:
+    """Whether `model` gives its mapped weights' pages back after each block or unit: at RELEASE_BYTES and above.
+    Below it the whole model's pages are small, and reading ``/proc/self/smaps`` costs more than a small block."""
+    return sum(p.nbytes for p in model.parameters()) >= RELEASE_BYTES
+
+
 def _releasing(model: nn.Module) -> Callable:
     """A forward hook that gives `model`'s mapped weights' pages back (and leaves the output as it is)."""
     def hook(*_) -> None:
@@ -248,7 +254,7 @@ def _partial_forward(model, arch, batches, device, deepest: int, first: int, reg
     backbone = get_module(model, arch.backbone_path)
     stops = 0 <= deepest < arch.num_layers - 1
     outputs = []
-    release = sum(p.nbytes for p in model.parameters()) >= RELEASE_BYTES
+    release = releases_pages(model)
     for b, batch in enumerate(batches):
         mask = batch.attention_mask.to(device).bool()
         with hooks() as handles, _skipped_blocks(model, arch, state, b, first) as skipped:
@@ -487,17 +493,19 @@ class ParameterSource:
         self._cache: dict[tuple[str, str], torch.Tensor] = {}
         self._placed: dict[tuple[str, torch.dtype], torch.Tensor] = {}  # offloaded base weights on the device
 
-    def _own_on_device(self, path: str, own: dict[str, torch.Tensor], local: str, dtype: torch.dtype) -> torch.Tensor:
-        """Base parameter `local` of the module at `path` in `dtype` on the execution device. An offloaded base's
-        weights are copied there once per unit (until `clear`), not once per variant: the N + 1 points of a line
-        share them."""
+    def _own_on_device(self, path: str, own: dict[str, torch.Tensor], local: str,
+                       dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
+        """Base parameter `local` of the module at `path` in `dtype` on the execution device, and whether it is a
+        fresh copy the caller may change in place. An offloaded base's weights are copied to the device once per
+        unit (until `clear`), not once per variant: the N + 1 points of a line share them (not fresh)."""
         tensor = own[local]
         if tensor.device == self.device:
-            return tensor.to(dtype)
+            converted = tensor.to(dtype)
+            return converted, converted is not tensor
         key = (module_parameter_names(self.base.model, path)[local], dtype)
         if key not in self._placed:
             self._placed[key] = tensor.to(device=self.device, dtype=dtype)
-        return self._placed[key]
+        return self._placed[key], False
 
     def base_parameters(self, path: str) -> dict[str, torch.Tensor]:
         module = get_module(self.base.model, path)
@@ -539,9 +547,15 @@ class ParameterSource:
         deltas = {t: self.deltas(path, t, names) for t in active}
         params = {}
         for local in names:
-            value = self._own_on_device(path, own, local, compute[local])
+            value, fresh = self._own_on_device(path, own, local, compute[local])
             for task, coefficient in active.items():
-                value = value + coefficient * deltas[task][local].to(compute[local])
+                delta = deltas[task][local]
+                if not fresh:  # the stored (or shared) tensor: a new one
+                    value, fresh = value + coefficient * delta.to(compute[local]), True
+                elif delta.dtype != value.dtype:  # float64 (the floor's pass): τ promoted inside the kernel
+                    value.add_(delta, alpha=coefficient)
+                else:  # the same rounding as value + coefficient * delta, one tensor fewer
+                    value.add_(coefficient * delta)
             params[local] = value
         return params | self.upcast_buffers(path)
 
@@ -558,13 +572,14 @@ class ParameterSource:
     def clear(self, release_pages: bool = True) -> None:
         """Drop the cached task vectors, unmap the checkpoints' files (their pages read so far stop counting in the
         RSS; a file is reopened on its next read) and, unless `release_pages` is False, release the memory-mapped
-        base weights' pages (`release_mapped_pages`), so memory does not grow with the units done."""
+        base weights' pages (`release_mapped_pages`; a base of `RELEASE_BYTES` or more), so memory does not grow
+        with the units done."""
         self._cache.clear()
         self._placed.clear()
         for reader in self.task_vectors.values():
             reader.finetuned.release()
             reader.base.release()
-        if release_pages:
+        if release_pages and releases_pages(self.base.model):
             release_mapped_pages(self.base.model)
 
 

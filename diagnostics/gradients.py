@@ -85,7 +85,7 @@ def backward_by_blocks(source: ParameterSource, arch: Architecture, batches: lis
     ``on_stage(path)`` is called after each stage's backward (progress). The base model is not modified.
     """
     model, device, compute = source.base.model, source.device, source.compute_dtype
-    release = sum(p.nbytes for p in model.parameters()) >= capture.RELEASE_BYTES
+    release = capture.releases_pages(model)
     layers = range(arch.num_layers)
     paths = [arch.layer_path(i) for i in layers]
     embed_names = embedding_stage_names(model, arch)

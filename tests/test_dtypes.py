@@ -132,6 +132,31 @@ def test_compute_dtype_is_recorded_and_float64_computes_in_float64(llama, tmp_pa
     assert group.attrs["precision"]["tf32"] is False
 
 
+@pytest.mark.parametrize(("dtype", "compute"), [("float32", "float32"), ("bfloat16", "float32"),
+                                               ("float32", "float64")])
+def test_variants_are_the_base_plus_scaled_task_vectors_in_the_compute_dtype(llama, dtype, compute):
+    """θ0 + Σ c·τ built in place where the base was converted: bitwise the sum in order, ((θ0 + c1·τ1) + c2·τ2), in
+    float32 (from float32 or bfloat16 storage); in float64 (the floor's pass, τ promoted inside the kernel) equal to
+    it to float64's rounding, and in float64."""
+    base, tuned, data = llama
+    experiment = Experiment.load(base, tuned, data, samples=2, max_tokens=24, batch_size=2, dtype=dtype,
+                                 device="cpu", compute_dtype=compute)
+    source, path = experiment.parameter_source(), experiment.arch.layer_path(1)
+    wide = getattr(torch, compute)
+    for coefficients in ({"math": 0.3}, {"math": 0.3, "code": -0.7}):
+        variant = source.variant(path, coefficients)
+        for local, weight in source.base_parameters(path).items():
+            expected = weight.to(wide)
+            for task, c in coefficients.items():
+                expected = expected + c * source.deltas(path, task)[local].to(wide)
+            assert variant[local].dtype == wide, local
+            if compute == "float32":
+                assert torch.equal(variant[local], expected), local
+            else:
+                torch.testing.assert_close(variant[local], expected, rtol=1e-15, atol=1e-15)
+        assert all(source.base_parameters(path)[local].dtype == getattr(torch, dtype) for local in variant)
+
+
 def test_unknown_compute_dtype_and_missing_cuda_are_clear_errors(llama):
     from submerge.diagnostics.errors import ModelInputError
 
