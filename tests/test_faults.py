@@ -231,6 +231,9 @@ def _fault_then_resume(kit, diag, references, tmp_path, driver: str, action: str
     code, output = diag(*argv(kit), "--out", out)
     assert code == 0, f"resume after {action} at write {point} ({group}'s {index}/{len(points)}):\n{output}"
     _assert_same_store(out, reference, group)
+    if os.environ.get("SUBMERGE_FAULT_PROGRESS"):  # a long matrix says how far it got
+        with open(os.environ["SUBMERGE_FAULT_PROGRESS"], "a") as progress:
+            progress.write(f"{driver} {action} {index}/{len(points)} (write {point}) resumed equal\n")
 
 
 QUICK = [("linearity", "interrupt", 0.75), ("linearity", "nospace", 0.3), ("alpha", "kill", 0.6),
@@ -447,3 +450,39 @@ def test_changed_inputs_are_refused(kit, diag, references, tmp_path):
     assert code == 0, output
     assert not np.array_equal(Store(out).dataset(group).nonlinearity_score.values,
                               before.nonlinearity_score.values, equal_nan=True)
+
+
+RAY = ["--ray", "auto", "--workers", "2", "--threads", "1"]  # layers as tasks of two workers of a local Ray instance
+
+
+@pytest.fixture(scope="module")
+def ray_writes(kit, diag, references, tmp_path_factory) -> int:
+    """The number of file writes of an uninterrupted `diag linearity` on Ray (whose store equals one process's)."""
+    pytest.importorskip("ray")
+    group, argv = DRIVERS["linearity"]
+    counted = tmp_path_factory.mktemp("ray") / "counted.zarr"
+    log = counted.with_suffix(".writes")
+    code, output = diag(*argv(kit), *RAY, "--out", counted, env={"SUBMERGE_WRITE_LOG": str(log)})
+    assert code == 0, output
+    _assert_same_store(counted, references["linearity"][0], group)
+    return sum(line.startswith("write") for line in log.read_text().splitlines())
+
+
+@pytest.mark.parametrize("action", ["kill", "interrupt"])
+def test_a_ray_driver_faulted_inside_its_run_resumes_to_the_one_process_store(kit, diag, references, ray_writes,
+                                                                              tmp_path, action):
+    """One point inside the Ray driver: `diag linearity --ray auto --workers 2` killed or interrupted at the middle
+    of its writes, while its workers hold tasks; the same command then resumes on Ray, and the store equals the
+    one-process run's bit for bit (the engine is provenance only). The driver alone writes, in order."""
+    group, argv = DRIVERS["linearity"]
+    point = ray_writes // 2
+    out = tmp_path / f"ray-{action}.zarr"
+    code, output = diag(*argv(kit), *RAY, "--out", out, env={"SUBMERGE_FAULT_AT": f"write:{point}:{action}"})
+    assert code == EXIT[action], f"write {point}/{ray_writes}: exit {code}\n{output}"
+    assert Store(out).status()[group].state == "partial"
+    if action == "interrupt":
+        assert "run the same command to resume" in output and "Traceback" not in output
+    code, output = diag(*argv(kit), *RAY, "--out", out)
+    assert code == 0, f"resume on Ray after {action} at write {point}/{ray_writes}:\n{output}"
+    _assert_same_store(out, references["linearity"][0], group)
+    assert Store(out).dataset(group).attrs["provenance"]["engine"]["workers"] == 2
