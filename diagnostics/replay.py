@@ -440,9 +440,11 @@ def measure_layer(source, arch, modules: list[Submodule], recorded: dict,
         finally:
             source.clear()
     results, from_block = {}, {}
-    for path, served in units_of(modules).items():
-        describe(served[0].name)
-        results.update(measure(block_unit(source, arch, path, served, recorded, from_block)))
+    try:  # the layer's units share the τ read for the first of them (at most one block's), dropped at the end
+        for path, served in units_of(modules).items():
+            describe(served[0].name)
+            results.update(measure(block_unit(source, arch, path, served, recorded, from_block)))
+    finally:
         source.clear()
     return results
 
