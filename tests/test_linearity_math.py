@@ -8,23 +8,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from submerge.diagnostics.linearity import (
-    AlphaSolution,
-    alpha_system,
-    balance_denominator,
-    cosine_base,
-    cosine_merge,
-    linearized_objective,
-    mean_std,
-    merge_objective,
-    nonlinearity_score,
-    nonlinearity_scores,
-    pairwise_task_cosine,
-    projection_distance,
-    projection_terms,
-    solve_alpha,
-    task_gram,
-)
+from submerge.diagnostics.linearity import (  # the public names, not their module: the package exports them
+    AlphaSolution, alpha_system, balance_denominator, cosine_base, cosine_merge, linearized_objective, mean_std,
+    merge_objective, nonlinearity_score, nonlinearity_scores, pairwise_task_cosine, projection_distance,
+    projection_terms, solve_alpha, task_gram)
 
 f64 = torch.float64
 
