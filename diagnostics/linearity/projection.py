@@ -68,6 +68,18 @@ def _metrics(tasks, subsets, combos, deltas: dict[str, Outputs], merged: list[di
     return pd_values, cos_values, base_values
 
 
+def _combos(tasks: list[str], alphas: Sequence[float] | None):
+    """Every subset of two or more of `tasks`, every (subset, α) of its grid (`projection_grid`), and the α of each
+    combo per task (NaN: not in the subset), shape (combo, task)."""
+    subsets = [s for size in range(2, len(tasks) + 1) for s in itertools.combinations(tasks, size)]
+    combos = [(subset, alpha) for subset in subsets for alpha in projection_grid(len(subset), alphas)]
+    combo_alpha = np.full((len(combos), len(tasks)), np.nan)
+    for c, (subset, alpha) in enumerate(combos):
+        for task, value in zip(subset, alpha):
+            combo_alpha[c, tasks.index(task)] = value
+    return subsets, combos, combo_alpha
+
+
 def projection(
     experiment,
     *,
@@ -95,12 +107,7 @@ def projection(
         raise ValueError("the Projection Distance needs at least two fine-tunes")
     if "head" in levels:
         raise ValueError("projection supports levels model, layer, attn, mlp (head outputs: use `diag linearity`)")
-    subsets = [s for size in range(2, len(tasks) + 1) for s in itertools.combinations(tasks, size)]
-    combos = [(subset, alpha) for subset in subsets for alpha in projection_grid(len(subset), alphas)]
-    combo_alpha = np.full((len(combos), len(tasks)), np.nan)
-    for c, (subset, alpha) in enumerate(combos):
-        for task, value in zip(subset, alpha):
-            combo_alpha[c, tasks.index(task)] = value
+    subsets, combos, combo_alpha = _combos(tasks, alphas)
     sweep = Sweep(experiment, levels, PROJECTION.name, {"levels": list(levels), "floor_samples": floor_samples,
                                                      "alphas": None if alphas is None else list(alphas)},
                   run)
