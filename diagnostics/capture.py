@@ -476,6 +476,9 @@ def sample_features(output: torch.Tensor, token_mask: torch.Tensor) -> list[torc
 # --------------------------------------------------------------------------- parameters of variants
 
 
+SCRATCH_ELEMENTS = 1 << 22  # the most elements of c·τ a pooled variant holds apart from the variant itself
+
+
 class ParameterSource:
     """Base parameters of modules and their task vectors, read lazily, combined into variants.
 
@@ -492,6 +495,8 @@ class ParameterSource:
         self.device = execution_device(base.model)
         self._cache: dict[tuple[str, str], torch.Tensor] = {}
         self._placed: dict[tuple[str, torch.dtype], torch.Tensor] = {}  # offloaded base weights on the device
+        self._pool: dict[tuple[str, torch.dtype], torch.Tensor] = {}  # pooled variants' tensors (`variant`)
+        self._scratches: dict[torch.dtype, torch.Tensor] = {}
 
     def _own_on_device(self, path: str, own: dict[str, torch.Tensor], local: str,
                        dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
@@ -530,12 +535,18 @@ class ParameterSource:
             out[local] = self._cache[key]
         return out
 
-    def variant(self, path: str, coefficients: Variant, names: Iterable[str] | None = None):
+    def variant(self, path: str, coefficients: Variant, names: Iterable[str] | None = None, *,
+                pooled: bool = False):
         """θ0 + Σ_t c_t τ_t for the module at `path` (all its parameters, or the local `names`) in the compute dtype.
 
         None means: run the module as it is (no coefficient, storage is already the compute dtype and the
         weights are on the execution device). Floating buffers stored in a narrower dtype come upcast too (and
         buffers elsewhere than the execution device, moved there).
+
+        ``pooled``: the tensors are written into this source's buffers for those parameters (one per parameter and
+        dtype, kept until `clear`) instead of new ones: the same values, bitwise, without allocating, but valid
+        only until the next pooled variant of the same parameters. For callers that use a variant and let it go
+        before asking for the next (a line's points, the model level's blocks).
         """
         active = {t: c for t, c in coefficients.items() if c != 0}
         own = self.base_parameters(path)
@@ -545,6 +556,8 @@ class ParameterSource:
                               for local in names):
             return None
         deltas = {t: self.deltas(path, t, names) for t in active}
+        if pooled:
+            return self._pooled_variant(path, own, names, compute, active, deltas) | self.upcast_buffers(path)
         params = {}
         for local in names:
             value, fresh = self._own_on_device(path, own, local, compute[local])
@@ -559,6 +572,54 @@ class ParameterSource:
             params[local] = value
         return params | self.upcast_buffers(path)
 
+    def _pooled_variant(self, path: str, own: dict, names: list[str], compute: dict, active: dict,
+                        deltas: dict) -> dict[str, torch.Tensor]:
+        """`variant`'s sums written into pooled tensors: θ0 + c_1 τ_1 (+ c_2 τ_2 …) with each product c·τ rounded
+        in the compute dtype before it is added, as `variant` rounds them (float32: bitwise its values)."""
+        full_names = module_parameter_names(self.base.model, path)
+        params = {}
+        for local in names:
+            dtype, tensor = compute[local], own[local]
+            if tensor.device != self.device:  # offloaded: its copy on the device, once per unit
+                tensor = self._own_on_device(path, own, local, dtype)[0]
+            key = (full_names[local], dtype)
+            value = self._pool.get(key)
+            if value is None or value.shape != tensor.shape:
+                value = self._pool[key] = torch.empty(tensor.shape, dtype=dtype, device=self.device)
+            if not active:
+                value.copy_(tensor)
+            for i, (task, coefficient) in enumerate(active.items()):
+                delta = deltas[task][local]
+                if i == 0 and delta.dtype == dtype:  # c·τ + θ0: the rounding of θ0 + c·τ (a sum commutes)
+                    torch.mul(delta, coefficient, out=value).add_(tensor)
+                    continue
+                if i == 0:
+                    value.copy_(tensor)
+                self._add_scaled(value, delta, coefficient)
+            params[local] = value
+        return params
+
+    def _add_scaled(self, value: torch.Tensor, delta: torch.Tensor, coefficient: float) -> None:
+        """value += c·τ, the product rounded in value's dtype first (τ converted to it where it differs, as the
+        floor's float64 pass needs), through a scratch of at most `SCRATCH_ELEMENTS` at a time: a 7B embedding
+        in float64 gets no second copy beside its variant."""
+        flat_value, flat_delta = value.view(-1), delta.reshape(-1)
+        for start in range(0, flat_value.numel(), SCRATCH_ELEMENTS):
+            part = flat_delta[start:start + SCRATCH_ELEMENTS]
+            scaled = self._scratch(part.numel(), value.dtype)
+            if part.dtype == value.dtype:
+                torch.mul(part, coefficient, out=scaled)
+            else:
+                scaled.copy_(part).mul_(coefficient)
+            flat_value[start:start + part.numel()].add_(scaled)
+
+    def _scratch(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A flat scratch tensor of `numel` elements of `dtype` (one buffer per dtype, grown as asked)."""
+        flat = self._scratches.get(dtype)
+        if flat is None or flat.numel() < numel:
+            flat = self._scratches[dtype] = torch.empty(numel, dtype=dtype, device=self.device)
+        return flat[:numel]
+
     def upcast_buffers(self, path: str) -> dict[str, torch.Tensor]:
         """The floating buffers of the module at `path` stored below the compute dtype, upcast, and the buffers
         off the execution device, moved there (local names)."""
@@ -569,6 +630,11 @@ class ParameterSource:
     def changed(self, path: str, task: str) -> bool:
         return any(bool(d.abs().max() > 0) for d in self.deltas(path, task).values() if d.numel())
 
+    def drop_pooled(self) -> None:
+        """Let the pooled variants' tensors go (`variant` with ``pooled``): a unit done, before the next one."""
+        self._pool.clear()
+        self._scratches.clear()
+
     def clear(self, release_pages: bool = True) -> None:
         """Drop the cached task vectors, unmap the checkpoints' files (their pages read so far stop counting in the
         RSS; a file is reopened on its next read) and, unless `release_pages` is False, release the memory-mapped
@@ -576,9 +642,9 @@ class ParameterSource:
         with the units done."""
         self._cache.clear()
         self._placed.clear()
+        self.drop_pooled()
         for reader in self.task_vectors.values():
-            reader.finetuned.release()
-            reader.base.release()
+            reader.release()
         if release_pages and releases_pages(self.base.model):
             release_mapped_pages(self.base.model)
 
@@ -614,12 +680,13 @@ def model_outputs(
     # 1. what every block receives besides the stream (masks, positions: they do not depend on weights)
     block_inputs = block_kwargs(model, arch, layers, batches, device=device, compute=source.compute_dtype)
     # 2. the embedding stage per variant, 3. the blocks, 4. the final norm and, on request, the output head
-    if hidden is None:
+    if hidden is None:  # the embedding stage's τ read once for all variants
         hidden = [_embedded(source, arch, batches, variant, block_inputs[layer_paths[0]]) for variant in variants]
+        source.clear()
     for i, path in zip(layers, layer_paths):
         block, compute = model.get_submodule(path), source.dtype_for(path)
         for v, variant in enumerate(variants):
-            params = source.variant(path, variant)
+            params = source.variant(path, variant, pooled=True)
             for b in range(len(batches)):
                 hidden[v][b] = run_block(block, params, block_inputs[path][b].upcast(compute), hidden[v][b])
         source.clear()
@@ -641,7 +708,7 @@ def _final_stages(source: ParameterSource, arch: Architecture, hidden: list[list
     for path in heads:
         module = model.get_submodule(path)
         for v, variant in enumerate(variants):
-            params = source.variant(path, variant)
+            params = source.variant(path, variant, pooled=True)
             for b in range(len(hidden[v])):
                 x = upcast(hidden[v][b], source.dtype_for(path))
                 hidden[v][b] = functional_call(module, params, (x,), strict=False) if params else module(x)
@@ -670,13 +737,11 @@ def _embedded(source: ParameterSource, arch: Architecture, batches, variant: Var
     model = source.base.model
     device = source.device
     embed_locals = embedding_stage_names(model, arch)
-    params = source.variant(arch.backbone_path, variant, embed_locals) if embed_locals else None
+    params = source.variant(arch.backbone_path, variant, embed_locals, pooled=True) if embed_locals else None
     compute = source.dtype_for(arch.layer_path(0))
     if params is None:
         return [upcast(_hidden_of(first), compute) for first in first_inputs]
-    hidden = [upcast(embed(model, arch, params, batch, device), compute) for batch in batches]
-    source.clear()
-    return hidden
+    return [upcast(embed(model, arch, params, batch, device), compute) for batch in batches]
 
 
 def output_head_path(model: nn.Module) -> str:

@@ -103,7 +103,8 @@ def replay_variants(source, arch, path: str, recorded, variants: Sequence[Varian
     recorded = [rec.upcast(source.dtype_for(path)) for rec in recorded]  # the compute dtype, per unit
     result = Replayed([], [rec.token_mask for rec in recorded], [rec.sample_index for rec in recorded], arch=arch)
     for variant in variants:
-        params = variant.parameters if isinstance(variant, Given) else source.variant(path, variant)
+        params = variant.parameters if isinstance(variant, Given) else source.variant(path, variant,
+                                                                                        pooled=not heads)
         per_batch, per_batch_x = [], []
         for rec in recorded:
             if heads:
@@ -233,10 +234,13 @@ def _line_terms(source, module, path: str, task: str, shared: SharedMap, recorde
     return terms
 
 
-def _at(terms: tuple, a: float) -> torch.Tensor:
-    """P0 + a·P1 (+ a²·P2)."""
-    value = terms[0] + a * terms[1]
-    return value + (a * a) * terms[2] if len(terms) > 2 else value
+def _at(terms: tuple, a: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """P0 + a·P1 (+ a²·P2), each product rounded before it is added; written into `out` where given (the same
+    values, bitwise: a·P1 + P0 is P0 + a·P1)."""
+    value = terms[0] + a * terms[1] if out is None else torch.mul(terms[1], a, out=out).add_(terms[0])
+    if len(terms) > 2:
+        return value.add_(terms[2] * (a * a)) if out is not None else value + (a * a) * terms[2]
+    return value
 
 
 def replay_line(source, arch, path: str, recorded, task: str, coefficients: Sequence[float], *,
@@ -259,6 +263,8 @@ def replay_line(source, arch, path: str, recorded, task: str, coefficients: Sequ
     compute = source.dtype_for(path)
     maps = shared_maps(module, recorded[0]) if recorded else ()
     terms = {m.name: _line_terms(source, module, path, task, m, recorded, compute) for m in maps}
+    at = {name: [torch.empty_like(t[0]) for t in per_batch] for name, per_batch in terms.items() if name}
+    # ^ the shared maps' outputs at a point, written over point after point (a point's replay is done with them)
     covered = {n for m in maps for n in _local_parameters(module, m.name)}
     others = [n for n in source.base_parameters(path) if n not in covered]
     for a in coefficients:
@@ -267,10 +273,11 @@ def replay_line(source, arch, path: str, recorded, task: str, coefficients: Sequ
         elif "" in terms:  # the module is itself a shared map
             result.outputs.append([_at(t, a) for t in terms[""]])
         else:
-            params = source.variant(path, {task: a}, others) if others else source.upcast_buffers(path)
+            params = (source.variant(path, {task: a}, others, pooled=True) if others
+                      else source.upcast_buffers(path))
             kept = {name: found.setdefault(a, []) for name, found in (keep or {}).items()}
-            result.outputs.append([_replayed_with(module, rec, params, {name: _at(t[b], a) for name, t in
-                                                                        terms.items()}, kept)
+            result.outputs.append([_replayed_with(module, rec, params, {name: _at(t[b], a, at[name][b]) for name, t
+                                                                        in terms.items()}, kept)
                                    for b, rec in enumerate(recorded)])
     return result
 
@@ -444,6 +451,7 @@ def measure_layer(source, arch, modules: list[Submodule], recorded: dict,
         for path, served in units_of(modules).items():
             describe(served[0].name)
             results.update(measure(block_unit(source, arch, path, served, recorded, from_block)))
+            source.drop_pooled()
     finally:
         source.clear()
     return results

@@ -46,6 +46,12 @@ class TaskVectorReader:
     vocab: str = "base"
     cropped: dict[str, tuple[int, int]] = field(default_factory=dict)
 
+    def release(self) -> None:
+        """Unmap the fine-tune's and the base's files: the pages read so far stop counting in the RSS (each file
+        is reopened on its next read)."""
+        self.finetuned.release()
+        self.base.release()
+
     def reads_rows(self, checkpoint_name: str) -> bool:
         """Whether `get_rows` reads only the rows asked for (a full fine-tune of the base's shape; not LoRA)."""
         return (not isinstance(self.finetuned, LoraReader) and checkpoint_name in self.finetuned

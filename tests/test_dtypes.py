@@ -134,27 +134,47 @@ def test_compute_dtype_is_recorded_and_float64_computes_in_float64(llama, tmp_pa
 
 @pytest.mark.parametrize(("dtype", "compute"), [("float32", "float32"), ("bfloat16", "float32"),
                                                ("float32", "float64")])
-def test_variants_are_the_base_plus_scaled_task_vectors_in_the_compute_dtype(llama, dtype, compute):
-    """θ0 + Σ c·τ built in place where the base was converted: bitwise the sum in order, ((θ0 + c1·τ1) + c2·τ2), in
-    float32 (from float32 or bfloat16 storage); in float64 (the floor's pass, τ promoted inside the kernel) equal to
-    it to float64's rounding, and in float64."""
+@pytest.mark.parametrize("scratch", ["one piece", "pieces of 7"])
+def test_variants_are_the_base_plus_scaled_task_vectors_in_the_compute_dtype(llama, dtype, compute, scratch,
+                                                                             monkeypatch):
+    """θ0 + Σ c·τ built in place where the base was converted, or (``pooled``) written into the source's buffers:
+    bitwise the sum in order, ((θ0 + c1·τ1) + c2·τ2), in float32 (from float32 or bfloat16 storage); in float64
+    (the floor's pass) equal to it to float64's rounding, and in float64. A pooled variant reuses its parameters'
+    buffers for the next one (no allocation per point) until `clear`. Both sides of the scratch's size: c·τ added in
+    one piece, or (the threshold lowered) in pieces of 7 entries."""
+    from submerge.diagnostics import capture
+
+    if scratch == "pieces of 7":
+        monkeypatch.setattr(capture, "SCRATCH_ELEMENTS", 7)
     base, tuned, data = llama
     experiment = Experiment.load(base, tuned, data, samples=2, max_tokens=24, batch_size=2, dtype=dtype,
                                  device="cpu", compute_dtype=compute)
     source, path = experiment.parameter_source(), experiment.arch.layer_path(1)
     wide = getattr(torch, compute)
-    for coefficients in ({"math": 0.3}, {"math": 0.3, "code": -0.7}):
-        variant = source.variant(path, coefficients)
-        for local, weight in source.base_parameters(path).items():
-            expected = weight.to(wide)
-            for task, c in coefficients.items():
-                expected = expected + c * source.deltas(path, task)[local].to(wide)
-            assert variant[local].dtype == wide, local
-            if compute == "float32":
-                assert torch.equal(variant[local], expected), local
-            else:
-                torch.testing.assert_close(variant[local], expected, rtol=1e-15, atol=1e-15)
-        assert all(source.base_parameters(path)[local].dtype == getattr(torch, dtype) for local in variant)
+    pointers = None
+    for coefficients in ({"math": 0.3}, {"math": 0.3, "code": -0.7}, {"code": 0.0}):
+        for pooled in (False, True):
+            variant = source.variant(path, coefficients, pooled=pooled)
+            if variant is None:  # nothing to change: float32 storage at a = 0
+                assert dtype == compute == "float32" and not any(coefficients.values())
+                continue
+            for local, weight in source.base_parameters(path).items():
+                expected = weight.to(wide)
+                for task, c in coefficients.items():
+                    if c:
+                        expected = expected + c * source.deltas(path, task)[local].to(wide)
+                assert variant[local].dtype == wide, local
+                if compute == "float32":
+                    assert torch.equal(variant[local], expected), local
+                else:
+                    torch.testing.assert_close(variant[local], expected, rtol=1e-15, atol=1e-15)
+            if pooled:
+                found = {local: variant[local].data_ptr() for local in source.base_parameters(path)}
+                assert pointers is None or found == pointers  # the same buffers, point after point
+                pointers = found
+        assert all(weight.dtype == getattr(torch, dtype) for weight in source.base_parameters(path).values())
+    source.clear()
+    assert not source._pool and not source._scratches
 
 
 def test_unknown_compute_dtype_and_missing_cuda_are_clear_errors(llama):

@@ -450,6 +450,23 @@ def test_interference_driver_dataset(tiny_checkpoints):
         float(ds["sar"].mean("task").where(ds["level"] == "mlp").where(ds["layer"] == 1).mean()))
 
 
+def test_each_matrix_gives_its_mapped_pages_back_once_measured(tiny_checkpoints, monkeypatch):
+    """The driver unmaps the checkpoints after every matrix (at 7B the pages of every matrix read so far would add
+    up in the RSS), and the reopened files give the same figures."""
+    from submerge.diagnostics.interference import interference
+    from submerge.diagnostics.task_vectors import TaskVectorReader
+
+    base, finetuned, _, _ = tiny_checkpoints
+    kept = interference(base, finetuned, rank_fracs=(0.25, 1.0), progress=False, device="cpu")
+    released = []
+    unmap = TaskVectorReader.release
+    monkeypatch.setattr(TaskVectorReader, "release", lambda reader: (released.append(reader.name), unmap(reader)))
+    ds = interference(base, finetuned, rank_fracs=(0.25, 1.0), progress=False, device="cpu")
+    assert sorted(released) == sorted(list(finetuned) * ds.sizes["matrix"])
+    for name in ("sti", "sar", "row_space_interference", "effective_rank"):
+        np.testing.assert_array_equal(ds[name].values, kept[name].values)
+
+
 def test_interference_driver_lora_and_strategies(tiny_checkpoints, tmp_path):
     import json
 

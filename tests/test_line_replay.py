@@ -104,3 +104,19 @@ def test_attention_points_come_from_the_block_replay_where_they_coincide(toy_kit
     plain = nonlinearity(experiment, levels=("layer", "attn", "mlp"), steps=6, progress=False, plain_replay=True)
     np.testing.assert_allclose(shared.nonlinearity_score.values, plain.nonlinearity_score.values, rtol=1e-6,
                                atol=1e-24)
+
+
+def test_a_points_shared_map_output_written_into_a_kept_tensor_is_bitwise_the_new_one():
+    """`_at` into the tensor a line keeps for a map's output (overwritten point after point) gives what a new
+    tensor holds: P0 + a·P1 (+ a²·P2), each product rounded before it is added."""
+    from submerge.diagnostics.replay import _at
+
+    generator = torch.Generator().manual_seed(0)
+    terms = tuple(torch.randn(3, 5, 7, generator=generator) * scale for scale in (1.0, 1e-3, 1e-6))
+    kept = torch.empty_like(terms[0])
+    for count in (2, 3):
+        for a in (0.1, 0.7, 1.0):
+            fresh = _at(terms[:count], a)
+            assert _at(terms[:count], a, kept) is kept
+            assert torch.equal(kept, fresh)
+            assert torch.equal(fresh, terms[0] + a * terms[1] + ((a * a) * terms[2] if count == 3 else 0))

@@ -65,8 +65,14 @@ class MatrixWorker:
         self.task_readers, self.job, self.device = task_readers, job, pick_device(device)
 
     def measure(self, names: list[str]) -> list[tuple]:
-        """(name, shape, result) of each matrix of the group, in order."""
-        return [(name, *measure_matrix(name, self.task_readers, self.job, self.device)) for name in names]
+        """(name, shape, result) of each matrix of the group, in order. The checkpoints' pages read for a matrix
+        leave the RSS once it is measured (at 7B the mapped pages of every matrix read so far would add up)."""
+        results = []
+        for name in names:
+            results.append((name, *measure_matrix(name, self.task_readers, self.job, self.device)))
+            for reader in self.task_readers.values():
+                reader.release()
+        return results
 
     def stats(self) -> dict:
         """This worker process: its pid, host and peak resident memory (MiB)."""
