@@ -471,7 +471,7 @@ def ray_writes(kit, diag, references, tmp_path_factory) -> int:
 RAY_WRITE_POINT = pytest.mark.skipif(
     not os.environ.get("SUBMERGE_FAULT_MATRIX"),
     reason="timing-dependent on a loaded machine (set SUBMERGE_FAULT_MATRIX): on Ray the middle write's place in the "
-           "run varies, and once in a few runs under load a kill there left the group 'corrupt' (stop 31's note)")
+           "run varies, and in 2 of 10 runs under load a kill there left the group 'corrupt' (stop 31's note)")
 
 
 @pytest.mark.parametrize("where", ["append", pytest.param("write", marks=RAY_WRITE_POINT)])
