@@ -12,8 +12,9 @@ A score within `FLAG_RATIO` × its floor is flagged in the summary tables and `d
 rounding, not the fine-tune (the per-layer figures shade the floor band).
 
 The pass reuses the driver (``store=None``, the run's engine) on a smaller `Experiment` (`first_records`). Its
-replays scale with ``floor_samples / samples``, but building each point's θ0 + c·τ in float64 does not: measured (`benchmarks/cost.py`, SmolLM2-135M full fine-tunes, 8 records per task)
-the default floor adds 37 % to `diag linearity` (116 s against 85 s without it).
+replays scale with ``floor_samples / samples``, but building each point's θ0 + c·τ in float64 does not: measured
+(`benchmarks/cost.py`, SmolLM2-135M full fine-tunes, 8 records per task) the default floor adds 37 % to `diag
+linearity` (116 s against 85 s without it).
 """
 
 from __future__ import annotations
