@@ -47,7 +47,7 @@ from submerge.diagnostics.outputs import check_output_file, file_starts_with, re
 from submerge.diagnostics.store import Store
 from submerge.diagnostics.tables import print_table
 from submerge.diagnostics.task_vectors import open_finetunes
-from submerge.merge.compare import COMPARE, leaderboard
+from submerge.merge.compare import COMPARE, leaderboard, parse_method_options
 from submerge.merge.compare import compare as run_compare
 from submerge.merge.plan import MERGEKIT_HEADER, is_plan_file, make_plan
 from submerge.merge.recipe import Recipe, is_recipe_file
@@ -477,6 +477,10 @@ def compare(
     candidates: Annotated[str, typer.Option("--candidates", help="Granularities the evidence plan chooses among "
                                                                  "per layer (add head-mlp to try heads).")] = "layer,attn-mlp",
     folds: Annotated[int, typer.Option("--folds", help="Cross-validation folds over the fit records.")] = 4,
+    option: Annotated[Optional[list[str]], typer.Option(
+        "--option", help="METHOD.KEY=VALUE: fix an option of one registered strategy that compare does not tune "
+                         "(e.g. adamerging.steps=50, lorahub.steps=20, regmean.off_diagonal_scale=0.8); recorded "
+                         "in the store's settings. Repeat.")] = None,
     sti_max: Annotated[float, typer.Option("--sti-max", help="Steer matrices with STI/Σσ above this (needs the "
                                                              "store's interference group).")] = 3.0,
     sar_min: Annotated[float, typer.Option("--sar-min", help="Steer matrices with mean SAR below this.")] = 0.5,
@@ -522,6 +526,7 @@ def compare(
                           methods=[m.strip() for m in methods.split(",") if m.strip()] if methods else None,
                           fit=fit, skip=skip, samples=samples, max_tokens=run.max_tokens, batch_size=run.batch_size,
                           lambdas=grid, subsets=subsets, tune=tune, seeds=seeds, objective=objective,
+                          method_options=parse_method_options(option),
                           plan=plan_path, choose=choose, evidence_options=evidence, plan_out=plan_out,
                           keep=keep, store=Store(run.out), force=run.force, dtype=run.dtype, device=run.device,
                           offload=run.offload,

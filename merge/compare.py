@@ -205,6 +205,43 @@ def _recipe_merge(label: str, recipe, base_spec: str, finetuned: dict[str, str],
                  {"method": label, "mergekit": recipe.to_mergekit(), "notes": recipe.notes()}, kind="recipe")
 
 
+def check_method_options(method_options: dict | None, methods: list[str], *, tuned: bool) -> dict[str, dict]:
+    """Fixed options per method (``--option METHOD.KEY=VALUE``), checked and coerced by the registry: only
+    registered strategies among `methods`, only their own options, and (when tuning) no knob that the method's
+    grid (`merge.tuning.GRIDS`) tunes, nor λ (``scaling``), which tuning chooses."""
+    checked: dict[str, dict] = {}
+    for method, given in (method_options or {}).items():
+        if method not in STRATEGIES:
+            raise CompareError(f"--option {method}.…: options are for registered strategies ({', '.join(STRATEGIES)})"
+                               f"; {method!r} is not one")
+        if method not in methods:
+            raise CompareError(f"--option {method}.…: {method!r} is not among the compared methods")
+        try:
+            resolved = STRATEGIES[method].resolve_options(given)
+        except ValueError as exc:
+            raise CompareError(f"--option: {exc}") from None
+        tuned_knobs = {*settings_of(method)[0], SCALE} & set(given) if tuned else set()
+        if tuned_knobs:
+            raise CompareError(f"--option {method}.{sorted(tuned_knobs)[0]}: compare tunes it on the fit records; "
+                               "give it with --tune none, or change its grid (merge/tuning.py GRIDS, compare's grids=)")
+        checked[method] = {key: resolved[key] for key in given}
+    return checked
+
+
+def parse_method_options(values: list[str] | None) -> dict[str, dict[str, str]]:
+    """Repeated ``METHOD.KEY=VALUE`` (``adamerging.steps=50``) as {method: {key: value}} (values coerced later)."""
+    parsed: dict[str, dict[str, str]] = {}
+    for value in values or []:
+        name, sep, setting = value.partition("=")
+        method, dot, key = name.rpartition(".")
+        if not sep or not dot or not method or not key or not setting:
+            raise CompareError(f"--option expects METHOD.KEY=VALUE (e.g. adamerging.steps=50), got '{value}'")
+        if key in parsed.setdefault(method, {}):
+            raise CompareError(f"--option {method}.{key} given twice")
+        parsed[method][key] = setting
+    return parsed
+
+
 def _strategy(name: str, given: dict | None = None) -> Merge:
     rule = ParameterRule(method=name, options=dict(given or {}))
     options = STRATEGIES[name].resolve_options(given or {})
@@ -212,20 +249,21 @@ def _strategy(name: str, given: dict | None = None) -> Merge:
                  {"method": name, "options": options})
 
 
-def _regmean(experiment) -> Merge:
+def _regmean(experiment, given: dict | None = None) -> Merge:
     """RegMean on every linear map inside the blocks (Grams of the fit records on the base); TA elsewhere."""
 
     grams = GramsByLayer(experiment.base.model, experiment.arch, experiment.batches,
                          checkpoint_names=experiment.base.checkpoint_names, device=experiment.device)
-    return Merge(regmean_rule({}, grams.names),
-                 f"off_diagonal_scale 0.9 on {len(grams.names)} linear maps, task arithmetic elsewhere",
-                 {"method": "regmean", "options": {}}, grams)
+    options = STRATEGIES["regmean"].resolve_options(given or {})
+    return Merge(regmean_rule(dict(given or {}), grams.names),
+                 f"off_diagonal_scale {options['off_diagonal_scale']:g} on {len(grams.names)} linear maps, "
+                 "task arithmetic elsewhere", {"method": "regmean", "options": dict(given or {})}, grams)
 
 
-def _learned(name: str, experiment, progress: bool) -> Merge:
-    """Fisher, AdaMerging or LoraHub at their defaults, their inputs learned on the fit records (as `diag merge
-    --method M --data` does, `submerge.merge.learned.learn`)."""
-    options, data_options = STRATEGIES[name].split_options({})
+def _learned(name: str, experiment, progress: bool, given: dict | None = None) -> Merge:
+    """Fisher, AdaMerging or LoraHub at their defaults updated by `given` (compare's ``--option``), their inputs
+    learned on the fit records (as `diag merge --method M --data` does, `submerge.merge.learned.learn`)."""
+    options, data_options = STRATEGIES[name].split_options(given or {})
     learned = learn(name, experiment, options, data_options, progress=progress)
     return Merge(learned.rule_for, learned.detail, {"method": name, "options": {}, name: learned.record},
                  learned.tensor_inputs)
@@ -245,8 +283,8 @@ def _plan_merge(plan, label: str) -> Merge:
 
 def prepare(experiment, finetuned: dict[str, str], methods: list[str], *, plan=None, choose: str = "evidence",
             store: Store | None = None, evidence_options: dict | None = None, progress: bool = True,
-            command: str | None = None, force: bool = False, record_evidence: bool = True
-            ) -> tuple[dict[str, Merge], object]:
+            command: str | None = None, force: bool = False, record_evidence: bool = True,
+            method_options: dict | None = None) -> tuple[dict[str, Merge], object]:
     """The `Merge` of every method except the tuned task arithmetic, fitted on the experiment's records.
 
     Runs before any merged weights are loaded: capture needs the base model's own weights. The evidence step
@@ -255,12 +293,14 @@ def prepare(experiment, finetuned: dict[str, str], methods: list[str], *, plan=N
     Returns (merges, the plan used or None).
     """
 
-    merges = {name: _strategy(name) for name in methods if name in STRATEGIES and name not in DATA_STEPS}
+    given = method_options or {}
+    merges = {name: _strategy(name, given.get(name)) for name in methods if name in STRATEGIES
+              and name not in DATA_STEPS}
     if "regmean" in methods:
-        merges["regmean"] = _regmean(experiment)
+        merges["regmean"] = _regmean(experiment, given.get("regmean"))
     for name in LEARNED_METHODS:
         if name in methods:
-            merges[name] = _learned(name, experiment, progress)
+            merges[name] = _learned(name, experiment, progress, given.get(name))
     if isinstance(plan, (str, Path)):
         plan = Plan.load(plan)
     if plan is not None and sorted(plan.finetuned) != sorted(finetuned):
@@ -406,22 +446,26 @@ class Tuned:
         return tuning_label(self.setting, self.scale, self.scale_name)
 
 
-def _candidates(method: str, merge: Merge, grids: dict | None = None) -> tuple[list[tuple[dict, Merge]], str]:
-    """(setting, the Merge writing δ at λ = 1) per setting of the method's other knobs; the name of its λ."""
+def _candidates(method: str, merge: Merge, grids: dict | None = None, fixed: dict | None = None
+                ) -> tuple[list[tuple[dict, Merge]], str]:
+    """(setting, the Merge writing δ at λ = 1) per setting of the method's other knobs (with its `fixed` options);
+    the name of its λ."""
     registered = method in STRATEGIES and method not in DATA_STEPS
     has_scaling = method in STRATEGIES and SCALE in STRATEGIES[method].resolve_options({})
     scale_name = SCALE if has_scaling else "λ"
     if not registered:
         return [({}, merge)], scale_name
     unit = {SCALE: 1.0} if has_scaling else {}
-    return [(setting, _strategy(method, {**setting, **unit})) for setting in settings_of(method, grids)], scale_name
+    return [(setting, _strategy(method, {**(fixed or {}), **setting, **unit}))
+            for setting in settings_of(method, grids)], scale_name
 
 
 def _tune(method: str, merge: Merge, evaluator: _Evaluator, write: Callable, *, search: str, lambdas,
-          on_candidate: Callable[[str], None], grids: dict | None = None) -> tuple[np.ndarray, Tuned]:
+          on_candidate: Callable[[str], None], grids: dict | None = None, fixed: dict | None = None
+          ) -> tuple[np.ndarray, Tuned]:
     """Held-out losses of `method` at the candidate (setting × λ) with the lowest mean fit loss (`merge.tuning`:
     each setting's δ written once, each λ evaluated as θ0 + λ·δ)."""
-    candidates, scale_name = _candidates(method, merge, grids)
+    candidates, scale_name = _candidates(method, merge, grids, fixed)
     values = lambdas_of(method, lambdas, grids)
     best: tuple | None = None
     searched: dict[str, float] = {}
@@ -608,6 +652,7 @@ def compare(
     tune: str | None = "line",
     seeds: int = 1,
     grids: dict | None = None,
+    method_options: dict | None = None,
     objective: bool = True,
     plan=None,
     choose: str = "evidence",
@@ -633,7 +678,9 @@ def compare(
     seconds, the chosen candidate's fit loss, with ``method`` indexed (``dataset.sel({"method": "plan"})``); with
     `store`, writes it as group ``compare`` unit by unit (resumable). `subsets`: full, pairs or all (`task_subsets`);
     `tune`: line, grid or None (`submerge.merge.tuning`; None: every method at its paper's defaults); `seeds`:
-    data-sample seeds (`resampled`); `grids` (method → {option: values}) replaces rows of `merge.tuning.GRIDS`; `objective`: also score each merge's block objective
+    data-sample seeds (`resampled`); `grids` (method → {option: values}) replaces rows of `merge.tuning.GRIDS`;
+    `method_options` (method → {option: value}, the CLI's ``--option METHOD.KEY=VALUE``) fixes options of registered
+    strategies that are not tuned, such as AdaMerging's ``steps``; `objective`: also score each merge's block objective
     (Σ Eq. 10 over blocks) on the held-out records, and its Spearman rank correlation with the held-out loss across
     methods per subset and seed (attrs ``rank_correlation``). `recipes` (label → mergekit config file or `Recipe`) adds users' recipes,
     ranked under their labels (full set only). `lm_eval` (`HarnessSettings`) also scores every model's task accuracy
@@ -644,6 +691,7 @@ def compare(
     plan_file, plan = plan, Plan.load(plan) if isinstance(plan, (str, Path)) else plan  # checked before any work
     loaded_recipes = load_recipes(recipes, base_spec, methods)
     methods += list(loaded_recipes)
+    method_options = check_method_options(method_options, methods, tuned=tune is not None)
     skip = fit if skip is None else skip
     if skip < fit:
         raise CompareError(f"--skip {skip} < --fit {fit}: held-out records would include fit records")
@@ -674,6 +722,7 @@ def compare(
                 "methods": methods, "lambdas": [float(v) for v in lambdas], "choose": choose,
                 "subsets": subsets, "tune": tune or "none", "seeds": seeds, "objective": objective,
                 **({"grids": {m: {k: list(v) for k, v in g.items()} for m, g in grids.items()}} if grids else {}),
+                **({"method_options": method_options} if method_options else {}),
                 "plan": str(plan_file) if isinstance(plan_file, (str, Path)) else None,
                 **({"plan_sha256": hashlib.sha256(Path(plan_file).read_bytes()).hexdigest()}  # an edited plan
                    if isinstance(plan_file, (str, Path)) else {}),
@@ -699,7 +748,8 @@ def compare(
     run = _Run(experiment, finetuned, methods, loaded_recipes, writer, store=store, tune=tune, lambdas=lambdas,
                plan=plan, choose=choose, evidence_options=evidence_options, plan_out=plan_out, keep=keep,
                base_spec=base_spec, allow_pickle=allow_pickle, vocab=vocab, progress=progress, command=command,
-               force=force, max_tokens=max_tokens, batch_size=batch_size, grids=grids, objective=objective)
+               force=force, max_tokens=max_tokens, batch_size=batch_size, grids=grids, objective=objective,
+               method_options=method_options)
     scorer = None if lm_eval is None else _accuracy_scorer(experiment, lm_eval, data, skip, store=store, force=force,
                                                            command=command, progress=progress, allow_pickle=allow_pickle)
     try:
@@ -795,13 +845,13 @@ class _Run:
 
     def __init__(self, experiment, finetuned, methods, recipes, writer, *, store, tune, lambdas, plan, choose,
                  evidence_options, plan_out, keep, base_spec, allow_pickle, vocab, progress, command, force,
-                 max_tokens, batch_size, grids=None, objective=False):
+                 max_tokens, batch_size, grids=None, objective=False, method_options=None):
         self.experiment, self.finetuned, self.methods, self.recipes = experiment, finetuned, methods, recipes
         self.writer, self.store, self.tune, self.lambdas, self.plan, self.choose = writer, store, tune, lambdas, plan, choose
         self.evidence_options, self.plan_out, self.keep, self.base_spec = evidence_options, plan_out, keep, base_spec
         self.allow_pickle, self.vocab, self.progress, self.command = allow_pickle, vocab, progress, command
         self.force, self.max_tokens, self.batch_size, self.grids = force, max_tokens, batch_size, grids
-        self.objective = objective
+        self.objective, self.method_options = objective, method_options or {}
         self.notes: dict = {}
         self.references: dict[int, dict] = {}
         self.accuracy = self.bar = self.job = None
@@ -849,7 +899,8 @@ class _Run:
         merges, used_plan = prepare(part, finetuned, [m for m in pending if m != TUNED and m not in self.recipes],
                                     plan=self.plan, choose=self.choose, store=self.store,
                                     evidence_options=self.evidence_options, progress=self.progress,
-                                    command=self.command, force=self.force, record_evidence=full and seed == 0)
+                                    command=self.command, force=self.force, record_evidence=full and seed == 0,
+                                    method_options=self.method_options)
         merges.update({label: _recipe_merge(label, recipe, self.base_spec, finetuned, self.allow_pickle)
                        for label, recipe in recipes.items()})
         if full and seed == 0 and self.plan_out is not None and used_plan is not None:
@@ -981,7 +1032,8 @@ def _run_methods(pending, merges, evaluator, writer, references, base_spec, fine
             merge, tuned = merges[label], None
             kind = merge.kind or ("plan" if label == PLAN else "closed-form" if label in CLOSED_FORM else "strategy")
             if run.tune is not None and label != TUNED and kind != "recipe":
-                losses, tuned = _tune(label, merge, evaluator, write, search=run.tune, lambdas=run.lambdas, grids=run.grids,
+                losses, tuned = _tune(label, merge, evaluator, write, search=run.tune, lambdas=run.lambdas,
+                                      grids=run.grids, fixed=run.method_options.get(label),
                                       on_candidate=lambda text, where=where: bar.update(
                                           job, description=f"Comparing · {where} · {text}"))
                 notes[f"search {unit_label(subset, seed, label)}"] = tuned.searched

@@ -837,3 +837,38 @@ def test_compare_ranks_a_users_mergekit_recipe(trained_kit, tmp_path):
     other.write_text(yaml.safe_dump({**single, "models": [{"model": str(tmp_path), "parameters": {"weight": 1}}]}))
     with pytest.raises(RecipeError, match="not among the given fine-tunes"):
         compare(base, finetuned, data, methods=["ties"], recipes={"other": other}, **RUN)
+
+
+def test_compare_fixes_a_methods_untuned_options_and_refuses_tuned_or_unknown_ones(trained_kit, tmp_path):
+    """``--option METHOD.KEY=VALUE``: AdaMerging's budget and TIES' top-k reach the merge (its detail and the store's
+    settings say so); a tuned knob, an unknown option or method, or a method not compared is refused before any
+    work."""
+    from submerge.diagnostics.store import Store
+    from submerge.merge.compare import CompareError, compare, parse_method_options
+
+    _, base, finetuned, data = trained_kit
+    given = parse_method_options(["adamerging.steps=1", "adamerging.learning_rate=0.02", "ties.top_k=0.3"])
+    assert given == {"adamerging": {"steps": "1", "learning_rate": "0.02"}, "ties": {"top_k": "0.3"}}
+    store = Store(tmp_path / "store.zarr")
+    dataset = compare(base, finetuned, data, methods=["ties", "adamerging"], store=store, method_options=given,
+                      **{**RUN, "tune": None})
+    detail = dict(zip(dataset.method.values, dataset.detail.values))
+    assert "'top_k': 0.3" in detail["ties"], detail["ties"]
+    assert "1 steps" in detail["adamerging"], detail["adamerging"]
+    settings = store.dataset("compare").attrs["settings"]
+    assert settings["method_options"] == {"adamerging": {"steps": 1, "learning_rate": 0.02}, "ties": {"top_k": 0.3}}
+
+    for values, message in [(["ties.top_k=0.3"], r"--option ties.top_k: compare tunes it"),
+                            (["task-arithmetic.scaling=0.5"], r"--option task-arithmetic.scaling: compare tunes it"),
+                            (["ties.bogus=1"], r"unknown option 'bogus' for merge method 'ties'"),
+                            (["plan.x=1"], r"'plan' is not one"),
+                            (["dare.drop_rate=0.5"], r"'dare' is not among the compared methods"),
+                            (["adamerging.steps=many"], r"cannot read 'many' as int")]:
+        with pytest.raises(CompareError, match=message):
+            compare(base, finetuned, data, methods=["ties", "task-arithmetic", "adamerging"],
+                    store=Store(tmp_path / "refused.zarr"), method_options=parse_method_options(values),
+                    **{**RUN, "tune": "line"})
+    assert not (tmp_path / "refused.zarr").exists()
+    for text in ["ties.top_k", "top_k=0.3", ".x=1", "ties.=1"]:
+        with pytest.raises(CompareError, match="METHOD.KEY=VALUE"):
+            parse_method_options([text])
