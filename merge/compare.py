@@ -370,6 +370,7 @@ class _Evaluator:
         self.base, self.arch, self.held_out, self.fit = experiment.base, experiment.arch, held_out, experiment.batches
         self.tasks, self.allow_pickle, self.compute = experiment.tasks, allow_pickle, experiment.compute_dtype
         self.held_experiment = None  # set to score the block objective of each merge on the held-out records
+        self.shared = None  # a directory keeping what every merge's block objective shares (`block_objectives`)
         self.load(None)
 
     def losses(self, batches: dict | None = None) -> np.ndarray:
@@ -388,7 +389,7 @@ class _Evaluator:
         if self.held_experiment is None:
             return math.nan
         delta = CheckpointDelta(TaskVectorReader("merged", self.base.reader, reader), float(scale))
-        return float(sum(block_objectives(self.held_experiment, delta).values()))
+        return float(sum(block_objectives(self.held_experiment, delta, shared=self.shared).values()))
 
     def load_scaled(self, reader, scale: float, *, name: str = "scaled") -> None:
         """θ0 + scale · (θ_reader − θ0) is the model the next `losses` measure."""
@@ -1003,6 +1004,7 @@ def _run_methods(pending, merges, evaluator, writer, references, base_spec, fine
 
     notes = {}
     scratch = _scratch_directory()
+    evaluator.shared = scratch / "block-targets"  # the fine-tunes' block outputs, replayed once for every merge
     keep = Path(run.keep) if run.keep is not None else None
     store, bar, job = run.store, run.bar, run.job
 

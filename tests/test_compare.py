@@ -379,13 +379,16 @@ def compared(trained_kit):
     scratch.mkdir()
     on_disk = {}  # method → checkpoints on disk when its result is written
 
-    def look(label):
-        on_disk[label] = sorted(str(p.relative_to(scratch)) for p in scratch.rglob("*.safetensors"))
+    def look(label):  # merged checkpoints on disk; the block objectives' shared replays are counted apart
+        found = sorted(str(p.relative_to(scratch)) for p in scratch.rglob("*.safetensors"))
+        on_disk[label] = [p for p in found if "/block-targets/" not in p]
+        on_disk.setdefault("block-targets", set()).update(p for p in found if "/block-targets/" in p)
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr("tempfile.tempdir", str(scratch))
         dataset = compare(base, finetuned, data, methods=METHODS, store=Store(root / "store.zarr"), on_unit=look,
                           **RUN)
+    dataset.attrs["test_shared_replays"] = sorted(p.rsplit("/", 1)[1] for p in on_disk.pop("block-targets", ()))
     dataset.attrs["test_on_disk"] = on_disk
     return dataset, root / "store.zarr", scratch
 
@@ -485,6 +488,8 @@ def test_compare_leaves_nothing_on_disk_without_keep(compared):
     dataset, store_path, scratch = compared
     # streaming: each merged checkpoint is deleted once evaluated, before the next method is merged
     assert dataset.attrs["test_on_disk"] == {unit: [] for unit in dataset.unit.values}
+    # the fine-tunes' block outputs shared by every merge's objective: one file per block, gone with the scratch
+    assert dataset.attrs["test_shared_replays"] == ["layer-0.safetensors", "layer-1.safetensors"]
     assert list(scratch.iterdir()) == []  # every merged checkpoint (and the Σ τ of the λ search) deleted
     assert not (store_path.parent / "keep").exists()
 

@@ -112,6 +112,28 @@ def test_alpha_equals_diag_alpha_and_objectives_equal_block_objectives(hand_kit,
     assert objectives[0] > 1e-3
 
 
+def test_block_objectives_sharing_the_finetunes_replays_are_bitwise_the_same(hand_kit, tmp_path, monkeypatch):  # noqa: F811
+    """`shared`: the first merge's call replays the base and each fine-tune per block and keeps them; later merges
+    on the same records replay only their own merged block, with the objectives of a fresh call bit for bit."""
+    experiment = _hand_experiment(hand_kit, skip=0)
+    evidence_result = evidence_plan(experiment, hand_kit[1], folds=2, progress=False)
+    plans = [PlanDelta(evidence_result.single(g)) for g in ("layer", "attn-mlp", "layer")]
+    fresh = [evidence_module.block_objectives(experiment, delta) for delta in plans]
+    replays = Counter()
+    original = evidence_module._block_data
+
+    def counted(layer, tasks):
+        replays[layer.index] += 1
+        return original(layer, tasks)
+
+    monkeypatch.setattr(evidence_module, "_block_data", counted)
+    shared = tmp_path / "shared"
+    kept = [evidence_module.block_objectives(experiment, delta, shared=shared) for delta in plans]
+    assert kept == fresh and fresh[0] != fresh[1]  # bitwise, and the merges differ
+    assert replays == {0: 1, 1: 1}  # once per block, for the first merge only
+    assert sorted(p.name for p in shared.iterdir()) == ["layer-0.safetensors", "layer-1.safetensors"]
+
+
 def test_bad_options_are_clear_errors(hand_fit):
     merge = _merge(hand_fit)
     with pytest.raises(EvidenceError, match="--folds must be at least 2"):

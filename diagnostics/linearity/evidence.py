@@ -33,12 +33,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 import pandas as pd
 import torch
 import xarray as xr
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from submerge.diagnostics.capture import DEFAULT_CAPTURE_BUDGET
 from submerge.diagnostics.errors import SubmergeError
@@ -332,16 +335,57 @@ EVIDENCE = StoreGroup(
 # ------------------------------------------------------------------------------------ a plan's block objectives
 
 
+def _targets_file(directory: str, layer: int) -> Path:
+    return Path(directory) / f"layer-{layer}.safetensors"
+
+
+def _save_targets(data: _BlockData, path: Path) -> None:
+    """What every merge's objective of one block shares: each task's own fine-tune's features, the record indices
+    and Eq. 33's denominators (not the Grams), bitwise, in one safetensors file (written whole, then renamed)."""
+    tensors = {f"target.{a}.{s}": feature.detach().cpu().contiguous()
+               for a, features in enumerate(data.targets) for s, feature in enumerate(features)}
+    tensors |= {f"indices.{a}": torch.from_numpy(np.asarray(index, dtype=np.int64))
+                for a, index in enumerate(data.indices)}
+    tensors |= {f"denominators.{a}": torch.tensor(values, dtype=torch.float64)
+                for a, values in enumerate(data.denominators)}
+    partial = path.with_name(path.name + ".partial")
+    save_file(tensors, str(partial), metadata={"tasks": str(len(data.targets))})
+    partial.replace(path)
+
+
+def _load_targets(path: Path, device) -> _BlockData:
+    with safe_open(str(path), framework="pt") as file:
+        tasks = int(file.metadata()["tasks"])
+        indices = [file.get_tensor(f"indices.{a}").numpy() for a in range(tasks)]
+        targets = [[file.get_tensor(f"target.{a}.{s}").to(device) for s in range(len(indices[a]))]
+                   for a in range(tasks)]
+        denominators = [file.get_tensor(f"denominators.{a}").tolist() for a in range(tasks)]
+    return _BlockData({}, targets, indices, denominators)
+
+
 @dataclass(frozen=True)
 class _ObjectiveOfLayer:
-    """Eq. 10 of one block merged by a fixed rule (a `LayerMeasure`'s function; picklable)."""
+    """Eq. 10 of one block merged by a fixed rule (a `LayerMeasure`'s function; picklable). With `shared` (a
+    directory), the replays every merge shares — the base's and each fine-tune's, for the targets and Eq. 33's
+    denominators — are run once per block and kept there for the next merge's objective on the same records."""
 
     tasks: list[str]
     balance: bool
     delta: TensorDelta
+    shared: str | None = None
+
+    def _data(self, layer: Layer) -> _BlockData:
+        if self.shared is None:
+            return _block_data(layer, self.tasks)
+        path = _targets_file(self.shared, layer.index)
+        if path.exists():
+            return _load_targets(path, layer.source.device)
+        data = _block_data(layer, self.tasks)
+        _save_targets(data, path)
+        return data
 
     def __call__(self, layer: Layer) -> dict:
-        data = _block_data(layer, self.tasks)
+        data = self._data(layer)
         merged = _merged_features(layer, self.delta, _table(layer), self.tasks)
         every = [np.zeros(len(index), dtype=np.int64) for index in data.indices]
         name = f"layers.{layer.index}"
@@ -350,12 +394,20 @@ class _ObjectiveOfLayer:
 
 def block_objectives(experiment, delta: TensorDelta, *, balance: bool = True, layers: Sequence[int] | None = None,
                      progress: bool = False, capture_budget: int = DEFAULT_CAPTURE_BUDGET,
-                     engine=None) -> dict[int, float]:
+                     engine=None, shared: str | Path | None = None) -> dict[int, float]:
     """Eq. 10 objective (Eq. 33 balanced) of every block (or of `layers`) merged by `delta`, on all of the
     experiment's records; nothing is written. The block's inputs are recorded on the base, chunk after chunk (each
     continuing where the last stopped); its merged output is compared with each input task's own fine-tune. Use an
     experiment on held-out records (``skip``) to check a plan out of sample (`submerge.merge.plan.block_objectives`).
+
+    `shared`: a directory (made if missing) where the first call keeps, per block, what every merge's objective on
+    the same experiment shares (the fine-tunes' block outputs and Eq. 33's denominators: T + 1 of the T + 3 block
+    replays); later calls with the same directory and experiment read them back instead of replaying, with the
+    same result bit for bit. The caller owns the directory: one per experiment (records and fine-tunes), deleted
+    when done (`diag compare` keeps one per subset and seed in its scratch).
     """
+    if shared is not None:
+        Path(shared).mkdir(parents=True, exist_ok=True)
     run = RunSettings(progress=progress, capture_budget=capture_budget, engine=engine or LocalEngine())
     sweep = Sweep(experiment, ("layer",), "block_objectives", {"balance": balance}, run, unit_dim="layer",
                   layers=layers)
@@ -364,6 +416,7 @@ def block_objectives(experiment, delta: TensorDelta, *, balance: bool = True, la
         return xr.Dataset({"objective": (("layer",), np.array([results[modules[0].name]]))},
                           coords={"layer": np.array([modules[0].layer])})
 
-    sweep.run("Block objectives", LayerMeasure(_ObjectiveOfLayer(list(experiment.tasks), balance, delta)), piece)
+    measure = _ObjectiveOfLayer(list(experiment.tasks), balance, delta, None if shared is None else str(shared))
+    sweep.run("Block objectives", LayerMeasure(measure), piece)
     result = sweep.writer.finish({})
     return {int(layer): float(value) for layer, value in zip(result.layer.values, result.objective.values)}
