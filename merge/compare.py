@@ -284,23 +284,28 @@ def _plan_merge(plan, label: str) -> Merge:
 def prepare(experiment, finetuned: dict[str, str], methods: list[str], *, plan=None, choose: str = "evidence",
             store: Store | None = None, evidence_options: dict | None = None, progress: bool = True,
             command: str | None = None, force: bool = False, record_evidence: bool = True,
-            method_options: dict | None = None) -> tuple[dict[str, Merge], object]:
+            method_options: dict | None = None, seconds: dict | None = None) -> tuple[dict[str, Merge], object]:
     """The `Merge` of every method except the tuned task arithmetic, fitted on the experiment's records.
 
     Runs before any merged weights are loaded: capture needs the base model's own weights. The evidence step
     writes (or, resumed, reads) the group ``evidence`` of `store` (recomputed with `force`; not written with
     `record_evidence` False: compare's other subsets and seeds, whose evidence would replace the full set's).
-    Returns (merges, the plan used or None).
+    Returns (merges, the plan used or None); `seconds` (a dict) receives each data step's wall time (RegMean's
+    Grams, the learned methods, the evidence step).
     """
 
-    given = method_options or {}
+    given, seconds = method_options or {}, {} if seconds is None else seconds
     merges = {name: _strategy(name, given.get(name)) for name in methods if name in STRATEGIES
               and name not in DATA_STEPS}
     if "regmean" in methods:
+        start = time.perf_counter()
         merges["regmean"] = _regmean(experiment, given.get("regmean"))
+        seconds["regmean"] = time.perf_counter() - start
     for name in LEARNED_METHODS:
         if name in methods:
+            start = time.perf_counter()
             merges[name] = _learned(name, experiment, progress, given.get(name))
+            seconds[name] = time.perf_counter() - start
     if isinstance(plan, (str, Path)):
         plan = Plan.load(plan)
     if plan is not None and sorted(plan.finetuned) != sorted(finetuned):
@@ -323,8 +328,10 @@ def prepare(experiment, finetuned: dict[str, str], methods: list[str], *, plan=N
         interference = store.dataset("interference") if store is not None and store.is_complete("interference") else None
         run = RunSettings(store=store if record_evidence else None, force=force, progress=progress, command=command,
                           **{key: options.pop(key) for key in ("capture_budget",) if key in options})
+        start = time.perf_counter()
         evidence = evidence_plan(experiment, finetuned, candidates=tuple(candidates), interference=interference,
                                  run=run, **options)
+        seconds["evidence"] = time.perf_counter() - start
         for name in wanted_closed:
             merges[name] = _plan_merge(evidence.single(name.removeprefix("closed-form-")), name)
         if PLAN in methods and plan is None:
@@ -901,7 +908,11 @@ class _Run:
                                     plan=self.plan, choose=self.choose, store=self.store,
                                     evidence_options=self.evidence_options, progress=self.progress,
                                     command=self.command, force=self.force, record_evidence=full and seed == 0,
-                                    method_options=self.method_options)
+                                    method_options=self.method_options, seconds=(seconds := {}))
+        if seconds:  # the data steps' wall time, outside every unit's `seconds`
+            key = f"data_step_seconds {name}|{seed}"
+            self.notes[key] = seconds
+            self.writer.note({key: seconds})
         merges.update({label: _recipe_merge(label, recipe, self.base_spec, finetuned, self.allow_pickle)
                        for label, recipe in recipes.items()})
         if full and seed == 0 and self.plan_out is not None and used_plan is not None:

@@ -862,6 +862,8 @@ def test_compare_fixes_a_methods_untuned_options_and_refuses_tuned_or_unknown_on
     assert "1 steps" in detail["adamerging"], detail["adamerging"]
     settings = store.dataset("compare").attrs["settings"]
     assert settings["method_options"] == {"adamerging": {"steps": 1, "learning_rate": 0.02}, "ties": {"top_k": 0.3}}
+    data_steps = store.group_attrs("compare")["data_step_seconds math+code|0"]  # outside the units' seconds
+    assert set(data_steps) == {"adamerging"} and data_steps["adamerging"] > 0
 
     for values, message in [(["ties.top_k=0.3"], r"--option ties.top_k: compare tunes it"),
                             (["task-arithmetic.scaling=0.5"], r"--option task-arithmetic.scaling: compare tunes it"),
