@@ -474,8 +474,12 @@ def compare(
     choose: Annotated[str, typer.Option("--choose", help="evidence (granularity per layer by cross-validated "
                                                          "Eq. 10 objective) or thresholds (diag plan's NL/PD "
                                                          "thresholds; needs linearity + alpha in the store).")] = "evidence",
-    candidates: Annotated[str, typer.Option("--candidates", help="Granularities the evidence plan chooses among "
-                                                                 "per layer (add head-mlp to try heads).")] = "layer,attn-mlp",
+    candidates: Annotated[str, typer.Option("--candidates", help="What the evidence plan chooses among per layer, "
+                                                                 "by the cross-validated block objective: "
+                                                                 "granularities of closed-form α (layer, attn-mlp, "
+                                                                 "head-mlp) and data-free strategies that merge the "
+                                                                 "whole block at their paper defaults (e.g. ties, "
+                                                                 "tsv-m).")] = "layer,attn-mlp",
     folds: Annotated[int, typer.Option("--folds", help="Cross-validation folds over the fit records.")] = 4,
     option: Annotated[Optional[list[str]], typer.Option(
         "--option", help="METHOD.KEY=VALUE: fix an option of one registered strategy that compare does not tune "

@@ -222,7 +222,7 @@ def check_method_options(method_options: dict | None, methods: list[str], *, tun
             raise CompareError(f"--option: {exc}") from None
         tuned_knobs = {*settings_of(method)[0], SCALE} & set(given) if tuned else set()
         if tuned_knobs:
-            raise CompareError(f"--option {method}.{sorted(tuned_knobs)[0]}: compare tunes it on the fit records; "
+            raise CompareError(f"--option {method}.{min(tuned_knobs)}: compare tunes it on the fit records; "
                                "give it with --tune none, or change its grid (merge/tuning.py GRIDS, compare's grids=)")
         checked[method] = {key: resolved[key] for key in given}
     return checked

@@ -32,7 +32,13 @@ import yaml
 from submerge.diagnostics.checkpoints import local_path
 from submerge.diagnostics.errors import SubmergeError
 from submerge.diagnostics.execution import RunSettings
-from submerge.diagnostics.linearity.evidence import DEFAULT_FOLDS, EVIDENCE_CANDIDATES, part_of, unit_names
+from submerge.diagnostics.linearity.evidence import (
+    CHOOSABLE,
+    DEFAULT_FOLDS,
+    EVIDENCE_CANDIDATES,
+    candidate_units,
+    part_of,
+)
 from submerge.diagnostics.linearity.evidence import block_objectives as measured_block_objectives
 from submerge.diagnostics.linearity.evidence import evidence as measure_evidence
 from submerge.diagnostics.modules import GRANULARITIES
@@ -43,7 +49,7 @@ from submerge.diagnostics.store import Store
 from submerge.diagnostics.tensors import TensorInfo, TensorTable
 from submerge.merge.plan_schema import PER_LAYER, unit_problems, validate_plan
 from submerge.merge.rules import ParameterRule, head_rule, mean_rule, weights_rule
-from submerge.merge.strategies import merge_parameter
+from submerge.merge.strategies import STRATEGIES, merge_parameter
 
 DEFAULT_NL_MAX = 0.5
 DEFAULT_PD_MAX = 0.2
@@ -411,6 +417,9 @@ DEFAULT_STI_MAX = 3.0
 # below 0.5 a task keeps less than half its energy there (its subspace is crowded out).
 DEFAULT_SAR_MIN = 0.5
 STEER_METHODS = ("tsv-m", "iso-c")
+#: Strategies a block can be merged by as an evidence candidate (``--candidates layer,attn-mlp,ties``): the data-free
+#: registered strategies at their paper defaults (the closed form is the granularities' own rule).
+BLOCK_RULES = tuple(name for name, method in STRATEGIES.items() if not method.needs_data and name != "closed-form")
 
 
 def interference_marks(interference, *, sti_max: float = DEFAULT_STI_MAX,
@@ -524,14 +533,20 @@ class Evidence:
     rest: dict | None = None
 
     def _plan(self, choice: dict[int, str], steered: bool) -> Plan:
+        """Each block at its chosen granularity's α; a block that chose a rule (a strategy) has it on every tensor
+        (`matrix_rules`, unsteered: as the evidence measured it) and its block α underneath."""
         alpha = {}
         for evidence in self.layers:
             alpha.update(evidence.alpha[choice[evidence.layer]])
+        granularity = {layer: chosen if chosen in CHOOSABLE else "layer" for layer, chosen in choice.items()}
         plan = Plan(base_model=self.base_model, finetuned=dict(self.finetuned), granularity=PER_LAYER, alpha=alpha,
                     rest=self.rest or {"method": "mean-task-vector"}, attention=dict(self.attention),
-                    layer_granularity=dict(choice))
+                    layer_granularity=granularity)
         if steered:
             steer(plan, self.infos, self.marks, self.settings["steer_method"])
+        for info in self.infos:
+            if info.layer in choice and choice[info.layer] not in CHOOSABLE:
+                plan.matrix_rules[info.name] = block_rule(choice[info.layer], info.layer)
         return plan
 
     def plan(self, *, among=None, command: str | None = None) -> Plan:
@@ -550,7 +565,8 @@ class Evidence:
             "layers": {e.layer: {"granularity": e.choice(among), "cv_objective": e.cv_objective,
                                  "fold_objective": e.fold_objective,
                                  "reason": e.reason(folds, among)} for e in self.layers},
-            "steered": {name: rule["reason"] for name, rule in plan.matrix_rules.items()},
+            "steered": {name: rule["reason"] for name, rule in plan.matrix_rules.items()
+                        if not rule["reason"].startswith("evidence")},
         }
         plan.provenance = provenance(command, base_model=self.base_model, finetuned=self.finetuned)
         return plan
@@ -589,15 +605,20 @@ class CandidateMerge:
     steer_method: str = "tsv-m"
     sti_max: float = DEFAULT_STI_MAX
     sar_min: float = DEFAULT_SAR_MIN
+    block_rules: tuple = ()  # strategies (of `BLOCK_RULES`) a whole block may be merged by instead of α
 
     def __post_init__(self):
         if self.steer_method not in STEER_METHODS:
             raise PlanError(f"unknown steering method '{self.steer_method}' (choose from {', '.join(STEER_METHODS)})")
+        unknown = [rule for rule in self.block_rules if rule not in BLOCK_RULES]
+        if unknown:
+            raise PlanError(f"unknown block rule(s) {unknown}: a block can be merged by {', '.join(BLOCK_RULES)}")
 
     @property
     def settings(self) -> dict:
         return {"rest": self.rest, "steer_method": self.steer_method, "sti_max": self.sti_max,
-                "sar_min": self.sar_min, "steered": sorted(self.marks)}
+                "sar_min": self.sar_min, "steered": sorted(self.marks),
+                **({"block_rules": list(self.block_rules)} if self.block_rules else {})}
 
     def plan(self, layer: int, granularity: str, alpha: dict) -> Plan:
         """Block `layer` at `granularity` with α per unit, as a per-layer plan (unsteered)."""
@@ -605,7 +626,16 @@ class CandidateMerge:
                     rest=self.rest, attention=self.attention, layer_granularity={layer: granularity})
 
     def __call__(self, layer: int, granularity: str, alpha: dict, infos: list[TensorInfo]) -> PlanDelta:
+        if granularity in self.block_rules:  # every tensor of the block by the strategy, at its paper defaults
+            plan = self.plan(layer, "layer", {})
+            plan.matrix_rules = {info.name: block_rule(granularity, layer) for info in infos if info.layer == layer}
+            return PlanDelta(plan)
         return PlanDelta(steer(self.plan(layer, granularity, alpha), infos, self.marks, self.steer_method))
+
+
+def block_rule(method: str, layer: int) -> dict:
+    """The plan's `matrix_rules` entry of a tensor of a block the evidence merged by `method` (paper defaults)."""
+    return {"method": method, "options": {}, "reason": f"evidence: block {layer} merged by {method}"}
 
 
 def choose_by_evidence(dataset, merge: CandidateMerge, *, base_model: str, infos: list[TensorInfo],
@@ -623,7 +653,8 @@ def choose_by_evidence(dataset, merge: CandidateMerge, *, base_model: str, infos
     for i, layer in enumerate(int(j) for j in dataset.layer.values):
         scores = {c: [float(v) for v in fold_objective[i, n]] for n, c in enumerate(candidates)}
         solved = {c: {u: dict(zip(tasks, map(float, alpha[i, parts.index(part_of(u))])))
-                      for u in unit_names(c, layer, heads)} for c in candidates}
+                      for u in candidate_units(c if c in CHOOSABLE else "layer", layer, heads)}
+                  for c in candidates}  # a block rule keeps the block's α underneath its rules
         layers.append(LayerEvidence(layer, scores, solved, tolerance))
     settings = {"candidates": candidates, "folds": int(dataset.sizes["fold"]),
                 "balance": bool(dataset.attrs.get("balance", True)), "sti_max": merge.sti_max,
@@ -635,7 +666,7 @@ def choose_by_evidence(dataset, merge: CandidateMerge, *, base_model: str, infos
 
 def candidate_merge(experiment, finetuned: dict[str, str], *, interference=None, sti_max: float = DEFAULT_STI_MAX,
                     sar_min: float = DEFAULT_SAR_MIN, steer_method: str = "tsv-m",
-                    rest: dict | None = None) -> CandidateMerge:
+                    rest: dict | None = None, block_rules: tuple = ()) -> CandidateMerge:
     """The `CandidateMerge` of an experiment's base: its attention shape, the matrices `interference` (the store's
     ``interference`` dataset, or None: no steering) marks."""
     if list(finetuned) != list(experiment.tasks):
@@ -645,7 +676,8 @@ def candidate_merge(experiment, finetuned: dict[str, str], *, interference=None,
                           attention={"num_heads": arch.num_heads, "num_kv_heads": arch.num_kv_heads,
                                      "head_dim": arch.head_dim},
                           marks=interference_marks(interference, sti_max=sti_max, sar_min=sar_min),
-                          steer_method=steer_method, sti_max=sti_max, sar_min=sar_min)
+                          steer_method=steer_method, sti_max=sti_max, sar_min=sar_min,
+                          block_rules=tuple(block_rules))
 
 
 def check_evidence_options(experiment, options: dict | None) -> None:
@@ -654,10 +686,10 @@ def check_evidence_options(experiment, options: dict | None) -> None:
     options = dict(options or {})
     candidates = tuple(dict.fromkeys(options.get("candidates") or EVIDENCE_CANDIDATES))
     for candidate in candidates:
-        try:
-            unit_names(candidate, 0, 1)
-        except SubmergeError as exc:
-            raise PlanError(f"--candidates: {exc}") from None
+        if candidate not in CHOOSABLE and candidate not in BLOCK_RULES:
+            raise PlanError(f"--candidates: '{candidate}' is neither a granularity choosable per layer "
+                            f"({', '.join(CHOOSABLE)}) nor a strategy a block can be merged by "
+                            f"({', '.join(BLOCK_RULES)})")
     folds = options.get("folds", DEFAULT_FOLDS)
     if not isinstance(folds, int) or folds < 2:
         raise PlanError(f"--folds must be at least 2 (got {folds})")
@@ -697,7 +729,8 @@ def evidence_plan(
     ``force``, ``progress``, ``capture_budget``, ``engine`` …): `submerge.diagnostics.execution.RunSettings`.
     """
     merge = candidate_merge(experiment, finetuned, interference=interference, sti_max=sti_max, sar_min=sar_min,
-                            steer_method=steer_method, rest=rest)
+                            steer_method=steer_method, rest=rest,
+                            block_rules=tuple(c for c in candidates if c not in CHOOSABLE))
     dataset = measure_evidence(experiment, merge, candidates=candidates, folds=folds, balance=balance, run=run,
                                **run_options)
     infos = list(TensorTable.from_model(experiment.base.model, experiment.base.checkpoint_names, experiment.arch))

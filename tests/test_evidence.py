@@ -15,6 +15,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
+import torch
 
 from submerge.diagnostics import replay as replay_module
 from submerge.diagnostics import toy
@@ -134,13 +135,52 @@ def test_block_objectives_sharing_the_finetunes_replays_are_bitwise_the_same(han
     assert sorted(p.name for p in shared.iterdir()) == ["layer-0.safetensors", "layer-1.safetensors"]
 
 
+def test_a_block_rule_candidate_is_scored_as_the_block_merged_by_that_strategy(hand_fit):
+    """``--candidates layer,attn-mlp,task-arithmetic,ties``: a strategy merges the whole block, no α. Its fold
+    objectives average to the block objective of θ0 + Σ τ computed apart (equal folds); it loses block 0 of the hand
+    kit, where the MLP wants α_A + α_B = 1 and Σ τ doubles the MLP's update, and ties at 0 in the unchanged block 1.
+    A plan whose block took a rule carries it on every tensor of the block, and merges as that strategy does."""
+    from submerge.merge.plan import BLOCK_RULES, PlanError
+    from submerge.merge.strategies import merge_parameter
+
+    candidates = ("layer", "attn-mlp", "task-arithmetic", "ties")
+    result = evidence_plan(hand_fit, hand_kit_finetuned(hand_fit), candidates=candidates, folds=2, progress=False)
+    scores = {c: np.mean(result.layers[0].fold_objective[c]) for c in candidates}
+    summed = evidence_module.block_objectives(hand_fit, lambda info, vectors: vectors[0] + vectors[1])
+    assert scores["task-arithmetic"] == pytest.approx(summed[0], rel=1e-6)
+    assert scores["attn-mlp"] < 1e-6 * scores["task-arithmetic"]
+    assert result.layers[1].fold_objective["ties"] == [0.0, 0.0]
+    plan = result.plan()
+    assert plan.layer_granularity == {0: "attn-mlp", 1: "layer"} and not plan.matrix_rules
+
+    forced = result._plan({0: "ties", 1: "layer"}, steered=False)
+    block0 = [info for info in result.infos if info.layer == 0]
+    assert sorted(forced.matrix_rules) == sorted(info.name for info in block0)
+    assert all(rule["method"] == "ties" and rule["options"] == {} for rule in forced.matrix_rules.values())
+    assert forced.layer_granularity == {0: "layer", 1: "layer"} and "layers.0" in forced.alpha
+    weight = next(info for info in block0 if info.kind == "matrix")
+    vectors = [torch.randn(weight.shape, generator=torch.Generator().manual_seed(t)) for t in range(2)]
+    assert torch.equal(PlanDelta(forced)(weight, vectors), merge_parameter(weight.name, vectors, "ties", {},
+                                                                             kind=weight.kind))
+    assert "ties" in BLOCK_RULES and "closed-form" not in BLOCK_RULES and "regmean" not in BLOCK_RULES
+    with pytest.raises(PlanError, match=r"unknown block rule\(s\) \['fisher'\]: a block can be merged by"):
+        evidence_plan(hand_fit, hand_kit_finetuned(hand_fit), candidates=("layer", "fisher"), folds=2,
+                      progress=False)
+    with pytest.raises(PlanError, match="unknown block rule"):
+        _merge(hand_fit, block_rules=("regmean",))
+
+
+def hand_kit_finetuned(experiment) -> dict[str, str]:
+    return {t: t for t in experiment.tasks}
+
+
 def test_bad_options_are_clear_errors(hand_fit):
     merge = _merge(hand_fit)
     with pytest.raises(EvidenceError, match="--folds must be at least 2"):
         evidence(hand_fit, merge, folds=1, progress=False)
     with pytest.raises(EvidenceError, match="9-fold cross-validation needs at least 9 fit records per task"):
         evidence(hand_fit, merge, folds=9, progress=False)
-    with pytest.raises(EvidenceError, match="granularity 'model' cannot be chosen per layer"):
+    with pytest.raises(EvidenceError, match="candidate .model. is neither a granularity choosable per layer"):
         evidence(hand_fit, merge, candidates=("layer", "model"), progress=False)
 
 

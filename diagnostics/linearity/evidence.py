@@ -76,10 +76,14 @@ class CandidateMerge(Protocol):
     """How a block is merged at a candidate granularity (the layer above gives it: `submerge.merge.plan`)."""
 
     settings: dict  # what the merge depends on (recorded in the group's settings: a change recomputes)
+    block_rules: tuple  # candidates that merge the whole block by one rule, without α (e.g. a strategy: "ties")
 
     def __call__(self, layer: int, granularity: str, alpha: dict[str, dict[str, float]],
                  infos: list[TensorInfo]) -> TensorDelta:
         """The merged δ of each tensor of block `layer` (`infos`) with α per unit → task."""
+
+
+CHOOSABLE = ("layer", "attn-mlp", "head-mlp")  # the granularities a block can take
 
 
 def unit_names(granularity: str, layer: int, num_heads: int = 0) -> list[str]:
@@ -105,9 +109,14 @@ def unit_of(layer: int, part: str) -> str:
     return f"layers.{layer}" if part == BLOCK else f"layers.{layer}.{part}"
 
 
+def candidate_units(candidate: str, layer: int, num_heads: int = 0) -> list[str]:
+    """The α units of a candidate: a granularity's (`unit_names`), none for a block rule (a strategy)."""
+    return unit_names(candidate, layer, num_heads) if candidate in CHOOSABLE else []
+
+
 def parts_of(candidates: Sequence[str], num_heads: int) -> list[str]:
     """The parts whose α the candidates need, block first (its Grams are always measured: the objective's)."""
-    units = [unit for c in candidates for unit in unit_names(c, 0, num_heads)]
+    units = [unit for c in candidates for unit in candidate_units(c, 0, num_heads)]
     return list(dict.fromkeys([BLOCK] + [part_of(u) for u in units]))
 
 
@@ -225,6 +234,11 @@ class _EvidenceOfLayer:
         infos = [info for info in table if info.layer == j]
         scores = np.full((len(self.candidates), folds), np.nan)
         for c, candidate in enumerate(self.candidates):
+            if candidate not in CHOOSABLE:  # a block rule: no α, one merge for every fold
+                merged = _merged_features(layer, self.merge(j, candidate, {}, infos), table, tasks)
+                scores[c] = [fold_objective(merged, data.targets, data.denominators, folds_by_task, k, self.balance)
+                             for k in range(folds)]
+                continue
             units = unit_names(candidate, j, layer.arch.num_heads)
             for k in range(folds):
                 solved = {u: dict(zip(tasks, map(float, fold_alpha[self.parts.index(part_of(u)), k])))
@@ -237,18 +251,26 @@ class _EvidenceOfLayer:
 
 def _levels(candidates: Sequence[str]) -> tuple[str, ...]:
     """The sweep levels whose replays the candidates need (the block always: the objective is on its output)."""
-    wanted = {"layer", *(level for candidate in candidates for level in GRANULARITIES[candidate])}
+    wanted = {"layer", *(level for candidate in candidates if candidate in CHOOSABLE
+                         for level in GRANULARITIES[candidate])}
     return tuple(level for level in ("layer", "attn", "head", "mlp") if level in wanted)
 
 
-def _checked_candidates(experiment, candidates: Sequence[str], folds: int) -> tuple[str, ...]:
-    """The candidates without repeats; an `EvidenceError` for a granularity not choosable per block, fewer than 2
-    folds, or fewer fit records than folds."""
+def _checked_candidates(experiment, candidates: Sequence[str], folds: int,
+                        block_rules: Sequence[str] = ()) -> tuple[str, ...]:
+    """The candidates without repeats; an `EvidenceError` for a candidate that is neither a granularity choosable
+    per block nor one of the merge's `block_rules`, fewer than 2 folds, or fewer fit records than folds."""
     candidates = tuple(dict.fromkeys(candidates))
     if not candidates:
         raise EvidenceError("the evidence step needs at least one candidate granularity (layer, attn-mlp, head-mlp)")
     for candidate in candidates:
-        unit_names(candidate, 0, 1)
+        if candidate not in block_rules:
+            try:
+                unit_names(candidate, 0, 1)
+            except EvidenceError:
+                rules = f", or a block rule ({', '.join(block_rules)})" if block_rules else ""
+                raise EvidenceError(f"candidate '{candidate}' is neither a granularity choosable per layer "
+                                    f"({', '.join(CHOOSABLE)}){rules}") from None
     if folds < 2:
         raise EvidenceError(f"--folds must be at least 2 (got {folds})")
     fewest = min(len(data.texts) for data in experiment.data.values())
@@ -277,7 +299,7 @@ def evidence(
     ``engine``): `submerge.diagnostics.execution.RunSettings`; with a ``RayEngine`` the blocks are measured by a
     pipeline of Ray workers, and this process alone writes the store.
     """
-    candidates = _checked_candidates(experiment, candidates, folds)
+    candidates = _checked_candidates(experiment, candidates, folds, getattr(merge, "block_rules", ()))
     run = RunSettings.of(run, **run_options)
     tasks, heads = experiment.tasks, experiment.arch.num_heads
     parts = parts_of(candidates, heads)
