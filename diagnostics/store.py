@@ -476,6 +476,9 @@ class Store:
                 raise StoreError(f"store {self.path}: group '{group}' is damaged: {state.problem}") from None
             raise StoreError(f"cannot read group '{group}' of {self.path}: {type(exc).__name__}: {exc}") from None
         state = self.group_status(group, decode=False)  # a deleted chunk file reads as NaN: say so instead
+        if state.state == "partial" and state.units_done == 0 and self._arrays(group):
+            raise StoreError(f"store {self.path}: group '{group}' has no finished unit yet (a run stopped during its "
+                             "first write): run the same command again to resume it")
         if state.state == "corrupt":
             raise StoreError(f"store {self.path}: group '{group}' is damaged: {state.problem}")
         _warn_if_newer(dataset.attrs.get("provenance"), f"group '{group}' of {self.path}")
@@ -540,6 +543,8 @@ class Store:
             return GroupStatus(group, "corrupt", problem=str(exc), file=str(directory / "zarr.json"))
         done, complete = int(attrs.get("units_done", 0)), bool(attrs.get("complete"))
         state = GroupStatus(group, "complete" if complete else "partial", done, attrs.get("units_expected"))
+        if not complete and done == 0:  # no unit committed: whatever arrays a cut first write left are not data,
+            return state                # and the next run removes them (`_repair`)
         rows = None if complete else done
         for child in sorted(p for p in directory.iterdir() if p.is_dir()):
             problem = self._array_problem(group, child, attrs.get("unit_dim"), rows,

@@ -470,8 +470,10 @@ def ray_writes(kit, diag, references, tmp_path_factory) -> int:
 
 RAY_WRITE_POINT = pytest.mark.skipif(
     not os.environ.get("SUBMERGE_FAULT_MATRIX"),
-    reason="timing-dependent on a loaded machine (set SUBMERGE_FAULT_MATRIX): on Ray the middle write's place in the "
-           "run varies, and in 2 of 10 runs under load a kill there left the group 'corrupt' (stop 31's note)")
+    reason="timing-dependent (set SUBMERGE_FAULT_MATRIX): on Ray the middle write's place in the run varies; in 2 of "
+           "10 runs under load a kill there landed inside the first unit's write and left the group 'corrupt' (stop "
+           "31). A group with no committed unit now reads as partial "
+           "(test_store.py::test_a_first_unit_cut_mid_write_is_partial_with_nothing_written_and_resumes)")
 
 
 @pytest.mark.parametrize("where", ["append", pytest.param("write", marks=RAY_WRITE_POINT)])

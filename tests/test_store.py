@@ -192,6 +192,27 @@ def test_nothing_complete_restarts_empty(tmp_path):
     assert store.dataset("g").score.values.tolist() == [[5.0] * 3]
 
 
+def test_a_first_unit_cut_mid_write_is_partial_with_nothing_written_and_resumes(tmp_path):
+    """A kill inside the first append can leave arrays whose chunk files are missing (a coordinate's, say) while
+    no unit is committed: that is a partial group with 0 units, not a damaged one; reading it says so, and the
+    next run starts it afresh."""
+    store = Store(tmp_path / "s.zarr")
+    store.begin("g", {"a": 1}, expected=2)
+    store.append("g", _unit(["layers.0.attn"], 1.0))
+    store._root("a")["g"].attrs["units_done"] = 0  # the commit never happened
+    for chunk in (p for p in (store.path / "g" / "sample").rglob("*") if p.is_file() and p.name != "zarr.json"):
+        chunk.unlink()  # the coordinate's chunk was not written yet
+    state = store.status()["g"]
+    assert (state.state, state.units_done, state.units_expected) == ("partial", 0, 2)
+    assert str(state) == "g: partial: 0 of 2 units written; run the same command again to finish it"
+    with pytest.raises(StoreError, match="group 'g' has no finished unit yet"):
+        store.dataset("g")
+    assert store.begin("g", {"a": 1}, expected=2) == set() and not store._arrays("g")
+    store.append("g", _unit(["layers.0.attn"], 5.0))
+    assert store.dataset("g").score.values.tolist() == [[5.0] * 3]
+    assert store.status()["g"].state == "partial" and store.status()["g"].units_done == 1
+
+
 def test_write_whole_group_and_settings_check(tmp_path):
     store = Store(tmp_path / "s.zarr")
     dataset = _unit(["a", "b"], 1.0)
