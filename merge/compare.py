@@ -731,6 +731,8 @@ def compare(
                 "subsets": subsets, "tune": tune or "none", "seeds": seeds, "objective": objective,
                 **({"grids": {m: {k: list(v) for k, v in g.items()} for m, g in grids.items()}} if grids else {}),
                 **({"method_options": method_options} if method_options else {}),
+                **({"tuning": {m: {"settings": settings_of(m, grids), "lambdas": list(lambdas_of(m, lambdas, grids))}
+                               for m in methods if m not in loaded_recipes}} if tune is not None else {}),
                 "plan": str(plan_file) if isinstance(plan_file, (str, Path)) else None,
                 **({"plan_sha256": hashlib.sha256(Path(plan_file).read_bytes()).hexdigest()}  # an edited plan
                    if isinstance(plan_file, (str, Path)) else {}),

@@ -15,7 +15,11 @@ The grids (`GRIDS`, method → {option: values}; λ for every method is `LAMBDAS
 - the trimming methods (TIES, PCB, SFTM, KnOTS): kept fraction top-k ∈ {0.1, 0.2, 0.3}; Breadcrumbs β ∈ {0.85, 0.9};
   DELLA drop rate ∈ {0.5, 0.7, 0.9}; CART rank ratio ∈ {0.04, 0.08, 0.16}: the seeds name these knobs (seed 003)
   but no grid; these values bracket each paper's default and are this project's choice. Their λ grid is
-  `LAMBDAS_WIDE` (a trimmed update is smaller than Σ τ, so the best λ may exceed 1).
+  `LAMBDAS_WIDE` (a trimmed update is smaller than Σ τ, so the best λ may exceed 1);
+- every merge whose update is already at its natural scale (`CALIBRATED`: averages, fitted or learned weights,
+  the subspace methods, the closed forms and the plan): λ ∈ `LAMBDAS_WIDE`, which brackets that scale (1) as it
+  does for the trimming methods. With the narrower grid of task arithmetic, the demo kit's plan chose λ = 1, the
+  grid's edge, with its fit loss still falling (stop 32).
 
 `search`: ``"grid"`` evaluates every λ of the grid; ``"line"`` (`line_search`) finds the minimum of the fit loss
 over the sorted λ grid by a discrete golden-section search, which assumes the loss is unimodal in λ (a quadratic
@@ -48,6 +52,10 @@ GRIDS: dict[str, dict[str, tuple]] = {
     "della": {"drop_rate": (0.5, 0.7, 0.9), "scaling": LAMBDAS_WIDE},
     "cart": {"rank_ratio": (0.04, 0.08, 0.16)},
 }
+#: Merges at their natural scale already (weights averaged, fitted or learned; subspace methods; closed forms; plan).
+CALIBRATED = ("weight-average", "nan", "fisher", "tsv-m", "iso-c", "iso-cts", "star", "regmean", "adamerging",
+              "lorahub", "closed-form-layer", "closed-form-attn-mlp", "plan")
+GRIDS.update({method: {"scaling": LAMBDAS_WIDE} for method in CALIBRATED})
 
 SEARCHES = ("line", "grid")
 SCALE = "scaling"
