@@ -17,8 +17,10 @@ import pytest
 
 from submerge.merge.compare import CompareError, resampled, subset_label, task_subsets, unit_label
 from submerge.merge.tuning import (
+    CALIBRATED,
     GRIDS,
     LAMBDAS,
+    LAMBDAS_WIDE,
     TuningError,
     check_search,
     grid_search,
@@ -64,12 +66,17 @@ def test_grid_table_and_its_settings():
     assert settings_of("dare") == [{"drop_rate": p} for p in (0.6, 0.7, 0.8, 0.9)]
     assert settings_of("consensus") == [{"mask_lambda": v} for v in (0.2, 0.3, 0.4, 0.5, 0.6)]
     assert settings_of("ties") == [{"top_k": 0.1}, {"top_k": 0.2}, {"top_k": 0.3}]
-    assert settings_of("iso-c") == [{}] and lambdas_of("iso-c", (0.5, 1.0)) == (0.5, 1.0)
+    # a merge at its natural scale brackets λ = 1 (0.2 … 2.0) whatever --lambdas says; CART has no λ grid of its own
+    assert settings_of("iso-c") == [{}] and lambdas_of("iso-c", (0.5, 1.0)) == LAMBDAS_WIDE
+    assert lambdas_of("plan") == lambdas_of("closed-form-attn-mlp") == lambdas_of("regmean") == LAMBDAS_WIDE
+    assert lambdas_of("cart", (0.5, 1.0)) == (0.5, 1.0) and lambdas_of("task-arithmetic-tuned") == LAMBDAS
     assert settings_of("x", {"x": {"a": (1, 2), "b": (3,)}}) == [{"a": 1, "b": 3}, {"a": 2, "b": 3}]
     from submerge.merge.strategies import STRATEGIES
 
     for method, grid in GRIDS.items():  # every knob of the table is an option of the registered strategy
-        assert set(grid) <= set(STRATEGIES[method].resolve_options({})), method
+        knobs = set(grid) - ({"scaling"} if method in CALIBRATED else set())  # there: λ, a global scale
+        assert method in STRATEGIES or (method in CALIBRATED and not knobs), method
+        assert knobs <= set(STRATEGIES[method].resolve_options({}) if knobs else ()), method
     assert check_search("none") is None and check_search(None) is None and check_search("grid") == "grid"
     with pytest.raises(TuningError, match="--tune must be one of none, line, grid"):
         check_search("random")
