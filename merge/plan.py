@@ -36,8 +36,8 @@ from submerge.diagnostics.linearity.evidence import (
     CHOOSABLE,
     DEFAULT_FOLDS,
     EVIDENCE_CANDIDATES,
-    candidate_units,
     part_of,
+    unit_names,
 )
 from submerge.diagnostics.linearity.evidence import block_objectives as measured_block_objectives
 from submerge.diagnostics.linearity.evidence import evidence as measure_evidence
@@ -553,20 +553,21 @@ class Evidence:
         """Each block at the granularity (of `among`, default all) with the lower cross-validated objective;
         marked matrices steered. `decision` records every block's scores and reason."""
         among = list(among or self.settings["candidates"])
-        plan = self._plan({e.layer: e.choice(among) for e in self.layers}, steered=True)
+        choice = {e.layer: e.choice(among) for e in self.layers}
+        plan = self._plan(choice, steered=True)
+        ruled = {info.name for info in self.infos if info.layer in choice and choice[info.layer] not in CHOOSABLE}
         folds = self.settings["folds"]
         totals = {c: float(sum(e.cv_objective[c] for e in self.layers)) for c in among}
-        totals[PER_LAYER] = float(sum(e.cv_objective[e.choice(among)] for e in self.layers))
+        totals[PER_LAYER] = float(sum(e.cv_objective[choice[e.layer]] for e in self.layers))
         plan.decision = {
             "choose": "evidence",
             **self.settings,
             "candidates": among,
             "cv_objective_total": totals,
-            "layers": {e.layer: {"granularity": e.choice(among), "cv_objective": e.cv_objective,
+            "layers": {e.layer: {"granularity": choice[e.layer], "cv_objective": e.cv_objective,
                                  "fold_objective": e.fold_objective,
                                  "reason": e.reason(folds, among)} for e in self.layers},
-            "steered": {name: rule["reason"] for name, rule in plan.matrix_rules.items()
-                        if not rule["reason"].startswith("evidence")},
+            "steered": {name: rule["reason"] for name, rule in plan.matrix_rules.items() if name not in ruled},
         }
         plan.provenance = provenance(command, base_model=self.base_model, finetuned=self.finetuned)
         return plan
@@ -653,7 +654,7 @@ def choose_by_evidence(dataset, merge: CandidateMerge, *, base_model: str, infos
     for i, layer in enumerate(int(j) for j in dataset.layer.values):
         scores = {c: [float(v) for v in fold_objective[i, n]] for n, c in enumerate(candidates)}
         solved = {c: {u: dict(zip(tasks, map(float, alpha[i, parts.index(part_of(u))])))
-                      for u in candidate_units(c if c in CHOOSABLE else "layer", layer, heads)}
+                      for u in unit_names(c if c in CHOOSABLE else "layer", layer, heads)}
                   for c in candidates}  # a block rule keeps the block's α underneath its rules
         layers.append(LayerEvidence(layer, scores, solved, tolerance))
     settings = {"candidates": candidates, "folds": int(dataset.sizes["fold"]),

@@ -264,13 +264,10 @@ def _checked_candidates(experiment, candidates: Sequence[str], folds: int,
     if not candidates:
         raise EvidenceError("the evidence step needs at least one candidate granularity (layer, attn-mlp, head-mlp)")
     for candidate in candidates:
-        if candidate not in block_rules:
-            try:
-                unit_names(candidate, 0, 1)
-            except EvidenceError:
-                rules = f", or a block rule ({', '.join(block_rules)})" if block_rules else ""
-                raise EvidenceError(f"candidate '{candidate}' is neither a granularity choosable per layer "
-                                    f"({', '.join(CHOOSABLE)}){rules}") from None
+        if candidate not in CHOOSABLE and candidate not in block_rules:
+            rules = f", or a block rule ({', '.join(block_rules)})" if block_rules else ""
+            raise EvidenceError(f"candidate '{candidate}' is neither a granularity choosable per layer "
+                                f"({', '.join(CHOOSABLE)}){rules}")
     if folds < 2:
         raise EvidenceError(f"--folds must be at least 2 (got {folds})")
     fewest = min(len(data.texts) for data in experiment.data.values())
