@@ -50,6 +50,7 @@ figure.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import itertools
@@ -242,6 +243,16 @@ def parse_method_options(values: list[str] | None) -> dict[str, dict[str, str]]:
     return parsed
 
 
+@contextlib.contextmanager
+def _timed(seconds: dict, key: str):
+    """Adds the wall time of the block to ``seconds[key]``."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        seconds[key] = time.perf_counter() - start
+
+
 def _strategy(name: str, given: dict | None = None) -> Merge:
     rule = ParameterRule(method=name, options=dict(given or {}))
     options = STRATEGIES[name].resolve_options(given or {})
@@ -298,14 +309,12 @@ def prepare(experiment, finetuned: dict[str, str], methods: list[str], *, plan=N
     merges = {name: _strategy(name, given.get(name)) for name in methods if name in STRATEGIES
               and name not in DATA_STEPS}
     if "regmean" in methods:
-        start = time.perf_counter()
-        merges["regmean"] = _regmean(experiment, given.get("regmean"))
-        seconds["regmean"] = time.perf_counter() - start
+        with _timed(seconds, "regmean"):
+            merges["regmean"] = _regmean(experiment, given.get("regmean"))
     for name in LEARNED_METHODS:
         if name in methods:
-            start = time.perf_counter()
-            merges[name] = _learned(name, experiment, progress, given.get(name))
-            seconds[name] = time.perf_counter() - start
+            with _timed(seconds, name):
+                merges[name] = _learned(name, experiment, progress, given.get(name))
     if isinstance(plan, (str, Path)):
         plan = Plan.load(plan)
     if plan is not None and sorted(plan.finetuned) != sorted(finetuned):
@@ -328,10 +337,9 @@ def prepare(experiment, finetuned: dict[str, str], methods: list[str], *, plan=N
         interference = store.dataset("interference") if store is not None and store.is_complete("interference") else None
         run = RunSettings(store=store if record_evidence else None, force=force, progress=progress, command=command,
                           **{key: options.pop(key) for key in ("capture_budget",) if key in options})
-        start = time.perf_counter()
-        evidence = evidence_plan(experiment, finetuned, candidates=tuple(candidates), interference=interference,
-                                 run=run, **options)
-        seconds["evidence"] = time.perf_counter() - start
+        with _timed(seconds, "evidence"):
+            evidence = evidence_plan(experiment, finetuned, candidates=tuple(candidates), interference=interference,
+                                     run=run, **options)
         for name in wanted_closed:
             merges[name] = _plan_merge(evidence.single(name.removeprefix("closed-form-")), name)
         if PLAN in methods and plan is None:
@@ -626,10 +634,9 @@ def _references(evaluator: _Evaluator, writer: UnitWriter, finetuned: dict[str, 
     if references is None:
         references = {}
         for label, spec in labels.items():
-            start = time.perf_counter()
-            evaluator.load(spec)
-            references[label] = evaluator.losses()
-            seconds[label] = time.perf_counter() - start
+            with _timed(seconds, label):
+                evaluator.load(spec)
+                references[label] = evaluator.losses()
     for subset in subsets:
         name = subset_label(subset)
         for label in ["base", *(f"finetuned:{t}" for t in subset)]:
@@ -701,17 +708,8 @@ def compare(
     methods += list(loaded_recipes)
     method_options = check_method_options(method_options, methods, tuned=tune is not None)
     skip = fit if skip is None else skip
-    if skip < fit:
-        raise CompareError(f"--skip {skip} < --fit {fit}: held-out records would include fit records")
-    if seeds < 1:
-        raise CompareError(f"--seeds must be at least 1, got {seeds}")
-    protocol = subsets != "full" or seeds > 1
-    if (keep is not None or lm_eval is not None) and (protocol or tune is not None):
-        raise CompareError("--keep and --lm-eval score the merges at their paper defaults on the full set: give "
-                           "them with --tune none, --subsets full and one seed")
-    if protocol and (plan is not None or choose == "thresholds"):
-        raise CompareError("a given plan (--plan, --choose thresholds) merges the full set once: use --subsets full "
-                           "and one seed")
+    _check_protocol(fit=fit, skip=skip, seeds=seeds, subsets=subsets, tune=tune, keep=keep, lm_eval=lm_eval,
+                    plan=plan, choose=choose)
     if lm_eval is not None and lm_eval.samples is None:  # the local tasks score compare's held-out records
         lm_eval = dataclasses.replace(lm_eval, samples=samples)
     experiment = Experiment.load(base_spec, finetuned, data, samples=fit, max_tokens=max_tokens,
@@ -727,18 +725,10 @@ def compare(
     records = {seed: {t: resampled(t, data[t], fit=fit, skip=skip, samples=samples, seed=seed) for t in tasks}
                for seed in range(seeds)}
     settings = {**experiment.settings, "fit": fit, "held_out_skip": skip, "held_out_samples": samples,
-                "methods": methods, "lambdas": [float(v) for v in lambdas], "choose": choose,
-                "subsets": subsets, "tune": tune or "none", "seeds": seeds, "objective": objective,
-                **({"grids": {m: {k: list(v) for k, v in g.items()} for m, g in grids.items()}} if grids else {}),
-                **({"method_options": method_options} if method_options else {}),
-                **({"tuning": {m: {"settings": settings_of(m, grids), "lambdas": list(lambdas_of(m, lambdas, grids))}
-                               for m in methods if m not in loaded_recipes}} if tune is not None else {}),
-                "plan": str(plan_file) if isinstance(plan_file, (str, Path)) else None,
-                **({"plan_sha256": hashlib.sha256(Path(plan_file).read_bytes()).hexdigest()}  # an edited plan
-                   if isinstance(plan_file, (str, Path)) else {}),
-                "evidence": {k: (list(v) if isinstance(v, tuple) else v) for k, v in (evidence_options or {}).items()},
-                **({"recipes": {label: r.to_mergekit() for label, r in loaded_recipes.items()}} if recipes else {}),
-                **({"lm_eval": lm_eval.record()} if lm_eval is not None else {})}
+                **_request_settings(methods, lambdas=lambdas, choose=choose, subsets=subsets, tune=tune, seeds=seeds,
+                                    objective=objective, grids=grids, method_options=method_options,
+                                    recipes=loaded_recipes, plan_file=plan_file, evidence_options=evidence_options,
+                                    lm_eval=lm_eval)}
     _refuse_other_models(store, experiment.inputs, methods, plan=plan, choose=choose)
     if _needs_evidence(methods, plan, choose):  # checked before the group exists: a refused run leaves none
         check_evidence_options(experiment, evidence_options)
@@ -762,6 +752,45 @@ def compare(
                method_options=method_options)
     scorer = None if lm_eval is None else _accuracy_scorer(experiment, lm_eval, data, skip, store=store, force=force,
                                                            command=command, progress=progress, allow_pickle=allow_pickle)
+    scores = _run_all(run, scorer, finetuned, records, chosen_subsets, progress)
+    return _finish(writer, run, tasks, fit, skip, samples, store, scores)
+
+
+def _check_protocol(*, fit: int, skip: int, seeds: int, subsets: str, tune, keep, lm_eval, plan, choose: str) -> None:
+    """The combinations of compare's options it refuses, before any work."""
+    if skip < fit:
+        raise CompareError(f"--skip {skip} < --fit {fit}: held-out records would include fit records")
+    if seeds < 1:
+        raise CompareError(f"--seeds must be at least 1, got {seeds}")
+    protocol = subsets != "full" or seeds > 1
+    if (keep is not None or lm_eval is not None) and (protocol or tune is not None):
+        raise CompareError("--keep and --lm-eval score the merges at their paper defaults on the full set: give "
+                           "them with --tune none, --subsets full and one seed")
+    if protocol and (plan is not None or choose == "thresholds"):
+        raise CompareError("a given plan (--plan, --choose thresholds) merges the full set once: use --subsets full "
+                           "and one seed")
+
+
+def _request_settings(methods: list[str], *, lambdas, choose, subsets, tune, seeds, objective, grids, method_options,
+                      recipes: dict, plan_file, evidence_options, lm_eval) -> dict:
+    """What the group's numbers depend on beyond the experiment and the records (a resumed run must match)."""
+    return {"methods": methods, "lambdas": [float(v) for v in lambdas], "choose": choose,
+            "subsets": subsets, "tune": tune or "none", "seeds": seeds, "objective": objective,
+            **({"grids": {m: {k: list(v) for k, v in g.items()} for m, g in grids.items()}} if grids else {}),
+            **({"method_options": method_options} if method_options else {}),
+            **({"tuning": {m: {"settings": settings_of(m, grids), "lambdas": list(lambdas_of(m, lambdas, grids))}
+                           for m in methods if m not in recipes}} if tune is not None else {}),
+            "plan": str(plan_file) if isinstance(plan_file, (str, Path)) else None,
+            **({"plan_sha256": hashlib.sha256(Path(plan_file).read_bytes()).hexdigest()}  # an edited plan
+               if isinstance(plan_file, (str, Path)) else {}),
+            "evidence": {k: (list(v) if isinstance(v, tuple) else v) for k, v in (evidence_options or {}).items()},
+            **({"recipes": {label: r.to_mergekit() for label, r in recipes.items()}} if recipes else {}),
+            **({"lm_eval": lm_eval.record()} if lm_eval is not None else {})}
+
+
+def _run_all(run: _Run, scorer, finetuned: dict[str, str], records: dict, subsets, progress: bool):
+    """Every seed's units under one progress bar (the harness scores of the references first, with --lm-eval);
+    returns the harness scores or None."""
     try:
         if scorer is not None:
             for label, spec in {"base": None, **{f"finetuned:{t}": s for t, s in finetuned.items()}}.items():
@@ -769,14 +798,13 @@ def compare(
         run.accuracy = scorer.run if scorer is not None else None
         with progress_bar(progress) as bar:
             run.bar, run.job = bar, bar.add_task("Comparing merges",
-                                                total=seeds * sum(len(run.methods_of(s)) for s in chosen_subsets))
-            for seed in range(seeds):
-                run.seed_run(seed, records[seed], chosen_subsets)
-        scores = scorer.finish() if scorer is not None else None
+                                                total=len(records) * sum(len(run.methods_of(s)) for s in subsets))
+            for seed in range(len(records)):
+                run.seed_run(seed, records[seed], subsets)
+        return scorer.finish() if scorer is not None else None
     finally:
         if scorer is not None:
             scorer.close()
-    return _finish(writer, run, tasks, fit, skip, samples, store, scores)
 
 
 def _finish(writer: UnitWriter, run, tasks, fit, skip, samples, store, scores) -> xr.Dataset:
