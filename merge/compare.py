@@ -716,11 +716,7 @@ def compare(
                                  batch_size=batch_size, dtype=dtype, device=device, offload=offload,
                                  allow_pickle=allow_pickle, vocab=vocab)
     tasks = experiment.tasks
-    if plan is not None and sorted(plan.finetuned) != sorted(finetuned):
-        raise CompareError(f"the plan merges {sorted(plan.finetuned)}, compare was given {sorted(finetuned)}")
-    if plan is not None:  # a given plan's units must be the model's, before any work
-        plan.check_units(TensorTable.from_model(experiment.base.model, experiment.base.checkpoint_names,
-                                                experiment.arch))
+    _check_given_plan(plan, finetuned, experiment)
     chosen_subsets = task_subsets(tasks, subsets)
     records = {seed: {t: resampled(t, data[t], fit=fit, skip=skip, samples=samples, seed=seed) for t in tasks}
                for seed in range(seeds)}
@@ -734,12 +730,7 @@ def compare(
         check_evidence_options(experiment, evidence_options)
     if not all(math.isfinite(float(value)) for value in lambdas):
         raise CompareError(f"--lambdas must be finite numbers, got {list(lambdas)}")
-    held_provenance = {t: d.provenance() for t, (_, d) in records[0].items()}
-    drawn = {str(seed): {t: {"fit": fit_data.indices, "held_out": held.indices}
-                         for t, (fit_data, held) in by_task.items()} for seed, by_task in records.items()}
-    writer = UnitWriter(store, COMPARE.name, settings, dim=UNIT, force=force, on_unit=on_unit,
-                        root=experiment.root_attrs(command),
-                        attrs=experiment.group_attrs(command, held_out=held_provenance, drawn_records=drawn))
+    writer = _compare_writer(store, settings, experiment, records, force=force, on_unit=on_unit, command=command)
     full_pending = [m for m in methods if unit_label(subset_label(tasks), 0, m) not in writer.done]
     _check_outputs(full_pending, keep, plan_out, store, force)
     if plan_out is not None and PLAN in methods and PLAN not in full_pending:
@@ -754,6 +745,25 @@ def compare(
                                                            command=command, progress=progress, allow_pickle=allow_pickle)
     scores = _run_all(run, scorer, finetuned, records, chosen_subsets, progress)
     return _finish(writer, run, tasks, fit, skip, samples, store, scores)
+
+
+def _check_given_plan(plan, finetuned: dict[str, str], experiment) -> None:
+    """A given plan merges compare's fine-tunes, and its units are the model's (before any work)."""
+    if plan is None:
+        return
+    if sorted(plan.finetuned) != sorted(finetuned):
+        raise CompareError(f"the plan merges {sorted(plan.finetuned)}, compare was given {sorted(finetuned)}")
+    plan.check_units(TensorTable.from_model(experiment.base.model, experiment.base.checkpoint_names, experiment.arch))
+
+
+def _compare_writer(store, settings: dict, experiment, records: dict, *, force: bool, on_unit, command) -> UnitWriter:
+    """The writer of group ``compare``, its attrs naming the held-out files and the records each seed drew."""
+    held_provenance = {t: d.provenance() for t, (_, d) in records[0].items()}
+    drawn = {str(seed): {t: {"fit": fit_data.indices, "held_out": held.indices}
+                         for t, (fit_data, held) in by_task.items()} for seed, by_task in records.items()}
+    return UnitWriter(store, COMPARE.name, settings, dim=UNIT, force=force, on_unit=on_unit,
+                      root=experiment.root_attrs(command),
+                      attrs=experiment.group_attrs(command, held_out=held_provenance, drawn_records=drawn))
 
 
 def _check_protocol(*, fit: int, skip: int, seeds: int, subsets: str, tune, keep, lm_eval, plan, choose: str) -> None:
