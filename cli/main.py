@@ -461,7 +461,10 @@ def compare(
     tune: Annotated[str, typer.Option("--tune", help="Tune every method on the fit records over its paper's grid "
                                                      "(merge/tuning.py): line (golden-section search over λ per "
                                                      "setting of the other knobs), grid (every λ), or none (paper "
-                                                     "defaults, λ = 1).")] = "line",
+                                                     "defaults, λ = 1). The evidence plan also tries steering half "
+                                                     "or all of its matrices (most colliding first, by the store's "
+                                                     "interference group) to --steer at that method's own "
+                                                     "scale.")] = "line",
     seeds: Annotated[int, typer.Option("--seeds", min=1, help="Data-sample seeds: seed 0 takes the first records, "
                                                               "seed s > 0 permutes them; the leaderboard gives "
                                                               "mean ± std over seeds.")] = 1,

@@ -68,8 +68,16 @@ def scaled_source(base: BaseModel, checkpoint, scale: float, compute: torch.dtyp
     reader) None: the base itself."""
     if checkpoint is None:
         return ParameterSource(base, {}, compute_dtype=compute), {}
-    vectors = {name: TaskVectorReader(name, base.reader, checkpoint)}
-    return ParameterSource(base, vectors, compute_dtype=compute), {name: scale}
+    return summed_source(base, {name: (checkpoint, scale)}, compute)
+
+
+def summed_source(base: BaseModel, terms: dict, compute: torch.dtype):
+    """(ParameterSource, variant) of θ0 + Σ_k scale_k · (θ_k − θ0) in `compute`; `terms`: name → (opened reader of
+    θ_k, scale_k). Each update is read from its checkpoint and scaled where the parameter is built, so a sum of
+    merges at several scales is evaluated without writing it."""
+    vectors = {name: TaskVectorReader(name, base.reader, reader) for name, (reader, _) in terms.items()}
+    return (ParameterSource(base, vectors, compute_dtype=compute),
+            {name: float(scale) for name, (_, scale) in terms.items()})
 
 
 def checkpoint_source(base: BaseModel, spec: str | None, compute: torch.dtype, *, allow_pickle: bool = False):

@@ -76,7 +76,7 @@ from submerge.diagnostics.capture import GramsByLayer
 from submerge.diagnostics.checkpoints import open_checkpoint
 from submerge.diagnostics.data import TaskData, read_task_file, tokenize
 from submerge.diagnostics.errors import SubmergeError
-from submerge.diagnostics.evaluate import checkpoint_source, scaled_source, streamed_losses
+from submerge.diagnostics.evaluate import checkpoint_source, scaled_source, streamed_losses, summed_source
 from submerge.diagnostics.execution import RunSettings
 from submerge.diagnostics.experiment import Experiment
 from submerge.diagnostics.groups import StoreGroup
@@ -100,15 +100,19 @@ from submerge.merge.plan import (
     LEVELS_OF,
     Plan,
     PlanError,
+    SteeredPart,
     check_evidence_options,
     evidence_plan,
+    interference_ranking,
     is_plan_file,
     make_plan,
+    steered_matrices,
 )
 from submerge.merge.recipe import Recipe, same_model
 from submerge.merge.rules import regmean_rule
 from submerge.merge.strategies import STRATEGIES
 from submerge.merge.tuning import (
+    GRIDS,
     SCALE,
     check_search,
     grid_search,
@@ -182,6 +186,30 @@ class Merge:
     record: dict
     gram_matrices: Callable | None = None
     kind: str | None = None  # the store's `kind` (default: strategy, closed-form or plan by label)
+    steering: PlanSteering | None = None  # the evidence plan: its matrices may be steered when tuned
+
+
+@dataclass
+class PlanSteering:
+    """How compare's tuning steers the evidence plan: a share of its block matrices (most colliding first by the
+    store's interference group, `ranking`; without one, none or all) merged by `method` at their own scale μ,
+    the rest by the plan at λ (`SteeredPart`)."""
+
+    plan: Plan
+    infos: list
+    ranking: list[str] | None
+    method: str
+
+    def shares(self, grid) -> list[float]:
+        """The shares of `grid` this plan can steer (all of them with a ranking; else 0 and 1)."""
+        return [float(q) for q in grid if self.ranking is not None or float(q) in (0.0, 1.0)]
+
+    def parts(self, share: float) -> tuple[Merge, Merge]:
+        """(the plan without the steered matrices, the steered matrices by `method` at scaling 1)."""
+        steered = steered_matrices(self.infos, share, self.ranking)
+        record = {"method": PLAN, "steer_share": share, "steer_method": self.method, "steered": sorted(steered)}
+        return tuple(Merge(SteeredPart(self.plan, steered, self.method, part), f"{part} of the steered plan",
+                           {**record, "part": part}) for part in ("rest", "steered"))
 
 
 def load_recipes(recipes, base_spec: str, methods: list[str]) -> dict:
@@ -344,7 +372,10 @@ def prepare(experiment, finetuned: dict[str, str], methods: list[str], *, plan=N
             merges[name] = _plan_merge(evidence.single(name.removeprefix("closed-form-")), name)
         if PLAN in methods and plan is None:
             plan = evidence.plan(among=among, command=command)
-    if PLAN in methods:
+            merges[PLAN] = dataclasses.replace(_plan_merge(plan, PLAN), steering=PlanSteering(
+                plan, evidence.infos, interference_ranking(interference) if interference is not None else None,
+                evidence.settings["steer_method"]))
+    if PLAN in methods and PLAN not in merges:
         merges[PLAN] = _plan_merge(plan, PLAN)
     return merges, plan
 
@@ -401,15 +432,25 @@ class _Evaluator:
     def objective(self, reader, scale: float = 1.0) -> float:
         """Σ over blocks of the Eq. 10 objective (Eq. 33 balanced) of θ0 + scale·(θ_reader − θ0) on the held-out
         records (`submerge.diagnostics.linearity.evidence.block_objectives`); NaN without `held_experiment`."""
+        return self.objective_of(((reader, scale),))
+
+    def objective_of(self, terms) -> float:
+        """`objective` of θ0 + Σ scale·(θ_reader − θ0) over `terms` ((reader, scale) pairs)."""
         if self.held_experiment is None:
             return math.nan
-        delta = CheckpointDelta(TaskVectorReader("merged", self.base.reader, reader), float(scale))
+        delta = CheckpointDelta(tuple((TaskVectorReader(f"merged-{k}", self.base.reader, reader), float(scale))
+                                      for k, (reader, scale) in enumerate(terms)))
         return float(sum(block_objectives(self.held_experiment, delta, shared=self.shared).values()))
 
     def load_scaled(self, reader, scale: float, *, name: str = "scaled") -> None:
         """θ0 + scale · (θ_reader − θ0) is the model the next `losses` measure."""
 
         self.source, self.variant = scaled_source(self.base, reader, scale, self.compute, name=name)
+
+    def load_terms(self, terms) -> None:
+        """θ0 + Σ scale·(θ_reader − θ0) over `terms` ((reader, scale) pairs) is the model the next `losses` measure."""
+        self.source, self.variant = summed_source(self.base, {f"term-{k}": term for k, term in enumerate(terms)},
+                                                  self.compute)
 
 
 def _tune_lambda(evaluator: _Evaluator, write: Callable, lambdas) -> tuple[float, dict[float, float]]:
@@ -427,20 +468,29 @@ def _tune_lambda(evaluator: _Evaluator, write: Callable, lambdas) -> tuple[float
 
 def _fit_loss(evaluator: _Evaluator, reader, scale: float) -> float:
     """Mean loss over the evaluator's tasks of θ0 + scale·(θ_reader − θ0) on the fit records."""
-    evaluator.load_scaled(reader, float(scale))
+    return _fit_loss_of(evaluator, ((reader, scale),))
+
+
+def _fit_loss_of(evaluator: _Evaluator, terms) -> float:
+    """Mean loss over the evaluator's tasks of θ0 + Σ scale·(θ_reader − θ0) over `terms` on the fit records."""
+    evaluator.load_terms(terms)
     return float(np.mean(evaluator.losses(evaluator.fit)))
 
 
 @dataclass(frozen=True)
 class CheckpointDelta:
-    """A written merge's update, scaled, as a `TensorDelta` of the evidence driver: scale · (θ_merge − θ0) of each
-    tensor in float32 (the block objective of any method, not only of α-weighted plans)."""
+    """Written merges' updates, scaled and summed, as a `TensorDelta` of the evidence driver: Σ scale · (θ_merge −
+    θ0) of each tensor in float32 (the block objective of any method, not only of α-weighted plans); `terms`:
+    (update reader, scale) pairs."""
 
-    vectors: TaskVectorReader
-    scale: float
+    terms: tuple
 
     def __call__(self, info, vectors: list) -> torch.Tensor:
-        return self.scale * self.vectors.get(info.name, device=vectors[0].device)
+        total = None
+        for reader, scale in self.terms:
+            value = scale * reader.get(info.name, device=vectors[0].device)
+            total = value if total is None else total + value
+        return total
 
 
 # ------------------------------------------------------------------ tuning every method on the fit records
@@ -480,13 +530,17 @@ def _tune(method: str, merge: Merge, evaluator: _Evaluator, write: Callable, *, 
           on_candidate: Callable[[str], None], grids: dict | None = None, fixed: dict | None = None
           ) -> tuple[np.ndarray, Tuned]:
     """Held-out losses of `method` at the candidate (setting × λ) with the lowest mean fit loss (`merge.tuning`:
-    each setting's δ written once, each λ evaluated as θ0 + λ·δ)."""
+    each setting's δ written once, each λ evaluated as θ0 + λ·δ). The evidence plan (`merge.steering`) also tries
+    each steer share of its grid (`_tune_steering`)."""
     candidates, scale_name = _candidates(method, merge, grids, fixed)
     values = lambdas_of(method, lambdas, grids)
-    best: tuple | None = None
+    best: tuple | None = None  # (fit loss, setting, λ, directories, terms)
     searched: dict[str, float] = {}
+    steering = merge.steering if method == PLAN else None
     try:
         for index, (setting, candidate) in enumerate(candidates):
+            if steering is not None:
+                setting = {**setting, "steer_share": 0.0}
             on_candidate(tuning_label(setting, math.nan, scale_name).replace(f"{scale_name}=nan", "") or "δ")
             directory = write(f"{method}-candidate-{index}", candidate, False)
             reader = open_checkpoint(str(directory), base=evaluator.base.reader)
@@ -499,18 +553,61 @@ def _tune(method: str, merge: Merge, evaluator: _Evaluator, write: Callable, *, 
             searched.update({tuning_label(setting, v, scale_name): value for v, value in losses.items()})
             if best is None or losses[chosen] < best[0]:  # ties keep the earlier (the grid's first) setting
                 if best is not None:
-                    shutil.rmtree(best[3], ignore_errors=True)
-                best = (losses[chosen], setting, chosen, directory, reader)
+                    _remove(best[3])
+                best = (losses[chosen], setting, chosen, [directory], ((reader, chosen),))
             else:
                 shutil.rmtree(directory, ignore_errors=True)
-        fit_loss, setting, scale, directory, reader = best
-        evaluator.load_scaled(reader, scale)
+        if steering is not None:
+            best = _tune_steering(steering, evaluator, write, best, searched, search=search, lambdas=values,
+                                  shares=(GRIDS | (grids or {})).get(PLAN, {}).get("steer_share", ()),
+                                  on_candidate=on_candidate)
+        fit_loss, setting, scale, _, terms = best
+        evaluator.load_terms(terms)
         held = evaluator.losses()
-        objective = evaluator.objective(reader, scale)
+        objective = evaluator.objective_of(terms)
     finally:
         if best is not None:
-            shutil.rmtree(best[3], ignore_errors=True)
+            _remove(best[3])
     return held, Tuned(setting, scale, scale_name, fit_loss, searched, objective)
+
+
+def _remove(directories) -> None:
+    for directory in directories:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _tune_steering(steering: PlanSteering, evaluator: _Evaluator, write: Callable, best: tuple, searched: dict, *,
+                   search: str, lambdas, shares, on_candidate: Callable[[str], None]) -> tuple:
+    """The evidence plan with each share q > 0 of `shares` of its block matrices steered (`PlanSteering.parts`):
+    θ0 + λ·rest + μ·steered, μ searched over the steering method's λ grid at the plan's best λ, then λ at that μ
+    (one pass of coordinate descent, each a `search_function(search)` over its grid). Returns the best of
+    `best` (the unsteered plan's) and these, as `_tune` keeps it; every fit loss goes into `searched`."""
+    scales = lambdas_of(steering.method)
+    for share in steering.shares(shares):
+        if share == 0.0:
+            continue
+        rest, steered = steering.parts(share)
+        directories = [write(f"{PLAN}-steer-{share:g}-{part}", merge, False)
+                       for part, merge in (("rest", rest), ("steered", steered))]
+        readers = [open_checkpoint(str(d), base=evaluator.base.reader) for d in directories]
+        plan_scale = best[2]
+
+        def loss(plan_scale: float, steer_scale: float, share=share, readers=readers) -> float:
+            key = tuning_label({"steer_scale": steer_scale, "steer_share": share}, plan_scale, "λ")  # JSON's order
+            if key not in searched:  # the point both searches share is evaluated once
+                on_candidate(key)
+                searched[key] = _fit_loss_of(evaluator, ((readers[0], plan_scale), (readers[1], steer_scale)))
+            return searched[key]
+
+        steer_scale, _ = search_function(search)(scales, lambda mu, at=plan_scale: loss(at, mu))
+        scale, losses = search_function(search)(lambdas, lambda value, mu=steer_scale: loss(value, mu))
+        if losses[scale] < best[0]:
+            _remove(best[3])
+            best = (losses[scale], {"steer_scale": steer_scale, "steer_share": share}, scale, directories,
+                    ((readers[0], scale), (readers[1], steer_scale)))
+        else:
+            _remove(directories)
+    return best
 
 
 # ------------------------------------------------------------------ subsets, seeds and the store's units

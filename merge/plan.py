@@ -473,6 +473,49 @@ def steer(plan: Plan, infos: list[TensorInfo], marks: dict[str, str], method: st
     return plan
 
 
+def interference_ranking(interference) -> list[str]:
+    """The matrices of an `interference` dataset, those whose task subspaces collide most first (STI/Σσ descending;
+    NaN last, in the dataset's order)."""
+    scores = [(str(name), float(sti)) for name, sti in zip(interference.matrix.values,
+                                                             interference.sti_normalized.values)]
+    return [name for name, _ in sorted(scores, key=lambda item: -item[1] if math.isfinite(item[1]) else math.inf)]
+
+
+def steered_matrices(infos: list[TensorInfo], share: float, ranking: list[str] | None = None) -> frozenset[str]:
+    """The block weight matrices a plan steers at `share` (0 … 1): the first ⌈share · n⌉ of the n block matrices in
+    `ranking` order (`interference_ranking`), or all of them at share 1 without a ranking."""
+    matrices = [info.name for info in infos if info.kind == "matrix" and info.layer >= 0]
+    if not 0.0 <= share <= 1.0:
+        raise PlanError(f"steer share must be within 0 … 1, got {share}")
+    if ranking is None:
+        if share not in (0.0, 1.0):
+            raise PlanError("steering a share of the matrices ranks them by interference: the store has no "
+                            "complete `interference` group (run diag interference first)")
+        return frozenset(matrices if share == 1.0 else ())
+    position = {name: i for i, name in enumerate(ranking)}
+    ordered = sorted(matrices, key=lambda name: position.get(name, len(position)))
+    return frozenset(ordered[:math.ceil(share * len(ordered) - 1e-9)])
+
+
+@dataclass(frozen=True)
+class SteeredPart:
+    """One of the two parts of a plan whose `steered` matrices are merged by `method` (`part` "rest": the plan's own
+    rule on every other tensor and zero on the steered ones; "steered": `method` at scaling 1 on the steered
+    matrices and zero elsewhere). θ0 + λ·rest + μ·steered is the plan steered at scale μ: `diag compare` tunes λ and
+    μ apart, because a strategy's natural scale is not the closed form's α."""
+
+    plan: Plan
+    steered: frozenset[str]
+    method: str
+    part: str
+
+    def __call__(self, info: TensorInfo) -> ParameterRule:
+        if (info.name in self.steered) == (self.part == "steered"):
+            return (ParameterRule(method=self.method, options={"scaling": 1.0}) if self.part == "steered"
+                    else self.plan.rule_for(info))
+        return ParameterRule(weights=dict.fromkeys(self.plan.finetuned, 0.0))
+
+
 def one_se_choice(fold_scores: dict[str, list[float]], order=("layer", "attn-mlp", "head-mlp"),
                   tolerance: float = 1.0) -> str:
     """The coarsest candidate whose cross-validated objective is within `tolerance` standard errors of the best.

@@ -12,10 +12,15 @@ The grids (`GRIDS`, method → {option: values}; λ for every method is `LAMBDAS
 - task arithmetic: λ ∈ {0.1, …, 1.0} (seed 002, App. A.3.4 / Table 12);
 - DARE: drop rate ∈ {0.6, 0.7, 0.8, 0.9} × λ ∈ {0.6, 0.8, 1.0} (seed 002, App. A.3.4 / Table 12);
 - Consensus TA / TALL masks: mask λ ∈ {0.2, …, 0.6} (seed 003, §TALL-masks);
-- the trimming methods (TIES, PCB, SFTM, KnOTS): kept fraction top-k ∈ {0.1, 0.2, 0.3}; Breadcrumbs β ∈ {0.85, 0.9};
-  DELLA drop rate ∈ {0.5, 0.7, 0.9}; CART rank ratio ∈ {0.04, 0.08, 0.16}: the seeds name these knobs (seed 003)
-  but no grid; these values bracket each paper's default and are this project's choice. Their λ grid is
+- the trimming methods (TIES, PCB, SFTM, KnOTS): kept fraction top-k ∈ {0.1, 0.2, 0.3, 0.5}; Breadcrumbs β ∈
+  {0.85, 0.9}; DELLA drop rate ∈ {0.5, 0.7, 0.9}; CART rank ratio ∈ {0.04, 0.08, 0.16}: the seeds name these knobs
+  (seed 003) but no grid; these values bracket each paper's default and are this project's choice (top-k 0.5 since
+  stop 33: with {0.1, 0.2, 0.3} all four chose 0.3, the grid's edge, on the demo kit). Their λ grid is
   `LAMBDAS_WIDE` (a trimmed update is smaller than Σ τ, so the best λ may exceed 1);
+- the evidence plan: besides its λ, the share of its block matrices steered to its steering method (`--steer`:
+  TSV-M or Iso-C), 0, ½ or all of them, the most colliding first by the store's ``interference`` group (without one:
+  none or all), at that method's own scale μ; λ and μ are searched apart, because a strategy's natural scale is not
+  the closed form's α (on the demo kit Iso-C's tuned λ is 2.0, the plan's 1.2);
 - every merge whose update is already at its natural scale (`CALIBRATED`: averages, fitted or learned weights,
   the subspace methods, the closed forms and the plan): λ ∈ `LAMBDAS_WIDE`, which brackets that scale (1) as it
   does for the trimming methods. With the narrower grid of task arithmetic, the demo kit's plan chose λ = 1, the
@@ -37,7 +42,7 @@ from submerge.diagnostics.errors import SubmergeError
 
 LAMBDAS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 LAMBDAS_WIDE = (0.2, 0.4, 0.6, 0.8, 1.0, 1.2, 1.4, 1.6, 1.8, 2.0)
-TOP_K = (0.1, 0.2, 0.3)
+TOP_K = (0.1, 0.2, 0.3, 0.5)
 
 #: method → {option: values}. ``scaling`` here replaces the λ grid; every other option is written as its own δ.
 GRIDS: dict[str, dict[str, tuple]] = {
@@ -56,6 +61,10 @@ GRIDS: dict[str, dict[str, tuple]] = {
 CALIBRATED = ("weight-average", "nan", "fisher", "tsv-m", "iso-c", "iso-cts", "star", "regmean", "adamerging",
               "lorahub", "closed-form-layer", "closed-form-attn-mlp", "plan")
 GRIDS.update({method: {"scaling": LAMBDAS_WIDE} for method in CALIBRATED})
+#: The evidence plan also tries steering a share of its block matrices (most colliding first) to its steering method
+#: at that method's own scale μ (searched over that method's λ grid; `submerge.merge.compare._tune_steering`).
+STEER_SHARES = (0.0, 0.5, 1.0)
+GRIDS["plan"]["steer_share"] = STEER_SHARES
 
 SEARCHES = ("line", "grid")
 SCALE = "scaling"

@@ -20,7 +20,7 @@ import xarray as xr
 
 from submerge.diagnostics.linearity import task_gram
 from submerge.diagnostics.linearity.evidence import EvidenceError, fold_alphas
-from submerge.diagnostics.tensors import TensorInfo
+from submerge.diagnostics.tensors import TensorInfo, TensorTable
 from submerge.merge.compare import indexed, normalised_gain
 from submerge.merge.plan import PER_LAYER, Plan, PlanError, interference_marks, one_se_choice, steer
 
@@ -225,6 +225,46 @@ def test_steer_gives_marked_matrices_the_method_at_their_units_mean_alpha():
     assert again.matrix_rules[MATRICES[0]]["options"]["scaling"] == pytest.approx(0.4)
     with pytest.raises(PlanError, match="unknown steering method"):
         steer(plan, INFOS, {}, "ties")
+
+
+def test_steered_matrices_are_the_most_colliding_share_of_the_block_matrices():
+    from submerge.merge.plan import interference_ranking, steered_matrices
+
+    ranking = interference_ranking(HAND_MADE)  # STI/Σσ 9, 5, 4, 3, 1, then NaN
+    assert ranking == [MATRICES[i] for i in (4, 0, 3, 2, 1, 5)]
+    # block matrices only (not the norm, not the embedding), in ranking order: q_proj, up_proj, o_proj, down, gate
+    assert steered_matrices(INFOS, 0.0, ranking) == frozenset()
+    assert steered_matrices(INFOS, 0.2, ranking) == {MATRICES[0]}  # ⌈0.2 · 5⌉ = 1
+    assert steered_matrices(INFOS, 0.5, ranking) == {MATRICES[0], MATRICES[3], MATRICES[2]}  # ⌈2.5⌉ = 3
+    assert steered_matrices(INFOS, 1.0, ranking) == {MATRICES[i] for i in (0, 1, 2, 3, 5)}
+    assert steered_matrices(INFOS, 1.0, None) == steered_matrices(INFOS, 1.0, ranking)  # all need no ranking
+    assert steered_matrices(INFOS, 0.0, None) == frozenset()
+    with pytest.raises(PlanError, match="ranks them by interference"):
+        steered_matrices(INFOS, 0.5, None)
+    with pytest.raises(PlanError, match="within 0 … 1"):
+        steered_matrices(INFOS, 1.5, ranking)
+
+
+def test_steered_parts_add_up_to_the_plan_with_its_steered_matrices_by_the_method():
+    """rest + μ·steered is the plan's α-weighted sum on every tensor but the steered matrices, and Iso-C at
+    scaling μ on those (known answer from the strategy itself)."""
+    from submerge.merge.plan import SteeredPart, rule_delta
+    from submerge.merge.strategies import iso_c
+
+    plan, steered = _per_layer_plan(), frozenset({MATRICES[0], MATRICES[3]})
+    rest, moved = (SteeredPart(plan, steered, "iso-c", part) for part in ("rest", "steered"))
+    generator = torch.Generator().manual_seed(0)
+    tasks, mu = list(plan.finetuned), 1.7
+    for info in INFOS:
+        vectors = [torch.randn(4, 4, generator=generator, dtype=torch.float64) for _ in tasks]
+        total = rule_delta(rest(info), info, vectors, tasks) + mu * rule_delta(moved(info), info, vectors, tasks)
+        if info.name in steered:
+            expected = iso_c(vectors, scaling=mu)
+            assert rest(info).weights == {"a": 0.0, "b": 0.0}
+        else:
+            expected = rule_delta(plan.rule_for(info), info, vectors, tasks)
+            assert moved(info).weights == {"a": 0.0, "b": 0.0}
+        torch.testing.assert_close(total, expected, rtol=1e-12, atol=1e-12)
 
 
 def test_plan_yaml_round_trip_keeps_layer_granularity_rules_and_reasons(tmp_path):
@@ -759,6 +799,66 @@ def test_compare_plan_steers_the_matrices_the_store_interference_marks(trained_k
     again = compare(base, finetuned, data, methods=["plan"], plan=tmp_path / "plan.yaml", **RUN)
     np.testing.assert_allclose(again.loss.sel({"method": "plan"}).values,
                                indexed(store.dataset("compare")).loss.sel({"method": "plan"}).values, rtol=1e-6)
+
+
+def test_summed_source_is_the_sum_of_its_scaled_updates(trained_kit):
+    """θ0 + ½δ + ½δ (two terms of one checkpoint) has the losses of θ0 + δ, and of the model built by hand."""
+    from submerge.diagnostics.checkpoints import open_checkpoint
+    from submerge.merge.compare import _Evaluator
+    from submerge.merge.writer import ParameterRule, write_merge
+
+    _, base, finetuned, _ = trained_kit
+    held = _experiment(trained_kit, skip=FIT)
+    directory = Path(trained_kit[0]) / "sum-for-terms"
+    write_merge(base, finetuned, directory, lambda info: ParameterRule(method="task-arithmetic"), progress=False)
+    evaluator = _Evaluator(held, held.batches)
+    reader = open_checkpoint(str(directory), base=evaluator.base.reader)
+    evaluator.load_terms(((reader, 0.5), (reader, 0.5)))
+    halves = evaluator.losses()
+    evaluator.load_scaled(reader, 1.0)
+    np.testing.assert_allclose(halves, evaluator.losses(), rtol=1e-6)
+    np.testing.assert_allclose(halves, _losses_of(held, _task_sum_state(trained_kit, held, 1.0)), rtol=1e-5)
+
+
+def test_tuned_plan_steers_the_share_of_matrices_with_the_lowest_fit_loss(trained_kit, tmp_path):
+    """Tuned, the evidence plan also tries steering ½ and all of its block matrices (most colliding first) to Iso-C
+    at its own scale μ: the choice is the lowest fit loss searched, and the held-out losses are those of the plan
+    written with the steered matrices at Iso-C scaling μ/λ, evaluated at λ."""
+    from submerge.diagnostics.checkpoints import open_checkpoint
+    from submerge.diagnostics.interference import interference
+    from submerge.diagnostics.store import Store
+    from submerge.merge.compare import _Evaluator, compare
+    from submerge.merge.plan import interference_ranking, steered_matrices
+    from submerge.merge.writer import write_merge
+
+    _, base, finetuned, data = trained_kit
+    store = Store(tmp_path / "store.zarr")
+    measured = interference(open_checkpoint(base), {t: open_checkpoint(s) for t, s in finetuned.items()},
+                            rank_fracs=(0.25,), device="cpu", progress=False, store=store)
+    options = {"folds": 2, "sti_max": 1e9, "sar_min": 0.0, "steer_method": "iso-c"}  # no threshold marks
+    dataset = compare(base, finetuned, data, methods=["plan"], store=store, plan_out=tmp_path / "plan.yaml",
+                      **{**RUN, "tune": "line", "evidence_options": options})
+    search = dataset.attrs["search " + str(dataset.unit.values[dataset.method.values.tolist().index("plan")])]
+    row = indexed(dataset).sel({"method": "plan"})
+    chosen = json.loads(str(row.hyperparameters.values))
+    assert float(row.fit_loss) == pytest.approx(min(search.values()))
+    assert {key.split()[0] for key in search} >= {"steer_share=0"}
+    assert any(key.startswith("steer_scale=") and "steer_share=0.5" in key for key in search)
+    assert any(key.startswith("steer_scale=") and "steer_share=1" in key for key in search)
+    plan = Plan.load(tmp_path / "plan.yaml")
+    assert plan.matrix_rules == {}
+    share, scale = chosen["steer_share"], chosen["λ"]
+    assert share > 0  # on this kit a steered plan has the lowest fit loss, so the check below covers μ and λ apart
+    infos = list(TensorTable.from_reader(open_checkpoint(base)))
+    for name in steered_matrices(infos, share, interference_ranking(measured)):
+        plan.matrix_rules[name] = {"method": "iso-c", "options": {"scaling": chosen["steer_scale"] / scale},
+                                   "reason": "test"}
+    written = tmp_path / "steered-plan"
+    write_merge(base, finetuned, written, plan.rule_for, progress=False)
+    held = _experiment(trained_kit, skip=FIT)
+    evaluator = _Evaluator(held, held.batches)
+    evaluator.load_scaled(open_checkpoint(str(written), base=evaluator.base.reader), scale)
+    np.testing.assert_allclose(evaluator.losses(), row.loss.values, rtol=1e-5)
 
 
 def test_evidence_with_heads_ties_attn_mlp_and_keeps_the_coarser(hand_kit):

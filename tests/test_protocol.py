@@ -65,7 +65,7 @@ def test_grid_table_and_its_settings():
     assert lambdas_of("dare") == (0.6, 0.8, 1.0)  # seed 002 App. A.3.4
     assert settings_of("dare") == [{"drop_rate": p} for p in (0.6, 0.7, 0.8, 0.9)]
     assert settings_of("consensus") == [{"mask_lambda": v} for v in (0.2, 0.3, 0.4, 0.5, 0.6)]
-    assert settings_of("ties") == [{"top_k": 0.1}, {"top_k": 0.2}, {"top_k": 0.3}]
+    assert settings_of("ties") == [{"top_k": 0.1}, {"top_k": 0.2}, {"top_k": 0.3}, {"top_k": 0.5}]
     # a merge at its natural scale brackets λ = 1 (0.2 … 2.0) whatever --lambdas says; CART has no λ grid of its own
     assert settings_of("iso-c") == [{}] and lambdas_of("iso-c", (0.5, 1.0)) == LAMBDAS_WIDE
     assert lambdas_of("plan") == lambdas_of("closed-form-attn-mlp") == lambdas_of("regmean") == LAMBDAS_WIDE
@@ -73,8 +73,11 @@ def test_grid_table_and_its_settings():
     assert settings_of("x", {"x": {"a": (1, 2), "b": (3,)}}) == [{"a": 1, "b": 3}, {"a": 2, "b": 3}]
     from submerge.merge.strategies import STRATEGIES
 
+    # the plan's own knob: the share of its matrices steered (compare._tune_steering), none, half or all
+    assert settings_of("plan") == [{"steer_share": 0.0}, {"steer_share": 0.5}, {"steer_share": 1.0}]
     for method, grid in GRIDS.items():  # every knob of the table is an option of the registered strategy
         knobs = set(grid) - ({"scaling"} if method in CALIBRATED else set())  # there: λ, a global scale
+        knobs -= {"steer_share"} if method == "plan" else set()
         assert method in STRATEGIES or (method in CALIBRATED and not knobs), method
         assert knobs <= set(STRATEGIES[method].resolve_options({}) if knobs else ()), method
     assert check_search("none") is None and check_search(None) is None and check_search("grid") == "grid"
