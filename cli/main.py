@@ -495,7 +495,10 @@ def compare(
     plan_out: Annotated[Optional[Path], typer.Option("--plan-out", help="Also save the plan used (YAML) for diag "
                                                                         "merge; the evidence plan is chosen from the "
                                                                         "store group evidence, its 'decision' gives "
-                                                                        "each layer's scores and reason.")] = None,
+                                                                        "each layer's scores and reason; tuned, "
+                                                                        "it is the plan as tuned (λ, steering), so "
+                                                                        "diag merge of it writes the model "
+                                                                        "compared.")] = None,
     keep: Annotated[Optional[Path], typer.Option("--keep", help="Keep every merged checkpoint under this "
                                                                 "directory (default: deleted after evaluation).")] = None,
     recipe: Annotated[Optional[list[str]], typer.Option(

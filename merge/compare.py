@@ -22,7 +22,10 @@ Methods (labels along coordinate ``method``):
   cross-validated Eq. 10 objective, interference-steered matrices when the store has an
   ``interference`` group; the evidence is written to the store's group ``evidence``, so a killed run
   resumes it too); ``choose="thresholds"`` takes `diag plan`'s threshold choice from the
-  store (needs its ``linearity`` and ``alpha`` groups); a `Plan` or plan file may be given instead;
+  store (needs its ``linearity`` and ``alpha`` groups); a `Plan` or plan file may be given instead. Tuned, the
+  evidence plan also tries steering half or all of its block matrices to its steering method at that method's own
+  scale (`_tune_steering`), and ``plan_out`` receives the plan as tuned (`submerge.merge.plan.tuned_plan`), so
+  `diag merge` of it writes the model compare scored;
 - a user's mergekit recipes (`recipes`: label → config, `submerge.merge.recipe.Recipe`), each merged with its own
   rule per tensor and ranked beside the rest (kind ``recipe``).
 
@@ -107,6 +110,7 @@ from submerge.merge.plan import (
     is_plan_file,
     make_plan,
     steered_matrices,
+    tuned_plan,
 )
 from submerge.merge.recipe import Recipe, same_model
 from submerge.merge.rules import regmean_rule
@@ -187,6 +191,7 @@ class Merge:
     gram_matrices: Callable | None = None
     kind: str | None = None  # the store's `kind` (default: strategy, closed-form or plan by label)
     steering: PlanSteering | None = None  # the evidence plan: its matrices may be steered when tuned
+    plan: Plan | None = None  # the plan merged (label "plan", the closed forms)
 
 
 @dataclass
@@ -317,7 +322,7 @@ def _plan_merge(plan, label: str) -> Merge:
         detail += f"; {len(plan.matrix_rules)} matrices steered"
     return Merge(plan.rule_for, detail, {"method": label, "granularity": plan.granularity, "alpha": plan.alpha,
                                          "layer_granularity": plan.layer_granularity,
-                                         "matrix_rules": plan.matrix_rules, "decision": plan.decision})
+                                         "matrix_rules": plan.matrix_rules, "decision": plan.decision}, plan=plan)
 
 
 def prepare(experiment, finetuned: dict[str, str], methods: list[str], *, plan=None, choose: str = "evidence",
@@ -569,6 +574,17 @@ def _tune(method: str, merge: Merge, evaluator: _Evaluator, write: Callable, *, 
         if best is not None:
             _remove(best[3])
     return held, Tuned(setting, scale, scale_name, fit_loss, searched, objective)
+
+
+def _tuned_plan(merge: Merge, tuned: Tuned) -> Plan:
+    """The plan as compare tuned it (`merge.plan.tuned_plan`): what ``--plan-out`` writes, so that `diag merge` of
+    the file gives the model compare scored."""
+    share = float(tuned.setting.get("steer_share", 0.0))
+    steering = merge.steering
+    steered = steered_matrices(steering.infos, share, steering.ranking) if share > 0 else frozenset()
+    record = {**tuned.setting, "λ": tuned.scale, "fit_loss": tuned.fit_loss}
+    return tuned_plan(merge.plan, tuned.scale, steered=steered, steer_method=steering.method if share > 0 else None,
+                      steer_scale=tuned.setting.get("steer_scale"), record=record)
 
 
 def _remove(directories) -> None:
@@ -1052,8 +1068,8 @@ class _Run:
             self.writer.note({key: seconds})
         merges.update({label: _recipe_merge(label, recipe, self.base_spec, finetuned, self.allow_pickle)
                        for label, recipe in recipes.items()})
-        if full and seed == 0 and self.plan_out is not None and used_plan is not None:
-            used_plan.save(self.plan_out, force=True)  # checked by _check_outputs
+        if full and seed == 0 and self.plan_out is not None and used_plan is not None and self.tune is None:
+            used_plan.save(self.plan_out, force=True)  # checked by _check_outputs; tuned: after its unit
         evaluator = _Evaluator(part, {t: held_out[t] for t in subset}, allow_pickle=self.allow_pickle)
         if self.objective:
             evaluator.held_experiment = dataclasses.replace(part, batches={t: held_out[t] for t in subset})
@@ -1187,6 +1203,8 @@ def _run_methods(pending, merges, evaluator, writer, references, base_spec, fine
                                       on_candidate=lambda text, where=where: bar.update(
                                           job, description=f"Comparing · {where} · {text}"))
                 notes[f"search {unit_label(subset, seed, label)}"] = tuned.searched
+                if label == PLAN and run.plan_out is not None and (subset, seed) == (subset_label(all_tasks), 0):
+                    _tuned_plan(merge, tuned).save(run.plan_out, force=True)  # checked by _check_outputs
                 writer.note({f"search {unit_label(subset, seed, label)}": tuned.searched})
                 detail, objective = f"tuned ({run.tune}): {tuned.label}; {merge.detail}", tuned.objective
             else:

@@ -19,6 +19,7 @@ mean of the task vectors (θ0 + Σ_t τ_t / T).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import warnings
@@ -514,6 +515,40 @@ class SteeredPart:
             return (ParameterRule(method=self.method, options={"scaling": 1.0}) if self.part == "steered"
                     else self.plan.rule_for(info))
         return ParameterRule(weights=dict.fromkeys(self.plan.finetuned, 0.0))
+
+
+def _scaled_options(method: str, options: dict | None, scale: float, where: str) -> dict:
+    """`options` of a strategy rule with its ``scaling`` (the strategy's default when not given) times `scale`."""
+    defaults = STRATEGIES[method].options
+    if "scaling" not in defaults:
+        raise PlanError(f"{where}: {method} has no scaling option, so the plan cannot be scaled by λ = {scale:g}")
+    options = dict(options or {})
+    options["scaling"] = scale * float(options.get("scaling", defaults["scaling"]))
+    return options
+
+
+def tuned_plan(plan: Plan, scale: float, *, steered: frozenset[str] = frozenset(), steer_method: str | None = None,
+               steer_scale: float | None = None, record: dict | None = None) -> Plan:
+    """The plan `diag compare` tuned: θ0 + scale·(its update) + steer_scale·(`steer_method` on the `steered`
+    matrices), as a plan `diag merge` writes directly. Every α, the rest's weights and every rule's ``scaling`` are
+    multiplied by `scale`; the steered matrices get `steer_method` at scaling `steer_scale`. `record` (the tuned
+    hyperparameters) goes into ``decision["tuned"]``."""
+    tasks = list(plan.finetuned)
+    rest = dict(plan.rest)
+    if rest.get("method", "mean-task-vector") == "mean-task-vector":
+        rest = {"method": "weights", "weights": {t: scale / len(tasks) for t in tasks}}
+    elif rest["method"] == "weights":
+        rest = {"method": "weights", "weights": {t: scale * float(w) for t, w in rest["weights"].items()}}
+    else:
+        rest = {**rest, "options": _scaled_options(rest["method"], rest.get("options"), scale, "the plan's rest")}
+    rules = {name: {**rule, "options": _scaled_options(rule["method"], rule.get("options"), scale, name)}
+             for name, rule in plan.matrix_rules.items() if name not in steered}
+    for name in sorted(steered):
+        rules[name] = {"method": steer_method, "options": {"scaling": float(steer_scale)},
+                       "reason": f"compare: steered to {steer_method} at its tuned scale {steer_scale:g}"}
+    return dataclasses.replace(
+        plan, alpha={unit: {t: scale * float(w) for t, w in weights.items()} for unit, weights in plan.alpha.items()},
+        rest=rest, matrix_rules=rules, decision={**plan.decision, "tuned": dict(record or {"λ": scale})})
 
 
 def one_se_choice(fold_scores: dict[str, list[float]], order=("layer", "attn-mlp", "head-mlp"),

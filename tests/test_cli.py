@@ -299,3 +299,38 @@ def test_error_messages_are_one_unwrapped_line_and_not_markup(monkeypatch, capsy
         failing()
     err = capsys.readouterr().err
     assert f"{long_path}: not valid JSON [bold] ['x']" in err
+
+
+def test_progress_in_a_redirected_log_is_timestamped_lines(monkeypatch):
+    """Output redirected to a file: a line when a task starts, when its description changes, when it completes,
+    and every `interval` seconds while it advances (a live bar would show nothing until it ends)."""
+    import io
+
+    from rich.console import Console
+
+    from submerge.diagnostics import progress as module
+
+    log = io.StringIO()
+    monkeypatch.setattr(module, "get_console", lambda: Console(file=log, width=200))
+    now = [0.0]
+    monkeypatch.setattr(module.time, "monotonic", lambda: now[0])
+
+    def at(seconds: float, call, *args, **kwargs):
+        now[0] = seconds
+        return call(*args, **kwargs)
+
+    with module.progress_bar(True) as bar:
+        assert isinstance(bar, module.LoggedProgress)
+        job = at(0, bar.add_task, "Comparing", total=3)  # line 1
+        at(1, bar.advance, job)  # quiet
+        at(2, bar.update, job, description="Comparing · ties")  # renamed → line 2
+        at(61, bar.advance, job)  # 59 s since the last line: quiet
+        at(62, bar.update, job)  # 60 s → line 3
+        at(80, bar.advance, job)  # complete → line 4
+        at(81, bar.advance, job)  # already complete, 1 s since the last line: quiet
+    lines = log.getvalue().splitlines()
+    assert [line.split(" ", 1)[1] for line in lines] == [
+        "Comparing · 0/3 · 0 s", "Comparing · ties · 1/3 · 2 s", "Comparing · ties · 2/3 · 62 s",
+        "Comparing · ties · 3/3 · 80 s"]
+    with module.progress_bar(False) as silent:
+        assert not isinstance(silent, module.LoggedProgress)

@@ -267,6 +267,29 @@ def test_steered_parts_add_up_to_the_plan_with_its_steered_matrices_by_the_metho
         torch.testing.assert_close(total, expected, rtol=1e-12, atol=1e-12)
 
 
+def test_tuned_plan_scales_every_weight_and_rule_and_steers_at_its_own_scale():
+    from submerge.merge.plan import block_rule, tuned_plan
+
+    plan = steer(_per_layer_plan(), INFOS, {MATRICES[1]: "test"}, "iso-c")  # down_proj at scaling 0.75 (its α)
+    plan.matrix_rules[MATRICES[2]] = block_rule("ties", 1)  # a block rule at the strategy's default scaling
+    tuned = tuned_plan(plan, 2.0, steered=frozenset({MATRICES[0]}), steer_method="iso-c", steer_scale=1.5,
+                       record={"λ": 2.0, "steer_share": 0.5, "steer_scale": 1.5})
+    by_name = {i.name: i for i in INFOS}
+    assert tuned.alpha == {u: {t: 2 * w for t, w in v.items()} for u, v in ALPHA.items()}
+    assert tuned.rule_for(by_name["model.embed_tokens.weight"]).weights == {"a": 1.0, "b": 1.0}  # 2 · ½
+    assert tuned.matrix_rules[MATRICES[0]]["method"] == "iso-c"
+    assert tuned.matrix_rules[MATRICES[0]]["options"] == {"scaling": 1.5}  # μ, not times λ
+    assert tuned.matrix_rules[MATRICES[1]]["options"] == {"scaling": pytest.approx(1.5)}  # 2 · 0.75
+    from submerge.merge.strategies import STRATEGIES
+
+    assert tuned.matrix_rules[MATRICES[2]]["options"] == {"scaling": 2 * STRATEGIES["ties"].options["scaling"]}
+    assert tuned.decision["tuned"] == {"λ": 2.0, "steer_share": 0.5, "steer_scale": 1.5}
+    assert plan.alpha == ALPHA and MATRICES[0] not in plan.matrix_rules  # the plan itself is unchanged
+    plan.matrix_rules[MATRICES[3]] = block_rule("regmean", 1)
+    with pytest.raises(PlanError, match="regmean has no scaling option"):
+        tuned_plan(plan, 2.0)
+
+
 def test_plan_yaml_round_trip_keeps_layer_granularity_rules_and_reasons(tmp_path):
     plan = steer(_per_layer_plan(), INFOS, interference_marks(HAND_MADE))
     plan.decision = {"choose": "evidence", "layers": {0: {"granularity": "attn-mlp", "reason": "attn-mlp: lower"}},
@@ -822,8 +845,8 @@ def test_summed_source_is_the_sum_of_its_scaled_updates(trained_kit):
 
 def test_tuned_plan_steers_the_share_of_matrices_with_the_lowest_fit_loss(trained_kit, tmp_path):
     """Tuned, the evidence plan also tries steering ½ and all of its block matrices (most colliding first) to Iso-C
-    at its own scale μ: the choice is the lowest fit loss searched, and the held-out losses are those of the plan
-    written with the steered matrices at Iso-C scaling μ/λ, evaluated at λ."""
+    at its own scale μ: the choice is the lowest fit loss searched, and --plan-out writes the plan so tuned (α and
+    the rest times λ, the steered matrices by Iso-C at scaling μ), whose merge has compare's held-out losses."""
     from submerge.diagnostics.checkpoints import open_checkpoint
     from submerge.diagnostics.interference import interference
     from submerge.diagnostics.store import Store
@@ -845,19 +868,19 @@ def test_tuned_plan_steers_the_share_of_matrices_with_the_lowest_fit_loss(traine
     assert {key.split()[0] for key in search} >= {"steer_share=0"}
     assert any(key.startswith("steer_scale=") and "steer_share=0.5" in key for key in search)
     assert any(key.startswith("steer_scale=") and "steer_share=1" in key for key in search)
-    plan = Plan.load(tmp_path / "plan.yaml")
-    assert plan.matrix_rules == {}
-    share, scale = chosen["steer_share"], chosen["λ"]
+    share = chosen["steer_share"]
     assert share > 0  # on this kit a steered plan has the lowest fit loss, so the check below covers μ and λ apart
+    plan = Plan.load(tmp_path / "plan.yaml")
+    assert plan.decision["tuned"] == {**chosen, "fit_loss": pytest.approx(float(row.fit_loss))}
     infos = list(TensorTable.from_reader(open_checkpoint(base)))
-    for name in steered_matrices(infos, share, interference_ranking(measured)):
-        plan.matrix_rules[name] = {"method": "iso-c", "options": {"scaling": chosen["steer_scale"] / scale},
-                                   "reason": "test"}
-    written = tmp_path / "steered-plan"
+    assert set(plan.matrix_rules) == steered_matrices(infos, share, interference_ranking(measured))
+    assert {rule["method"] for rule in plan.matrix_rules.values()} == {"iso-c"}
+    assert {rule["options"]["scaling"] for rule in plan.matrix_rules.values()} == {chosen["steer_scale"]}
+    written = tmp_path / "tuned-plan"
     write_merge(base, finetuned, written, plan.rule_for, progress=False)
     held = _experiment(trained_kit, skip=FIT)
     evaluator = _Evaluator(held, held.batches)
-    evaluator.load_scaled(open_checkpoint(str(written), base=evaluator.base.reader), scale)
+    evaluator.load(str(written))
     np.testing.assert_allclose(evaluator.losses(), row.loss.values, rtol=1e-5)
 
 
