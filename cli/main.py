@@ -49,7 +49,7 @@ from submerge.diagnostics.tables import print_table
 from submerge.diagnostics.task_vectors import open_finetunes
 from submerge.merge.compare import COMPARE, leaderboard, parse_method_options
 from submerge.merge.compare import compare as run_compare
-from submerge.merge.plan import MERGEKIT_HEADER, is_plan_file, make_plan
+from submerge.merge.plan import DEFAULT_STEER_METHOD, MERGEKIT_HEADER, is_plan_file, make_plan
 from submerge.merge.recipe import Recipe, is_recipe_file
 from submerge.merge.run import DataSettings, needs_data, run_merge
 from submerge.merge.strategies import MergedTaskVector, resolve_method
@@ -491,7 +491,7 @@ def compare(
     sti_max: Annotated[float, typer.Option("--sti-max", help="Steer matrices with STI/Σσ above this (needs the "
                                                              "store's interference group).")] = 3.0,
     sar_min: Annotated[float, typer.Option("--sar-min", help="Steer matrices with mean SAR below this.")] = 0.5,
-    steer_method: Annotated[str, typer.Option("--steer", help="Rule for steered matrices: tsv-m or iso-c.")] = "tsv-m",
+    steer_method: Annotated[str, typer.Option("--steer", help="Rule for steered matrices: tsv-m or iso-c.")] = DEFAULT_STEER_METHOD,
     plan_out: Annotated[Optional[Path], typer.Option("--plan-out", help="Also save the plan used (YAML) for diag "
                                                                         "merge; the evidence plan is chosen from the "
                                                                         "store group evidence, its 'decision' gives "

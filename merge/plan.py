@@ -418,6 +418,8 @@ DEFAULT_STI_MAX = 3.0
 # below 0.5 a task keeps less than half its energy there (its subspace is crowded out).
 DEFAULT_SAR_MIN = 0.5
 STEER_METHODS = ("tsv-m", "iso-c")
+#: The steering method unless --steer says otherwise.
+DEFAULT_STEER_METHOD = "tsv-m"
 #: Strategies a block can be merged by as an evidence candidate (``--candidates layer,attn-mlp,ties``): the data-free
 #: registered strategies at their paper defaults (the closed form is the granularities' own rule).
 BLOCK_RULES = tuple(name for name, method in STRATEGIES.items() if not method.needs_data and name != "closed-form")
@@ -458,7 +460,7 @@ def _mean_weight(rule: ParameterRule) -> float:
     return float(np.mean([float(torch.as_tensor(w, dtype=torch.float64).mean()) for w in rule.weights.values()]))
 
 
-def steer(plan: Plan, infos: list[TensorInfo], marks: dict[str, str], method: str = "tsv-m") -> Plan:
+def steer(plan: Plan, infos: list[TensorInfo], marks: dict[str, str], method: str = DEFAULT_STEER_METHOD) -> Plan:
     """Give the marked matrices among `infos` `method` at scaling = their unit's mean α (in place)."""
     if method not in STEER_METHODS:
         raise PlanError(f"unknown steering method '{method}' (choose from {', '.join(STEER_METHODS)})")
@@ -681,7 +683,7 @@ class CandidateMerge:
     attention: dict  # num_heads, num_kv_heads, head_dim
     rest: dict = field(default_factory=lambda: {"method": "mean-task-vector"})
     marks: dict = field(default_factory=dict)
-    steer_method: str = "tsv-m"
+    steer_method: str = DEFAULT_STEER_METHOD
     sti_max: float = DEFAULT_STI_MAX
     sar_min: float = DEFAULT_SAR_MIN
     block_rules: tuple = ()  # strategies (of `BLOCK_RULES`) a whole block may be merged by instead of α
@@ -744,7 +746,7 @@ def choose_by_evidence(dataset, merge: CandidateMerge, *, base_model: str, infos
 
 
 def candidate_merge(experiment, finetuned: dict[str, str], *, interference=None, sti_max: float = DEFAULT_STI_MAX,
-                    sar_min: float = DEFAULT_SAR_MIN, steer_method: str = "tsv-m",
+                    sar_min: float = DEFAULT_SAR_MIN, steer_method: str = DEFAULT_STEER_METHOD,
                     rest: dict | None = None, block_rules: tuple = ()) -> CandidateMerge:
     """The `CandidateMerge` of an experiment's base: its attention shape, the matrices `interference` (the store's
     ``interference`` dataset, or None: no steering) marks."""
@@ -776,7 +778,7 @@ def check_evidence_options(experiment, options: dict | None) -> None:
     if fewest < folds:
         raise PlanError(f"{folds}-fold cross-validation needs at least {folds} fit records per task; one task has "
                         f"{fewest} (raise --fit or lower --folds)")
-    if options.get("steer_method", "tsv-m") not in STEER_METHODS:
+    if options.get("steer_method", DEFAULT_STEER_METHOD) not in STEER_METHODS:
         raise PlanError(f"--steer: unknown steering method {options['steer_method']!r} (choose from "
                         f"{', '.join(STEER_METHODS)})")
     for key in ("sti_max", "sar_min", "tolerance"):
@@ -794,7 +796,7 @@ def evidence_plan(
     interference=None,
     sti_max: float = DEFAULT_STI_MAX,
     sar_min: float = DEFAULT_SAR_MIN,
-    steer_method: str = "tsv-m",
+    steer_method: str = DEFAULT_STEER_METHOD,
     tolerance: float = 1.0,
     rest: dict | None = None,
     run: RunSettings | None = None,
