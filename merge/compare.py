@@ -239,10 +239,12 @@ def _recipe_merge(label: str, recipe, base_spec: str, finetuned: dict[str, str],
                  {"method": label, "mergekit": recipe.to_mergekit(), "notes": recipe.notes()}, kind="recipe")
 
 
-def check_method_options(method_options: dict | None, methods: list[str], *, tuned: bool) -> dict[str, dict]:
+def check_method_options(method_options: dict | None, methods: list[str], *, tuned: bool,
+                         grids: dict | None = None) -> dict[str, dict]:
     """Fixed options per method (``--option METHOD.KEY=VALUE``), checked and coerced by the registry: only
     registered strategies among `methods`, only their own options, and (when tuning) no knob that the method's
-    grid (`merge.tuning.GRIDS`) tunes, nor λ (``scaling``), which tuning chooses."""
+    grid tunes (`merge.tuning.GRIDS`, with compare's `grids` in place of their methods' rows), nor λ
+    (``scaling``), which tuning chooses."""
     checked: dict[str, dict] = {}
     for method, given in (method_options or {}).items():
         if method not in STRATEGIES:
@@ -254,7 +256,7 @@ def check_method_options(method_options: dict | None, methods: list[str], *, tun
             resolved = STRATEGIES[method].resolve_options(given)
         except ValueError as exc:
             raise CompareError(f"--option: {exc}") from None
-        tuned_knobs = {*settings_of(method)[0], SCALE} & set(given) if tuned else set()
+        tuned_knobs = {*settings_of(method, grids)[0], SCALE} & set(given) if tuned else set()
         if tuned_knobs:
             raise CompareError(f"--option {method}.{min(tuned_knobs)}: compare tunes it on the fit records; "
                                "give it with --tune none, or change its grid (merge/tuning.py GRIDS, compare's grids=)")
@@ -819,7 +821,7 @@ def compare(
     plan_file, plan = plan, Plan.load(plan) if isinstance(plan, (str, Path)) else plan  # checked before any work
     loaded_recipes = load_recipes(recipes, base_spec, methods)
     methods += list(loaded_recipes)
-    method_options = check_method_options(method_options, methods, tuned=tune is not None)
+    method_options = check_method_options(method_options, methods, tuned=tune is not None, grids=grids)
     skip = fit if skip is None else skip
     _check_protocol(fit=fit, skip=skip, seeds=seeds, subsets=subsets, tune=tune, keep=keep, lm_eval=lm_eval,
                     plan=plan, choose=choose)

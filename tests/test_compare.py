@@ -999,6 +999,15 @@ def test_compare_fixes_a_methods_untuned_options_and_refuses_tuned_or_unknown_on
                     store=Store(tmp_path / "refused.zarr"), method_options=parse_method_options(values),
                     **{**RUN, "tune": "line"})
     assert not (tmp_path / "refused.zarr").exists()
+    # a caller's grids decide what is tuned: with TIES' row holding only λ, its top-k may be fixed; a knob that a
+    # caller's row adds (AdaMerging's steps) is refused
+    from submerge.merge.compare import check_method_options
+
+    assert check_method_options({"ties": {"top_k": "0.3"}}, ["ties"], tuned=True,
+                                grids={"ties": {"scaling": (0.5, 1.0)}}) == {"ties": {"top_k": 0.3}}
+    with pytest.raises(CompareError, match=r"--option adamerging.steps: compare tunes it"):
+        check_method_options({"adamerging": {"steps": "2"}}, ["adamerging"], tuned=True,
+                             grids={"adamerging": {"steps": (1, 2)}})
     for text in ["ties.top_k", "top_k=0.3", ".x=1", "ties.=1"]:
         with pytest.raises(CompareError, match="METHOD.KEY=VALUE"):
             parse_method_options([text])
