@@ -196,11 +196,10 @@ class Merge:
 
 @dataclass
 class PlanSteering:
-    """How compare's tuning steers the evidence plan: a share of its block matrices (most colliding first by the
-    store's interference group, `ranking`; without one, none or all) merged by `method` at their own scale μ,
-    the rest by the plan at λ (`SteeredPart`)."""
+    """How compare's tuning steers the evidence plan (the `Merge`'s ``plan``): a share of its block matrices (most
+    colliding first by the store's interference group, `ranking`; without one, none or all) merged by `method` at
+    their own scale μ, the rest by the plan at λ (`SteeredPart`)."""
 
-    plan: Plan
     infos: list
     ranking: list[str] | None
     method: str
@@ -209,11 +208,11 @@ class PlanSteering:
         """The shares of `grid` this plan can steer (all of them with a ranking; else 0 and 1)."""
         return [float(q) for q in grid if self.ranking is not None or float(q) in (0.0, 1.0)]
 
-    def parts(self, share: float) -> tuple[Merge, Merge]:
-        """(the plan without the steered matrices, the steered matrices by `method` at scaling 1)."""
+    def parts(self, plan: Plan, share: float) -> tuple[Merge, Merge]:
+        """(`plan` without the steered matrices, the steered matrices by `method` at scaling 1)."""
         steered = steered_matrices(self.infos, share, self.ranking)
         record = {"method": PLAN, "steer_share": share, "steer_method": self.method, "steered": sorted(steered)}
-        return tuple(Merge(SteeredPart(self.plan, steered, self.method, part), f"{part} of the steered plan",
+        return tuple(Merge(SteeredPart(plan, steered, self.method, part), f"{part} of the steered plan",
                            {**record, "part": part}) for part in ("rest", "steered"))
 
 
@@ -380,7 +379,7 @@ def prepare(experiment, finetuned: dict[str, str], methods: list[str], *, plan=N
         if PLAN in methods and plan is None:
             plan = evidence.plan(among=among, command=command)
             merges[PLAN] = dataclasses.replace(_plan_merge(plan, PLAN), steering=PlanSteering(
-                plan, evidence.infos, interference_ranking(interference) if interference is not None else None,
+                evidence.infos, interference_ranking(interference) if interference is not None else None,
                 evidence.settings["steer_method"]))
     if PLAN in methods and PLAN not in merges:
         merges[PLAN] = _plan_merge(plan, PLAN)
@@ -565,7 +564,7 @@ def _tune(method: str, merge: Merge, evaluator: _Evaluator, write: Callable, *, 
             else:
                 shutil.rmtree(directory, ignore_errors=True)
         if steering is not None:
-            best = _tune_steering(steering, evaluator, write, best, searched, search=search, lambdas=values,
+            best = _tune_steering(merge.plan, steering, evaluator, write, best, searched, search=search, lambdas=values,
                                   shares=(GRIDS | (grids or {})).get(PLAN, {}).get("steer_share", ()),
                                   on_candidate=on_candidate)
         fit_loss, setting, scale, _, terms = best
@@ -594,9 +593,9 @@ def _remove(directories) -> None:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def _tune_steering(steering: PlanSteering, evaluator: _Evaluator, write: Callable, best: tuple, searched: dict, *,
-                   search: str, lambdas, shares, on_candidate: Callable[[str], None]) -> tuple:
-    """The evidence plan with each share q > 0 of `shares` of its block matrices steered (`PlanSteering.parts`):
+def _tune_steering(plan: Plan, steering: PlanSteering, evaluator: _Evaluator, write: Callable, best: tuple,
+                   searched: dict, *, search: str, lambdas, shares, on_candidate: Callable[[str], None]) -> tuple:
+    """The evidence `plan` with each share q > 0 of `shares` of its block matrices steered (`PlanSteering.parts`):
     θ0 + λ·rest + μ·steered, μ searched over the steering method's λ grid at the plan's best λ, then λ at that μ
     (one pass of coordinate descent, each a `search_function(search)` over its grid). Returns the best of
     `best` (the unsteered plan's) and these, as `_tune` keeps it; every fit loss goes into `searched`."""
@@ -604,7 +603,7 @@ def _tune_steering(steering: PlanSteering, evaluator: _Evaluator, write: Callabl
     for share in steering.shares(shares):
         if share == 0.0:
             continue
-        rest, steered = steering.parts(share)
+        rest, steered = steering.parts(plan, share)
         directories = [write(f"{PLAN}-steer-{share:g}-{part}", merge, False)
                        for part, merge in (("rest", rest), ("steered", steered))]
         readers = [open_checkpoint(str(d), base=evaluator.base.reader) for d in directories]
@@ -1059,7 +1058,7 @@ class _Run:
         part = restricted(experiment, subset)
         recipes = {label: r for label, r in self.recipes.items() if label in pending} if full else {}
         self.bar.update(self.job, description=f"Comparing · {name} · seed {seed} · fitting the data-driven merges")
-        merges, used_plan = prepare(part, finetuned, [m for m in pending if m != TUNED and m not in self.recipes],
+        merges, _ = prepare(part, finetuned, [m for m in pending if m != TUNED and m not in self.recipes],
                                     plan=self.plan, choose=self.choose, store=self.store,
                                     evidence_options=self.evidence_options, progress=self.progress,
                                     command=self.command, force=self.force, record_evidence=full and seed == 0,
@@ -1070,8 +1069,6 @@ class _Run:
             self.writer.note({key: seconds})
         merges.update({label: _recipe_merge(label, recipe, self.base_spec, finetuned, self.allow_pickle)
                        for label, recipe in recipes.items()})
-        if full and seed == 0 and self.plan_out is not None and used_plan is not None and self.tune is None:
-            used_plan.save(self.plan_out, force=True)  # checked by _check_outputs; tuned: after its unit
         evaluator = _Evaluator(part, {t: held_out[t] for t in subset}, allow_pickle=self.allow_pickle)
         if self.objective:
             evaluator.held_experiment = dataclasses.replace(part, batches={t: held_out[t] for t in subset})
@@ -1205,8 +1202,6 @@ def _run_methods(pending, merges, evaluator, writer, references, base_spec, fine
                                       on_candidate=lambda text, where=where: bar.update(
                                           job, description=f"Comparing · {where} · {text}"))
                 notes[f"search {unit_label(subset, seed, label)}"] = tuned.searched
-                if label == PLAN and run.plan_out is not None and (subset, seed) == (subset_label(all_tasks), 0):
-                    _tuned_plan(merge, tuned).save(run.plan_out, force=True)  # checked by _check_outputs
                 writer.note({f"search {unit_label(subset, seed, label)}": tuned.searched})
                 detail, objective = f"tuned ({run.tune}): {tuned.label}; {merge.detail}", tuned.objective
             else:
@@ -1219,6 +1214,9 @@ def _run_methods(pending, merges, evaluator, writer, references, base_spec, fine
                 if keep is None:
                     shutil.rmtree(directory, ignore_errors=True)
                 detail = merge.detail
+            if label == PLAN and run.plan_out is not None and (subset, seed) == (subset_label(all_tasks), 0):
+                # checked by _check_outputs; tuned, the plan as tuned, so that diag merge of it writes this model
+                (merge.plan if tuned is None else _tuned_plan(merge, tuned)).save(run.plan_out, force=True)
             unit = unit_label(subset, seed, label)
             writer.add(_piece(unit, kind, detail, losses, references, list(evaluator.tasks),
                               time.perf_counter() - start, all_tasks=all_tasks, subset=subset, seed=seed,

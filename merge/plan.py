@@ -535,14 +535,11 @@ def tuned_plan(plan: Plan, scale: float, *, steered: frozenset[str] = frozenset(
     matrices), as a plan `diag merge` writes directly. Every α, the rest's weights and every rule's ``scaling`` are
     multiplied by `scale`; the steered matrices get `steer_method` at scaling `steer_scale`. `record` (the tuned
     hyperparameters) goes into ``decision["tuned"]``."""
-    tasks = list(plan.finetuned)
-    rest = dict(plan.rest)
-    if rest.get("method", "mean-task-vector") == "mean-task-vector":
-        rest = {"method": "weights", "weights": {t: scale / len(tasks) for t in tasks}}
-    elif rest["method"] == "weights":
-        rest = {"method": "weights", "weights": {t: scale * float(w) for t, w in rest["weights"].items()}}
+    rest_rule = plan._rest_rule(list(plan.finetuned))  # the mean task vector is weights 1/T there
+    if rest_rule.weights is not None:
+        rest = {"method": "weights", "weights": {t: scale * float(w) for t, w in rest_rule.weights.items()}}
     else:
-        rest = {**rest, "options": _scaled_options(rest["method"], rest.get("options"), scale, "the plan's rest")}
+        rest = {**plan.rest, "options": _scaled_options(rest_rule.method, rest_rule.options, scale, "the plan's rest")}
     rules = {name: {**rule, "options": _scaled_options(rule["method"], rule.get("options"), scale, name)}
              for name, rule in plan.matrix_rules.items() if name not in steered}
     for name in sorted(steered):
