@@ -350,6 +350,8 @@ def merge(
             out.print(f"  [yellow]note:[/] {note}", highlight=False)
     options = parse_named(option, "option") if option else {}
     settings, base, named_finetuned = None, None, None
+    if plan_path is not None and data:  # a plan whose blocks are merged by RegMean takes its Grams from --data
+        settings = DataSettings(parse_named(data, "data"), samples, max_tokens)
     if method is not None:
         with_data = needs_data(method)
         base, named_finetuned, named_data = resolve_inputs(model, finetuned, data, need_data=with_data)
@@ -480,9 +482,12 @@ def compare(
     candidates: Annotated[str, typer.Option("--candidates", help="What the evidence plan chooses among per layer, "
                                                                  "by the cross-validated block objective: "
                                                                  "granularities of closed-form α (layer, attn-mlp, "
-                                                                 "head-mlp) and data-free strategies that merge the "
+                                                                 "head-mlp), data-free strategies that merge the "
                                                                  "whole block at their paper defaults (e.g. ties, "
-                                                                 "tsv-m).")] = "layer,attn-mlp",
+                                                                 "tsv-m), and regmean (the block's weight matrices "
+                                                                 "by RegMean on each fold's input Grams; a plan "
+                                                                 "with it needs --data in diag merge).")
+                            ] = "layer,attn-mlp",
     folds: Annotated[int, typer.Option("--folds", help="Cross-validation folds over the fit records.")] = 4,
     option: Annotated[Optional[list[str]], typer.Option(
         "--option", help="METHOD.KEY=VALUE: fix an option of one registered strategy that compare does not tune "

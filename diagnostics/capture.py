@@ -790,7 +790,7 @@ def _embed_with(backbone, params, model, first_layer_path, batch, device) -> tor
 # --------------------------------------------------------------------------- Gram matrices (RegMean)
 
 
-def _linear_maps(model: nn.Module, arch: Architecture, layer: int) -> Iterator[tuple[str, nn.Module]]:
+def linear_maps(model: nn.Module, arch: Architecture, layer: int) -> Iterator[tuple[str, nn.Module]]:
     """(weight name, module) of every linear map inside block `layer` (``nn.Linear`` and GPT-2's ``Conv1D``)."""
     for name, module in model.get_submodule(arch.layer_path(layer)).named_modules():
         if isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D":
@@ -815,7 +815,7 @@ def input_gram_matrices(model: nn.Module, arch: Architecture, batches: list[Toke
 
     def register(handles, b, batch, mask):
         for layer in chosen:
-            for key, module in _linear_maps(model, arch, layer):
+            for key, module in linear_maps(model, arch, layer):
                 def hook(module, args, key=key):
                     x = args[0][mask].to(dtype)
                     gram = x.T @ x
@@ -844,7 +844,7 @@ class GramsByLayer:
         self.model, self.arch, self.batches, self.device, self.dtype = model, arch, batches, device, dtype
         names = checkpoint_names or {}
         self.where = {names.get(key, key): (layer, key) for layer in range(arch.num_layers)
-                      for key, _ in _linear_maps(model, arch, layer)}
+                      for key, _ in linear_maps(model, arch, layer)}
         self.states = {task: CaptureState() for task in batches}
         self.layer: int | None = None
         self.held: dict[str, dict[str, torch.Tensor]] = {}

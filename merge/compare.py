@@ -106,6 +106,7 @@ from submerge.merge.plan import (
     SteeredPart,
     check_evidence_options,
     evidence_plan,
+    gram_ruled,
     interference_ranking,
     is_plan_file,
     make_plan,
@@ -208,12 +209,14 @@ class PlanSteering:
         """The shares of `grid` this plan can steer (all of them with a ranking; else 0 and 1)."""
         return [float(q) for q in grid if self.ranking is not None or float(q) in (0.0, 1.0)]
 
-    def parts(self, plan: Plan, share: float) -> tuple[Merge, Merge]:
-        """(`plan` without the steered matrices, the steered matrices by `method` at scaling 1)."""
+    def parts(self, plan: Plan, share: float, gram_matrices: Callable | None = None) -> tuple[Merge, Merge]:
+        """(`plan` without the steered matrices, the steered matrices by `method` at scaling 1); `gram_matrices`:
+        the plan's Grams (its RegMean rules)."""
         steered = steered_matrices(self.infos, share, self.ranking)
         record = {"method": PLAN, "steer_share": share, "steer_method": self.method, "steered": sorted(steered)}
         return tuple(Merge(SteeredPart(plan, steered, self.method, part), f"{part} of the steered plan",
-                           {**record, "part": part}) for part in ("rest", "steered"))
+                           {**record, "part": part}, gram_matrices if part == "rest" else None)
+                     for part in ("rest", "steered"))
 
 
 def load_recipes(recipes, base_spec: str, methods: list[str]) -> dict:
@@ -314,16 +317,26 @@ def _learned(name: str, experiment, progress: bool, given: dict | None = None) -
                  learned.tensor_inputs)
 
 
-def _plan_merge(plan, label: str) -> Merge:
+def _plan_merge(plan, label: str, experiment=None) -> Merge:
+    """A plan's `Merge`; a plan with RegMean rules (`gram_ruled`) gets the Grams of the `experiment`'s (fit) records,
+    as compare's RegMean does."""
     counts: dict[str, int] = {}
     for granularity in (plan.layer_granularity or {}).values():
         counts[granularity] = counts.get(granularity, 0) + 1
     detail = plan.granularity if not counts else "per layer: " + ", ".join(f"{n} × {g}" for g, n in counts.items())
     if plan.matrix_rules:
         detail += f"; {len(plan.matrix_rules)} matrices steered"
+    grams = None
+    if gram_ruled(plan):
+        if experiment is None:
+            raise CompareError(f"{label}: its RegMean rules need the Grams of the fit records")
+        grams = GramsByLayer(experiment.base.model, experiment.arch, experiment.batches,
+                             checkpoint_names=experiment.base.checkpoint_names, device=experiment.device)
+        detail += f"; {len(gram_ruled(plan))} matrices by RegMean"
     return Merge(plan.rule_for, detail, {"method": label, "granularity": plan.granularity, "alpha": plan.alpha,
                                          "layer_granularity": plan.layer_granularity,
-                                         "matrix_rules": plan.matrix_rules, "decision": plan.decision}, plan=plan)
+                                         "matrix_rules": plan.matrix_rules, "decision": plan.decision}, grams,
+                 plan=plan)
 
 
 def prepare(experiment, finetuned: dict[str, str], methods: list[str], *, plan=None, choose: str = "evidence",
@@ -378,11 +391,11 @@ def prepare(experiment, finetuned: dict[str, str], methods: list[str], *, plan=N
             merges[name] = _plan_merge(evidence.single(name.removeprefix("closed-form-")), name)
         if PLAN in methods and plan is None:
             plan = evidence.plan(among=among, command=command)
-            merges[PLAN] = dataclasses.replace(_plan_merge(plan, PLAN), steering=PlanSteering(
+            merges[PLAN] = dataclasses.replace(_plan_merge(plan, PLAN, experiment), steering=PlanSteering(
                 evidence.infos, interference_ranking(interference) if interference is not None else None,
                 evidence.settings["steer_method"]))
     if PLAN in methods and PLAN not in merges:
-        merges[PLAN] = _plan_merge(plan, PLAN)
+        merges[PLAN] = _plan_merge(plan, PLAN, experiment)
     return merges, plan
 
 
@@ -564,7 +577,8 @@ def _tune(method: str, merge: Merge, evaluator: _Evaluator, write: Callable, *, 
             else:
                 shutil.rmtree(directory, ignore_errors=True)
         if steering is not None:
-            best = _tune_steering(merge.plan, steering, evaluator, write, best, searched, search=search, lambdas=values,
+            best = _tune_steering(merge.plan, steering, evaluator, write, best, searched, merge.gram_matrices,
+                                  search=search, lambdas=values,
                                   shares=(GRIDS | (grids or {})).get(PLAN, {}).get("steer_share", ()),
                                   on_candidate=on_candidate)
         fit_loss, setting, scale, _, terms = best
@@ -594,7 +608,8 @@ def _remove(directories) -> None:
 
 
 def _tune_steering(plan: Plan, steering: PlanSteering, evaluator: _Evaluator, write: Callable, best: tuple,
-                   searched: dict, *, search: str, lambdas, shares, on_candidate: Callable[[str], None]) -> tuple:
+                   searched: dict, gram_matrices: Callable | None = None, *, search: str, lambdas, shares,
+                   on_candidate: Callable[[str], None]) -> tuple:
     """The evidence `plan` with each share q > 0 of `shares` of its block matrices steered (`PlanSteering.parts`):
     θ0 + λ·rest + μ·steered, μ searched over the steering method's λ grid at the plan's best λ, then λ at that μ
     (one pass of coordinate descent, each a `search_function(search)` over its grid). Returns the best of
@@ -603,7 +618,7 @@ def _tune_steering(plan: Plan, steering: PlanSteering, evaluator: _Evaluator, wr
     for share in steering.shares(shares):
         if share == 0.0:
             continue
-        rest, steered = steering.parts(plan, share)
+        rest, steered = steering.parts(plan, share, gram_matrices)
         directories = [write(f"{PLAN}-steer-{share:g}-{part}", merge, False)
                        for part, merge in (("rest", rest), ("steered", steered))]
         readers = [open_checkpoint(str(d), base=evaluator.base.reader) for d in directories]

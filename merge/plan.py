@@ -50,7 +50,8 @@ from submerge.diagnostics.store import Store
 from submerge.diagnostics.tensors import TensorInfo, TensorTable
 from submerge.merge.plan_schema import PER_LAYER, unit_problems, validate_plan
 from submerge.merge.rules import ParameterRule, head_rule, mean_rule, weights_rule
-from submerge.merge.strategies import STRATEGIES, merge_parameter
+from submerge.merge.strategies import STRATEGIES
+from submerge.merge.tensor_merge import method_delta
 
 DEFAULT_NL_MAX = 0.5
 DEFAULT_PD_MAX = 0.2
@@ -422,7 +423,13 @@ STEER_METHODS = ("tsv-m", "iso-c")
 DEFAULT_STEER_METHOD = "tsv-m"
 #: Strategies a block can be merged by as an evidence candidate (``--candidates layer,attn-mlp,ties``): the data-free
 #: registered strategies at their paper defaults (the closed form is the granularities' own rule).
-BLOCK_RULES = tuple(name for name, method in STRATEGIES.items() if not method.needs_data and name != "closed-form")
+#: Strategies that need data and that a block can still be merged by: RegMean, whose only data are the input Grams of
+#: the block's linear maps — the evidence step measures them on each fold's training records, and `diag compare` /
+#: `diag merge PLAN --data` on the fit records. Only the block's weight matrices take it; its other tensors (norms,
+#: biases) keep the block's α.
+GRAM_RULES = ("regmean",)
+BLOCK_RULES = tuple(name for name, method in STRATEGIES.items()
+                    if not method.needs_data and name != "closed-form") + GRAM_RULES
 
 
 def interference_marks(interference, *, sti_max: float = DEFAULT_STI_MAX,
@@ -443,11 +450,13 @@ def interference_marks(interference, *, sti_max: float = DEFAULT_STI_MAX,
     return marks
 
 
-def rule_delta(rule: ParameterRule, info: TensorInfo, vectors: list[torch.Tensor], tasks: list[str]) -> torch.Tensor:
-    """The merged task vector of one tensor under `rule` (weights: Σ w_t τ_t; method: the strategy)."""
+def rule_delta(rule: ParameterRule, info: TensorInfo, vectors: list[torch.Tensor], tasks: list[str],
+               grams: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """The merged task vector of one tensor under `rule` (weights: Σ w_t τ_t; method: the strategy, as the writer
+    merges it, with the tensor's per-task data input `grams` — RegMean's input Grams — where its method takes one)."""
 
     if rule.weights is None:
-        return merge_parameter(info.name, vectors, rule.method, rule.options, kind=info.kind)
+        return method_delta(info, vectors, rule, grams)
     total = torch.zeros_like(vectors[0])
     for task, vector in zip(tasks, vectors):
         weight = rule.weights.get(task, 0.0)
@@ -611,7 +620,8 @@ class Evidence:
 
     def _plan(self, choice: dict[int, str], steered: bool) -> Plan:
         """Each block at its chosen granularity's α; a block that chose a rule (a strategy) has it on every tensor
-        (`matrix_rules`, unsteered: as the evidence measured it) and its block α underneath."""
+        (RegMean: on every weight matrix; `block_rule_names`) in `matrix_rules`, unsteered (as the evidence measured
+        it), and its block α underneath."""
         alpha = {}
         for evidence in self.layers:
             alpha.update(evidence.alpha[choice[evidence.layer]])
@@ -621,9 +631,10 @@ class Evidence:
                     layer_granularity=granularity)
         if steered:
             steer(plan, self.infos, self.marks, self.settings["steer_method"])
-        for info in self.infos:
-            if info.layer in choice and choice[info.layer] not in CHOOSABLE:
-                plan.matrix_rules[info.name] = block_rule(choice[info.layer], info.layer)
+        for layer, chosen in choice.items():
+            if chosen not in CHOOSABLE:
+                for name in block_rule_names(chosen, layer, self.infos):
+                    plan.matrix_rules[name] = block_rule(chosen, layer)
         return plan
 
     def plan(self, *, among=None, command: str | None = None) -> Plan:
@@ -661,12 +672,27 @@ class Evidence:
 @dataclass(frozen=True)
 class PlanDelta:
     """The merged task vector of each tensor under `plan` (a picklable `TensorDelta`: the evidence driver and
-    `block_objectives` replay blocks merged by it)."""
+    `block_objectives` replay blocks merged by it); `grams` (checkpoint name → per-task input Gram) for its RegMean
+    rules."""
 
     plan: Plan
+    grams: dict | None = None
 
     def __call__(self, info: TensorInfo, vectors: list[torch.Tensor]) -> torch.Tensor:
-        return rule_delta(self.plan.rule_for(info), info, vectors, list(self.plan.finetuned))
+        rule = self.plan.rule_for(info)
+        grams = (self.grams or {}).get(info.name) if rule.weights is None and rule.method in GRAM_RULES else None
+        return rule_delta(rule, info, vectors, list(self.plan.finetuned), grams)
+
+
+def gram_ruled(plan: Plan) -> list[str]:
+    """The tensors `plan` merges by a rule that needs their input Grams (RegMean), in plan order."""
+    return [name for name, rule in plan.matrix_rules.items() if rule.get("method") in GRAM_RULES]
+
+
+def block_rule_names(method: str, layer: int, infos: list[TensorInfo]) -> list[str]:
+    """The tensors of block `layer` that a block rule `method` merges: every one, or for a gram rule (RegMean) the
+    block's weight matrices (its other tensors keep the block's α)."""
+    return [info.name for info in infos if info.layer == layer and (method not in GRAM_RULES or info.kind == "matrix")]
 
 
 @dataclass(frozen=True)
@@ -693,6 +719,11 @@ class CandidateMerge:
             raise PlanError(f"unknown block rule(s) {unknown}: a block can be merged by {', '.join(BLOCK_RULES)}")
 
     @property
+    def gram_rules(self) -> tuple:
+        """The block rules fitted on each fold's input Grams (the evidence driver measures them)."""
+        return tuple(rule for rule in self.block_rules if rule in GRAM_RULES)
+
+    @property
     def settings(self) -> dict:
         return {"rest": self.rest, "steer_method": self.steer_method, "sti_max": self.sti_max,
                 "sar_min": self.sar_min, "steered": sorted(self.marks),
@@ -703,11 +734,17 @@ class CandidateMerge:
         return Plan(base_model="", finetuned=dict(self.finetuned), granularity=PER_LAYER, alpha=alpha,
                     rest=self.rest, attention=self.attention, layer_granularity={layer: granularity})
 
-    def __call__(self, layer: int, granularity: str, alpha: dict, infos: list[TensorInfo]) -> PlanDelta:
-        if granularity in self.block_rules:  # every tensor of the block by the strategy, at its paper defaults
-            plan = self.plan(layer, "layer", {})
-            plan.matrix_rules = {info.name: block_rule(granularity, layer) for info in infos if info.layer == layer}
-            return PlanDelta(plan)
+    def __call__(self, layer: int, granularity: str, alpha: dict, infos: list[TensorInfo],
+                 grams: dict | None = None) -> PlanDelta:
+        if granularity in self.block_rules:  # the block by the strategy, at its paper defaults (`block_rule_names`)
+            plan = self.plan(layer, "layer", alpha if granularity in GRAM_RULES else {})
+            plan.matrix_rules = {name: block_rule(granularity, layer)
+                                 for name in block_rule_names(granularity, layer, infos)}
+            missing = [name for name in plan.matrix_rules if granularity in GRAM_RULES and name not in (grams or {})]
+            if missing:
+                raise PlanError(f"block {layer}: {granularity} needs the input Grams of {missing} (only linear maps "
+                                "have them)")
+            return PlanDelta(plan, grams)
         return PlanDelta(steer(self.plan(layer, granularity, alpha), infos, self.marks, self.steer_method))
 
 

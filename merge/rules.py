@@ -65,9 +65,11 @@ def method_rule(method: str, options: dict | None = None) -> RuleFunction:
 
 
 def regmean_rule(options: dict | None, linear_names: set[str]) -> RuleFunction:
-    """RegMean for the linear maps with recorded input Grams (`linear_names`), task arithmetic elsewhere."""
+    """RegMean for the linear maps with recorded input Grams (`linear_names`), task arithmetic elsewhere (at RegMean's
+    ``scaling``, when given: λ scales the whole update)."""
     regmean = ParameterRule(method="regmean", options=options)
-    elsewhere = ParameterRule(method="task-arithmetic", options={})
+    scaling = (options or {}).get("scaling")
+    elsewhere = ParameterRule(method="task-arithmetic", options={} if scaling is None else {"scaling": scaling})
     return lambda info: regmean if info.name in linear_names else elsewhere
 
 

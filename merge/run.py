@@ -32,7 +32,7 @@ from submerge.diagnostics.linearity import alpha
 from submerge.diagnostics.provenance import identity_changes, input_identity
 from submerge.diagnostics.tensors import TensorTable
 from submerge.merge.learned import LEARNED_METHODS, learn
-from submerge.merge.plan import Plan, PlanError, plan_from_alpha
+from submerge.merge.plan import Plan, PlanError, gram_ruled, plan_from_alpha
 from submerge.merge.recipe import Recipe
 from submerge.merge.rules import RuleFunction, checked_method, method_rule, regmean_rule
 from submerge.merge.strategies import STRATEGIES
@@ -106,7 +106,9 @@ def run_merge(
         the_plan = Plan.load(plan)
         base, finetuned = the_plan.base_model, the_plan.finetuned
         _check_plan(the_plan, allow_pickle)
-        setup = MergeSetup(the_plan.rule_for, {"plan": str(plan), "granularity": the_plan.granularity})
+        setup = MergeSetup(the_plan.rule_for, {"plan": str(plan), "granularity": the_plan.granularity},
+                           _plan_grams(the_plan, plan, data, device=device, offload=offload,
+                                       allow_pickle=allow_pickle, vocab=vocab))
     _refuse_inputs(out_dir, base, finetuned, allow_pickle)
     check_output(out_dir, force)
     if method is not None:
@@ -157,6 +159,26 @@ def _check_plan(plan: Plan, allow_pickle: bool) -> None:
     if changes:
         raise PlanError(f"the plan was made for other weights than its models hold now: {'; '.join(changes)}. "
                         "Measure α of these models again (diag alpha, then diag plan)")
+
+
+def _plan_grams(plan: Plan, path, data: DataSettings | None, *, device: str, offload: bool, allow_pickle: bool,
+                vocab: str) -> GramsByLayer | None:
+    """The input Grams a plan's RegMean rules (`gram_ruled`: blocks the evidence merged by RegMean) need, on the
+    records of `data` (`diag merge PLAN --data …`, as `--method regmean` takes them); None for a plan without."""
+    ruled = gram_ruled(plan)
+    if not ruled:
+        return None
+    if data is None or not data.data:
+        fitted = (plan.decision or {}).get("fit_records")
+        on = f" (it was fitted on {fitted} records per task)" if fitted else ""
+        raise PlanError(f"{path}: the plan merges {len(ruled)} matrices by RegMean ({ruled[0]} …), which needs the "
+                        f"Gram matrices of their inputs on task data: give --data TASK=FILE for "
+                        f"{', '.join(plan.finetuned)}, with --samples and --max-tokens{on}")
+    experiment = Experiment.load(plan.base_model, plan.finetuned, data.data, samples=data.samples,
+                                 max_tokens=data.max_tokens, batch_size=data.batch_size, dtype="auto", device=device,
+                                 offload=offload, allow_pickle=allow_pickle, trust_remote_code=False, vocab=vocab)
+    return GramsByLayer(experiment.base.model, experiment.arch, {t: experiment.batches[t] for t in plan.finetuned},
+                        checkpoint_names=experiment.base.checkpoint_names, device=experiment.device)
 
 
 def recipe_setup(recipe: Recipe, *, allow_pickle: bool = False, path: str | Path | None = None) -> MergeSetup:

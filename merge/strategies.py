@@ -1168,6 +1168,7 @@ def regmean(
     *,
     gram_matrices: Sequence[torch.Tensor],
     off_diagonal_scale: float = 0.9,
+    scaling: float = 1.0,
 ) -> torch.Tensor:
     """RegMean (Jin et al. 2023) for one linear map's weight W (out × in), y = W x.
 
@@ -1179,7 +1180,8 @@ def regmean(
     With W_t = W_0 + τ_t the base weight cancels: τ_M = (Σ_t τ_t G̃_t)(Σ_t G̃_t)^{-1}, so
     only the task vectors are needed. Weights stored (in × out), e.g. GPT-2's Conv1D, must
     be transposed by the caller. A singular Σ_t G̃_t (an input feature never active) is
-    handled with the pseudo-inverse.
+    handled with the pseudo-inverse. ``scaling`` λ multiplies τ_M (1: the paper's merge; a tuned λ, as every
+    method gets in `diag compare`, and what a tuned plan writes for a block merged by RegMean).
     """
     _check_task_vectors(task_vectors, matrix=True)
     off_diagonal_scale = _check_fraction(off_diagonal_scale, "off_diagonal_scale")
@@ -1205,6 +1207,8 @@ def regmean(
         merged_transposed = torch.linalg.solve(total_gram, right_hand_side)
     except torch.linalg.LinAlgError:
         merged_transposed = torch.linalg.pinv(total_gram, hermitian=True) @ right_hand_side
+    if scaling != 1.0:
+        merged_transposed.mul_(float(scaling))
     return _as_output(merged_transposed.mT, task_vectors[0])
 
 

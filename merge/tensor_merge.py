@@ -58,22 +58,30 @@ def merge_tensor(info: TensorInfo, base_tensor: torch.Tensor, task_vectors: Mapp
     if rule.weights is not None:
         delta = weighted_task_arithmetic(vectors, [rule.weights.get(task, 0.0) for task in task_vectors])
     else:
-        transposed = bool(grams) and rule.method == "regmean" and info.transposed
-        if transposed:  # GPT-2 Conv1D stores (in, out)
-            vectors = [v.T for v in vectors]
-        inputs = {TENSOR_INPUTS[rule.method]: grams} if grams and rule.method in TENSOR_INPUTS else {}
         try:
-            delta = merge_parameter(info.name, vectors, rule.method, rule.options, kind=info.kind,
-                                    base_weight=base_tensor, **inputs)
+            delta = method_delta(info, vectors, rule, grams, base_weight=base_tensor)
         except ValueError as exc:
             raise MergeError(f"merging '{info.name}' {tuple(base_tensor.shape)}: {exc}") from exc
-        if transposed:
-            delta = delta.T
     compute = compute_dtype(base_tensor.dtype)
     merged = (base_tensor.to(compute) + delta.to(compute)).to(dtype or base_tensor.dtype)
     if not all_finite(merged):
         raise MergeError(f"merged tensor '{info.name}' has NaN/Inf values (rule: {rule.describe()})")
     return merged
+
+
+def method_delta(info: TensorInfo, vectors: list[torch.Tensor], rule: ParameterRule,
+                 grams: list[torch.Tensor] | None = None, *, base_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """τ_M of one tensor under a method rule (`merge_parameter` with the table's ``kind``): the method's per-tensor
+    data input `grams` (`TENSOR_INPUTS`, one per task; a Conv1D weight stored (in, out) is transposed around
+    RegMean) and θ0 of the tensor (`base_weight`, NAN's). The writer and the evidence step's candidate merges
+    (`submerge.merge.plan.rule_delta`) both merge through it. A ValueError names what is wrong."""
+    transposed = bool(grams) and rule.method == "regmean" and info.transposed
+    if transposed:  # GPT-2 Conv1D stores (in, out)
+        vectors = [v.T for v in vectors]
+    inputs = {TENSOR_INPUTS[rule.method]: grams} if grams and rule.method in TENSOR_INPUTS else {}
+    delta = merge_parameter(info.name, vectors, rule.method, rule.options, kind=info.kind, base_weight=base_weight,
+                            **inputs)
+    return delta.T if transposed else delta
 
 
 def merge_named(name: str, base_reader, task_vectors, table: TensorTable, rule_for, *, dtype, device,

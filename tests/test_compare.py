@@ -285,8 +285,8 @@ def test_tuned_plan_scales_every_weight_and_rule_and_steers_at_its_own_scale():
     assert tuned.matrix_rules[MATRICES[2]]["options"] == {"scaling": 2 * STRATEGIES["ties"].options["scaling"]}
     assert tuned.decision["tuned"] == {"λ": 2.0, "steer_share": 0.5, "steer_scale": 1.5}
     assert plan.alpha == ALPHA and MATRICES[0] not in plan.matrix_rules  # the plan itself is unchanged
-    plan.matrix_rules[MATRICES[3]] = block_rule("regmean", 1)
-    with pytest.raises(PlanError, match="regmean has no scaling option"):
+    plan.matrix_rules[MATRICES[3]] = block_rule("star", 1)
+    with pytest.raises(PlanError, match="star has no scaling option"):
         tuned_plan(plan, 2.0)
 
 
@@ -878,6 +878,38 @@ def test_tuned_plan_steers_the_share_of_matrices_with_the_lowest_fit_loss(traine
     assert {rule["options"]["scaling"] for rule in plan.matrix_rules.values()} == {chosen["steer_scale"]}
     written = tmp_path / "tuned-plan"
     write_merge(base, finetuned, written, plan.rule_for, progress=False)
+    held = _experiment(trained_kit, skip=FIT)
+    evaluator = _Evaluator(held, held.batches)
+    evaluator.load(str(written))
+    np.testing.assert_allclose(evaluator.losses(), row.loss.values, rtol=1e-5)
+
+
+def test_a_plan_of_regmean_blocks_is_tuned_written_and_merged_with_the_data_it_needs(trained_kit, tmp_path):
+    """The evidence plan with RegMean as its block candidate: every block matrix merged by RegMean on the fit
+    records' input Grams, the norms by the block's α, tuned at λ (RegMean's ``scaling``). ``--plan-out`` writes it
+    tuned; `diag merge` of the file refuses to run without --data, and with the fit records gives compare's
+    held-out losses."""
+    from submerge.diagnostics.checkpoints import open_checkpoint
+    from submerge.merge.compare import _Evaluator, compare
+    from submerge.merge.plan import gram_ruled
+    from submerge.merge.run import DataSettings, run_merge
+    from submerge.merge.tuning import LAMBDAS_WIDE
+
+    _, base, finetuned, data = trained_kit
+    dataset = compare(base, finetuned, data, methods=["plan"], plan_out=tmp_path / "plan.yaml",
+                      grids={"plan": {"scaling": LAMBDAS_WIDE, "steer_share": (0.0,)}},  # no steering over it
+                      **{**RUN, "tune": "line", "evidence_options": {"folds": 2, "candidates": ("regmean",)}})
+    row = indexed(dataset).sel({"method": "plan"})
+    plan = Plan.load(tmp_path / "plan.yaml")
+    infos = list(TensorTable.from_reader(open_checkpoint(base)))
+    assert sorted(gram_ruled(plan)) == sorted(i.name for i in infos if i.layer >= 0 and i.kind == "matrix")
+    scale = plan.decision["tuned"]["λ"]
+    assert {rule["options"]["scaling"] for rule in plan.matrix_rules.values()} == {scale}
+    with pytest.raises(PlanError, match=r"merges \d+ matrices by RegMean .* give --data"):
+        run_merge(tmp_path / "refused", plan=tmp_path / "plan.yaml", progress=False)
+    assert not (tmp_path / "refused").exists()
+    written = run_merge(tmp_path / "merged", plan=tmp_path / "plan.yaml", progress=False,
+                        data=DataSettings(data, samples=FIT, max_tokens=48, batch_size=4))
     held = _experiment(trained_kit, skip=FIT)
     evaluator = _Evaluator(held, held.batches)
     evaluator.load(str(written))

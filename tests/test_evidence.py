@@ -162,12 +162,12 @@ def test_a_block_rule_candidate_is_scored_as_the_block_merged_by_that_strategy(h
     vectors = [torch.randn(weight.shape, generator=torch.Generator().manual_seed(t)) for t in range(2)]
     assert torch.equal(PlanDelta(forced)(weight, vectors), merge_parameter(weight.name, vectors, "ties", {},
                                                                              kind=weight.kind))
-    assert "ties" in BLOCK_RULES and "closed-form" not in BLOCK_RULES and "regmean" not in BLOCK_RULES
+    assert "ties" in BLOCK_RULES and "regmean" in BLOCK_RULES and "closed-form" not in BLOCK_RULES
     with pytest.raises(PlanError, match=r"unknown block rule\(s\) \['fisher'\]: a block can be merged by"):
         evidence_plan(hand_fit, hand_kit_finetuned(hand_fit), candidates=("layer", "fisher"), folds=2,
                       progress=False)
     with pytest.raises(PlanError, match="unknown block rule"):
-        _merge(hand_fit, block_rules=("regmean",))
+        _merge(hand_fit, block_rules=("fisher",))
 
 
 def hand_kit_finetuned(experiment) -> dict[str, str]:
@@ -361,3 +361,94 @@ def test_plan_delta_is_the_plans_rule(hand_fit):
     weights = plan.rule_for(info).weights
     expected = weights["left"] * vectors[0] + weights["right"] * vectors[1]
     torch.testing.assert_close(PlanDelta(plan)(info, vectors), expected)
+
+
+# ------------------------------------------------------------------ RegMean as a block candidate
+
+
+@pytest.fixture(scope="module")
+def random_kit(tmp_path_factory):
+    """A toy Llama (2 blocks) with two random full fine-tunes (every tensor changed) and 8 records per task."""
+    root = tmp_path_factory.mktemp("regmean-candidate")
+    data = {task: str(toy.write_task_data(root / f"{task}.jsonl", task, count=8)) for task in ("math", "code")}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        base = toy.build_model(root / "base", "llama", layers=2, hidden=32)
+        tuned = toy.perturbed_finetunes(base, ["math", "code"])
+    return str(base), {t: str(p) for t, p in tuned.items()}, data
+
+
+def _records_experiment(kit, positions: list[int], directory, batch_size: int = 3) -> Experiment:
+    """The kit's experiment on its records at `positions` only (written to their own data files)."""
+    import json
+
+    base, finetuned, data = kit
+    subset = {}
+    for task, path in data.items():
+        lines = [json.loads(line) for line in open(path).read().splitlines()]
+        subset[task] = directory / f"{task}-{'-'.join(map(str, positions))}.jsonl"
+        subset[task].write_text("".join(json.dumps(lines[i]) + "\n" for i in positions))
+    return Experiment.load(base, finetuned, {t: str(p) for t, p in subset.items()}, samples=len(positions),
+                           max_tokens=32, batch_size=batch_size, dtype="float32", device="cpu")
+
+
+def test_a_regmean_candidate_is_regmean_fitted_on_the_other_folds_and_scored_on_its_own(random_kit, tmp_path):
+    """``--candidates …,regmean``: per fold k, the block's weight matrices merged by RegMean on the input Grams of
+    the other folds' records, its other tensors (norms) by the block's α of the other folds, scored on fold k. The
+    reference is computed apart: the Grams by `input_gram_matrices` (a forward of the base) over an experiment of
+    the training records alone, `strategies.regmean`, and `block_objectives` over an experiment of fold k's records.
+    Batches of 3 records mix the folds."""
+    from submerge.diagnostics.capture import input_gram_matrices
+    from submerge.merge.strategies import regmean
+
+    folds, records = 3, 8
+    fit = _records_experiment(random_kit, list(range(records)), tmp_path)
+    tasks = list(fit.tasks)
+    result = evidence(fit, _merge(fit, block_rules=("regmean",)), candidates=("layer", "regmean"), folds=folds,
+                      progress=False)
+    scores = result.fold_objective.sel(candidate="regmean").values  # (layer, fold)
+    for k in range(folds):
+        train = _records_experiment(random_kit, [i for i in range(records) if i % folds != k], tmp_path)
+        held = _records_experiment(random_kit, [i for i in range(records) if i % folds == k], tmp_path)
+        names = train.base.checkpoint_names
+        grams = {t: {names.get(key, key): g for key, g in input_gram_matrices(
+            train.base.model, train.arch, train.batches[t]).items()} for t in tasks}
+        alpha = result.fold_alpha.sel(part="block", fold=k).values  # (layer, task)
+
+        def delta(info, vectors, alpha=alpha, grams=grams):
+            if info.kind == "matrix" and info.layer >= 0:
+                return regmean(vectors, gram_matrices=[grams[t][info.name] for t in tasks])
+            return sum(float(w) * v for w, v in zip(alpha[info.layer], vectors))
+
+        expected = evidence_module.block_objectives(held, delta)
+        for layer in (0, 1):
+            assert scores[layer, k] == pytest.approx(expected[layer], rel=1e-5), (layer, k)
+    assert np.all(scores > 0) and np.all(np.isfinite(scores))
+    # the fit leaves fold k out: RegMean on every record's Grams scores fold 0 otherwise
+    names = fit.base.checkpoint_names
+    leaky = {t: {names.get(key, key): g for key, g in input_gram_matrices(fit.base.model, fit.arch,
+                                                                            fit.batches[t]).items()} for t in tasks}
+    alpha = result.fold_alpha.sel(part="block", fold=0).values
+    held = _records_experiment(random_kit, [i for i in range(records) if i % folds == 0], tmp_path)
+    with_leak = evidence_module.block_objectives(held, lambda info, vectors: (
+        regmean(vectors, gram_matrices=[leaky[t][info.name] for t in tasks]) if info.kind == "matrix"
+        else sum(float(w) * v for w, v in zip(alpha[info.layer], vectors))))
+    assert with_leak[0] != pytest.approx(scores[0, 0], rel=1e-3)
+
+
+def test_regmean_recovers_each_fine_tune_where_their_inputs_are_disjoint(hand_fit):
+    """The hand kit: each fine-tune's attention update reads only its own task's input dimensions and the MLP update
+    is shared, so RegMean on each block's input Grams gives every task its own fine-tune's block: objective 0 (to
+    rounding), far below Σ τ's. A plan whose block chose RegMean carries it on the block's weight matrices only; its
+    norms keep the block's α."""
+    from submerge.merge.plan import gram_ruled
+
+    result = evidence_plan(hand_fit, hand_kit_finetuned(hand_fit), candidates=("layer", "attn-mlp", "regmean"),
+                           folds=2, progress=False)
+    summed = evidence_module.block_objectives(hand_fit, lambda info, vectors: vectors[0] + vectors[1])
+    assert max(result.layers[0].fold_objective["regmean"]) < 1e-9 * summed[0]
+    forced = result._plan({0: "regmean", 1: "layer"}, steered=False)
+    block0 = [info for info in result.infos if info.layer == 0]
+    assert sorted(gram_ruled(forced)) == sorted(info.name for info in block0 if info.kind == "matrix")
+    norm = next(info for info in block0 if info.kind == "norm")
+    assert forced.rule_for(norm).weights == result.layers[0].alpha["layer"]["layers.0"]

@@ -1003,3 +1003,14 @@ def test_compute_dtype_is_at_least_float32():
 
     assert compute_dtype(torch.bfloat16) == torch.float32 and compute_dtype(torch.float16) == torch.float32
     assert compute_dtype(torch.float32) == torch.float32 and compute_dtype(f64) == f64
+
+
+def test_regmean_scaling_multiplies_the_merged_update():
+    """RegMean's ``scaling`` λ (1: the paper's merge) is λ times the unscaled τ_M, for every Gram."""
+    generator = torch.Generator().manual_seed(3)
+    vectors = [torch.randn(4, 3, generator=generator, dtype=f64) for _ in range(2)]
+    inputs = [torch.randn(6, 3, generator=generator, dtype=f64) for _ in range(2)]
+    grams = [x.T @ x for x in inputs]
+    plain = regmean(vectors, gram_matrices=grams)
+    torch.testing.assert_close(regmean(vectors, gram_matrices=grams, scaling=0.4), 0.4 * plain)
+    assert torch.equal(regmean(vectors, gram_matrices=grams, scaling=1.0), plain)

@@ -43,7 +43,7 @@ import xarray as xr
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from submerge.diagnostics.capture import DEFAULT_CAPTURE_BUDGET
+from submerge.diagnostics.capture import DEFAULT_CAPTURE_BUDGET, hooks, linear_maps
 from submerge.diagnostics.errors import SubmergeError
 from submerge.diagnostics.execution import LocalEngine, RunSettings
 from submerge.diagnostics.groups import StoreGroup
@@ -77,10 +77,12 @@ class CandidateMerge(Protocol):
 
     settings: dict  # what the merge depends on (recorded in the group's settings: a change recomputes)
     block_rules: tuple  # candidates that merge the whole block by one rule, without α (e.g. a strategy: "ties")
+    gram_rules: tuple  # the block rules among them that need the block's linear maps' input Grams ("regmean")
 
     def __call__(self, layer: int, granularity: str, alpha: dict[str, dict[str, float]],
-                 infos: list[TensorInfo]) -> TensorDelta:
-        """The merged δ of each tensor of block `layer` (`infos`) with α per unit → task."""
+                 infos: list[TensorInfo], grams: dict[str, list[torch.Tensor]] | None = None) -> TensorDelta:
+        """The merged δ of each tensor of block `layer` (`infos`) with α per unit → task (a gram rule: the block's
+        α underneath, and `grams`, checkpoint name → per-task input Gram, for its linear maps)."""
 
 
 CHOOSABLE = ("layer", "attn-mlp", "head-mlp")  # the granularities a block can take
@@ -168,6 +170,70 @@ def _grams(outputs: Outputs) -> np.ndarray:
                      for sample in outputs.per_sample()])
 
 
+@torch.no_grad()
+def fold_input_grams(layer: Layer, tasks: list[str], folds: int) -> dict[str, list[list[torch.Tensor]]]:
+    """RegMean's input Grams of block `layer` per fold: {checkpoint name of each linear map inside the block: per
+    task, [G_0 … G_{k−1}]}, G_f = Σ x xᵀ over the real tokens of the map's input in the records of fold f (record i
+    in fold i mod `folds`), in the compute dtype. The inputs are the base block's, replayed on each task's recorded
+    inputs (as `submerge.diagnostics.capture.input_gram_matrices` records them in a forward of the base; the sum
+    over folds is its Gram on the same records, up to rounding). Maps fed the same tensor (q/k/v, gate/up) share
+    their Grams (the same tensors). Memory: T × folds × the block's distinct in × in Grams."""
+    source, path = layer.source, layer.arch.layer_path(layer.index)
+    maps = list(linear_maps(source.base.model, layer.arch, layer.index))
+    unit = layer.units[path]
+    grams: dict[str, list[list[torch.Tensor]]] = {source.base.checkpoint_name(key): [] for key, _ in maps}
+    for task in tasks:
+        inputs: dict[str, list[torch.Tensor]] = {key: [] for key, _ in maps}
+        with hooks() as handles:
+            for key, module in maps:
+                handles.append(module.register_forward_pre_hook(
+                    lambda m, args, key=key: inputs[key].append(args[0])))
+            replayed = unit.run(task, [{}])
+        groups: list[list[str]] = []  # maps fed the same tensor (in the first batch), first of each group leads
+        for key, _ in maps:
+            group = next((g for g in groups if inputs[g[0]][0] is inputs[key][0]), None)
+            if group is None:
+                groups.append([key])
+            else:
+                group.append(key)
+        per_map: dict[str, list[torch.Tensor]] = {}
+        for b, (mask, indices) in enumerate(zip(replayed.masks, replayed.indices)):
+            fold_of = torch.tensor([index % folds for index in indices])
+            for group in groups:
+                x = inputs[group[0]][b]
+                if any(inputs[key][b] is not x for key in group):
+                    raise EvidenceError(f"block {layer.index}: the linear maps {group} shared their input in the "
+                                        f"first batch of task {task} but not in batch {b}")
+                grams_of_x = per_map.setdefault(group[0], [x.new_zeros(x.shape[-1], x.shape[-1])
+                                                           for _ in range(folds)])
+                for f in range(folds):
+                    rows = (fold_of == f).nonzero().flatten()
+                    if len(rows):
+                        tokens = x[rows][mask[rows].to(x.device)]
+                        grams_of_x[f] += tokens.T @ tokens
+        for group in groups:
+            for key in group:
+                per_map[key] = per_map[group[0]]
+        for key, _ in maps:
+            grams[source.base.checkpoint_name(key)].append(per_map[key])
+        inputs.clear()
+    return grams
+
+
+def training_grams(fold_grams: dict[str, list[list[torch.Tensor]]], fold: int) -> dict[str, list[torch.Tensor]]:
+    """Per map and task, the Gram of every fold but `fold` (the records fold `fold`'s merge is fitted on); maps that
+    share their fold Grams share the sum."""
+    sums: dict[int, torch.Tensor] = {}
+    result = {}
+    for name, per_task in fold_grams.items():
+        result[name] = []
+        for per_fold in per_task:
+            if id(per_fold) not in sums:
+                sums[id(per_fold)] = sum(g for f, g in enumerate(per_fold) if f != fold)
+            result[name].append(sums[id(per_fold)])
+    return result
+
+
 @dataclass
 class _BlockData:
     """One block's replays on the fit records: Grams per module name (per input task), and on the block itself each
@@ -233,7 +299,17 @@ class _EvidenceOfLayer:
         table = _table(layer)
         infos = [info for info in table if info.layer == j]
         scores = np.full((len(self.candidates), folds), np.nan)
+        gram_rules = [c for c in self.candidates if c in getattr(self.merge, "gram_rules", ())]
+        fold_grams = fold_input_grams(layer, tasks, folds) if gram_rules else {}
         for c, candidate in enumerate(self.candidates):
+            if candidate in gram_rules:  # fitted per fold: Grams and the block's α of the other folds
+                for k in range(folds):
+                    solved = {f"layers.{j}": dict(zip(tasks, map(float, fold_alpha[self.parts.index(BLOCK), k])))}
+                    delta = self.merge(j, candidate, solved, infos, grams=training_grams(fold_grams, k))
+                    merged = _merged_features(layer, delta, table, tasks)
+                    scores[c, k] = fold_objective(merged, data.targets, data.denominators, folds_by_task, k,
+                                                  self.balance)
+                continue
             if candidate not in CHOOSABLE:  # a block rule: no α, one merge for every fold
                 merged = _merged_features(layer, self.merge(j, candidate, {}, infos), table, tasks)
                 scores[c] = [fold_objective(merged, data.targets, data.denominators, folds_by_task, k, self.balance)
