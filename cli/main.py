@@ -49,7 +49,7 @@ from submerge.diagnostics.tables import print_table
 from submerge.diagnostics.task_vectors import open_finetunes
 from submerge.merge.compare import COMPARE, leaderboard, parse_method_options
 from submerge.merge.compare import compare as run_compare
-from submerge.merge.plan import DEFAULT_STEER_METHOD, MERGEKIT_HEADER, is_plan_file, make_plan
+from submerge.merge.plan import DEFAULT_STEER_METHOD, MERGEKIT_HEADER, PLAN_CANDIDATES, is_plan_file, make_plan
 from submerge.merge.recipe import Recipe, is_recipe_file
 from submerge.merge.run import DataSettings, needs_data, run_merge
 from submerge.merge.strategies import MergedTaskVector, resolve_method
@@ -314,7 +314,8 @@ def plan(
 def merge(
     plan_path: Annotated[Optional[Path], typer.Argument(
         help="Plan from diag plan, or a mergekit config (merge_method linear, task_arithmetic, ties, dare_ties, "
-             "dare_linear, breadcrumbs or della; it names its models), or use --method.")] = None,
+             "dare_linear, breadcrumbs or della; it names its models), or use --method. A plan whose blocks the "
+             "evidence merged by RegMean needs --data (their input Grams), as --method regmean does.")] = None,
     out_dir: Annotated[Path, typer.Option("--out", "-o", help="Directory for the merged checkpoint.")] = Path("merged"),
     method: Annotated[Optional[str], typer.Option(
         "--method", help="Merge method without a plan: weight-average, task-arithmetic, ties, dare, breadcrumbs, "
@@ -487,7 +488,7 @@ def compare(
                                                                  "tsv-m), and regmean (the block's weight matrices "
                                                                  "by RegMean on each fold's input Grams; a plan "
                                                                  "with it needs --data in diag merge).")
-                            ] = "layer,attn-mlp",
+                            ] = ",".join(PLAN_CANDIDATES),
     folds: Annotated[int, typer.Option("--folds", help="Cross-validation folds over the fit records.")] = 4,
     option: Annotated[Optional[list[str]], typer.Option(
         "--option", help="METHOD.KEY=VALUE: fix an option of one registered strategy that compare does not tune "

@@ -101,6 +101,7 @@ from submerge.diagnostics.tensors import TensorTable
 from submerge.merge.learned import LEARNED_METHODS, learn
 from submerge.merge.plan import (
     LEVELS_OF,
+    PLAN_CANDIDATES,
     Plan,
     PlanError,
     SteeredPart,
@@ -379,7 +380,7 @@ def prepare(experiment, finetuned: dict[str, str], methods: list[str], *, plan=N
         raise CompareError(f"--choose must be evidence or thresholds, got '{choose}'")
     if need_evidence:
         options = dict(evidence_options or {})
-        among = list(options.pop("candidates", None) or ("layer", "attn-mlp"))
+        among = list(options.pop("candidates", None) or PLAN_CANDIDATES)
         candidates = list(dict.fromkeys(among + [m.removeprefix("closed-form-") for m in wanted_closed]))
         interference = store.dataset("interference") if store is not None and store.is_complete("interference") else None
         run = RunSettings(store=store if record_evidence else None, force=force, progress=progress, command=command,

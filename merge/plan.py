@@ -20,6 +20,7 @@ mean of the task vectors (θ0 + Σ_t τ_t / T).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 import json
 import math
 import warnings
@@ -30,6 +31,7 @@ import numpy as np
 import torch
 import yaml
 
+from submerge.diagnostics.capture import GramsByLayer
 from submerge.diagnostics.checkpoints import local_path
 from submerge.diagnostics.errors import SubmergeError
 from submerge.diagnostics.execution import RunSettings
@@ -428,8 +430,12 @@ DEFAULT_STEER_METHOD = "tsv-m"
 #: `diag merge PLAN --data` on the fit records. Only the block's weight matrices take it; its other tensors (norms,
 #: biases) keep the block's α.
 GRAM_RULES = ("regmean",)
-BLOCK_RULES = tuple(name for name, method in STRATEGIES.items()
-                    if not method.needs_data and name != "closed-form") + GRAM_RULES
+#: What the evidence plan chooses among per block unless told (`diag compare --candidates`): closed-form α per layer
+#: or per attention + MLP, or RegMean on the block's weight matrices (on the demo kit every block takes RegMean, and
+#: the plan beats every tuned baseline: README, "Tuned leaderboard on the demo kit").
+PLAN_CANDIDATES = (*EVIDENCE_CANDIDATES, "regmean")
+BLOCK_RULES = tuple(name for name, method in STRATEGIES.items()  # NAN reads θ0 itself, which a candidate merge lacks
+                    if not method.needs_data and not method.checkpoint_inputs and name != "closed-form") + GRAM_RULES
 
 
 def interference_marks(interference, *, sti_max: float = DEFAULT_STI_MAX,
@@ -676,11 +682,13 @@ class PlanDelta:
     rules."""
 
     plan: Plan
-    grams: dict | None = None
+    grams: dict | Callable | None = None  # a dict, or a callable such as `GramsByLayer` (name → Grams or None)
 
     def __call__(self, info: TensorInfo, vectors: list[torch.Tensor]) -> torch.Tensor:
         rule = self.plan.rule_for(info)
-        grams = (self.grams or {}).get(info.name) if rule.weights is None and rule.method in GRAM_RULES else None
+        grams = None
+        if rule.weights is None and rule.method in GRAM_RULES and self.grams is not None:
+            grams = self.grams(info.name) if callable(self.grams) else self.grams.get(info.name)
         return rule_delta(rule, info, vectors, list(self.plan.finetuned), grams)
 
 
@@ -799,7 +807,7 @@ def check_evidence_options(experiment, options: dict | None) -> None:
     """The evidence step's settings (`evidence_plan`'s keywords), checked before any work: a compare that fails on
     them later would leave its group behind."""
     options = dict(options or {})
-    candidates = tuple(dict.fromkeys(options.get("candidates") or EVIDENCE_CANDIDATES))
+    candidates = tuple(dict.fromkeys(options.get("candidates") or PLAN_CANDIDATES))
     for candidate in candidates:
         if candidate not in CHOOSABLE and candidate not in BLOCK_RULES:
             raise PlanError(f"--candidates: '{candidate}' is neither a granularity choosable per layer "
@@ -824,7 +832,7 @@ def evidence_plan(
     experiment,
     finetuned: dict[str, str],
     *,
-    candidates: tuple[str, ...] = EVIDENCE_CANDIDATES,
+    candidates: tuple[str, ...] = PLAN_CANDIDATES,
     folds: int = DEFAULT_FOLDS,
     balance: bool = True,
     interference=None,
@@ -852,9 +860,18 @@ def evidence_plan(
     return choose_by_evidence(dataset, merge, base_model=experiment.base.spec, infos=infos, tolerance=tolerance)
 
 
-def block_objectives(experiment, plan: Plan, *, balance: bool = True, layers: list[int] | None = None,
+def block_objectives(experiment, plan: Plan, *, fit=None, balance: bool = True, layers: list[int] | None = None,
                      progress: bool = False) -> dict[int, float]:
     """Eq. 10 objective (Eq. 33 balanced) of every block merged by `plan`, on all of the experiment's records
     (`submerge.diagnostics.linearity.evidence.block_objectives`). Use an experiment on held-out records (``skip``)
-    to check a plan out of sample."""
-    return measured_block_objectives(experiment, PlanDelta(plan), balance=balance, layers=layers, progress=progress)
+    to check a plan out of sample. A plan with RegMean rules (`gram_ruled`) needs `fit`, the experiment on the
+    records it is fitted on (their input Grams, as `diag compare` and `diag merge PLAN --data` take them)."""
+    grams = None
+    if gram_ruled(plan):
+        if fit is None:
+            raise PlanError(f"the plan merges {len(gram_ruled(plan))} matrices by RegMean: give fit= (the experiment "
+                            "on its fit records, whose input Grams they need)")
+        grams = GramsByLayer(fit.base.model, fit.arch, {t: fit.batches[t] for t in plan.finetuned},
+                             checkpoint_names=fit.base.checkpoint_names, device=fit.device)
+    return measured_block_objectives(experiment, PlanDelta(plan, grams), balance=balance, layers=layers,
+                                     progress=progress)

@@ -380,7 +380,7 @@ def test_evidence_chooses_attn_mlp_only_where_attention_and_mlp_want_different_a
     from submerge.merge.plan import block_objectives, evidence_plan
 
     fit = _hand_experiment(hand_kit, skip=0)
-    evidence = evidence_plan(fit, hand_kit[1], progress=False)
+    evidence = evidence_plan(fit, hand_kit[1], candidates=("layer", "attn-mlp"), progress=False)
     plan = evidence.plan()
     assert plan.granularity == PER_LAYER
     assert plan.layer_granularity == {0: "attn-mlp", 1: "layer"}
@@ -811,7 +811,8 @@ def test_compare_plan_steers_the_matrices_the_store_interference_marks(trained_k
     expected = {name for name, value in sti.items() if value > threshold}
     assert 0 < len(expected) < len(sti)
     compare(base, finetuned, data, methods=["plan"], store=store, plan_out=tmp_path / "plan.yaml",
-            **{**RUN, "evidence_options": {"folds": 2, "sti_max": threshold, "sar_min": 0.0}})
+            **{**RUN, "evidence_options": {"folds": 2, "sti_max": threshold, "sar_min": 0.0,
+                                           "candidates": ("layer", "attn-mlp")}})  # a RegMean block is not steered
     plan = Plan.load(tmp_path / "plan.yaml")
     assert set(plan.matrix_rules) == expected
     for name, rule in plan.matrix_rules.items():

@@ -76,7 +76,7 @@ def _measure(folder: Path, base: Path, tuned: dict, data: dict, dtype: str, save
     plan = evidence.plan()
     cross_validated = [e.cv_objective[c] for e in evidence.layers for c in sorted(e.cv_objective)]
     plan_alpha = [plan.alpha[unit][task] for unit in sorted(plan.alpha) for task in sorted(plan.alpha[unit])]
-    objectives = block_objectives(experiment, plan)
+    objectives = block_objectives(experiment, plan, fit=experiment)
     stored = load_file(base_copy / "model.safetensors")  # the base is back in its storage dtype, bit for bit
     for name, parameter in experiment.base.model.named_parameters():
         checkpoint = experiment.base.checkpoint_name(name)

@@ -318,7 +318,9 @@ def test_block_objective_of_each_merge_and_its_rank_correlation_with_the_loss(ki
     dataset = compare(base, finetuned, data, plan_out=tmp_path / "plan.yaml", **run)
     held = Experiment.load(base, finetuned, data, samples=3, skip=FIT, max_tokens=40, batch_size=4,
                            dtype="float32", device="cpu")
-    expected = sum(block_objectives(held, Plan.load(tmp_path / "plan.yaml")).values())
+    fit = Experiment.load(base, finetuned, data, samples=FIT, max_tokens=40, batch_size=4, dtype="float32",
+                          device="cpu")
+    expected = sum(block_objectives(held, Plan.load(tmp_path / "plan.yaml"), fit=fit).values())
     assert float(dataset.sel({"method": "plan"}).objective) == pytest.approx(expected, rel=1e-4)
     merged = dataset.sel({"method": methods})
     assert np.isfinite(merged.objective.values).all()

@@ -733,7 +733,7 @@ def test_registry_contents():
     assert STRATEGIES["ties"].defaults == {"top_k": 0.2, "scaling": 1.0, "weights": None, "normalize": True}
     assert STRATEGIES["iso-cts"].defaults["common_fraction"] == 0.8
     assert STRATEGIES["star"].defaults["energy_fraction"] == 0.4
-    assert STRATEGIES["regmean"].defaults == {"off_diagonal_scale": 0.9}
+    assert STRATEGIES["regmean"].defaults == {"off_diagonal_scale": 0.9, "scaling": 1.0}
     assert STRATEGIES["regmean"].inputs == ("gram_matrices",)
     assert STRATEGIES["closed-form"].inputs == ("weights",)
     assert STRATEGIES["closed-form"].defaults == {"granularity": "attn-mlp", "balance": True}

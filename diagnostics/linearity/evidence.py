@@ -14,6 +14,11 @@ The fit records of each task are split into k folds by record position (record i
    steered matrices), the block replayed on fold k's recorded inputs, and the true Eq. 10 objective (divided by
    Eq. 33's denominator when balanced) of its output against each input task's own fine-tune.
 
+A block rule (a strategy that merges the whole block, e.g. ``ties``) has no α: one merge, scored on every fold. A
+gram rule (``regmean``, `CandidateMerge.gram_rules`) is fitted per fold like α: its linear maps' input Grams are
+measured on the base block's replay of the other folds' records (`fold_input_grams`), the block's other tensors take
+the block's α of those folds, and fold k scores it.
+
 Scoring every candidate on the same function (the block's output) makes the scores comparable. What the choice
 does with them (the mean over folds, the one-standard-error rule) is the plan's, at read time.
 
