@@ -1232,7 +1232,13 @@ def _run_methods(pending, merges, evaluator, writer, references, base_spec, fine
                 detail = merge.detail
             if label == PLAN and run.plan_out is not None and (subset, seed) == (subset_label(all_tasks), 0):
                 # checked by _check_outputs; tuned, the plan as tuned, so that diag merge of it writes this model
-                (merge.plan if tuned is None else _tuned_plan(merge, tuned)).save(run.plan_out, force=True)
+                saved = merge.plan if tuned is None else _tuned_plan(merge, tuned)
+                if gram_ruled(saved):  # what `diag merge` needs to measure its RegMean rules' Grams again
+                    saved.decision["fit_data"] = {
+                        "data": {t: str(run.experiment.data[t].path) for t in run.experiment.tasks},
+                        "samples": min(len(run.experiment.data[t].texts) for t in run.experiment.tasks),
+                        "max_tokens": run.max_tokens}
+                saved.save(run.plan_out, force=True)
             unit = unit_label(subset, seed, label)
             writer.add(_piece(unit, kind, detail, losses, references, list(evaluator.tasks),
                               time.perf_counter() - start, all_tasks=all_tasks, subset=subset, seed=seed,

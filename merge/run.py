@@ -169,8 +169,13 @@ def _plan_grams(plan: Plan, path, data: DataSettings | None, *, device: str, off
     if not ruled:
         return None
     if data is None or not data.data:
-        fitted = (plan.decision or {}).get("fit_records")
-        on = f" (it was fitted on {fitted} records per task)" if fitted else ""
+        fit = (plan.decision or {}).get("fit_data")
+        if fit:
+            flags = " ".join(f"--data {t}={spec}" for t, spec in fit["data"].items())
+            on = f"; diag compare fitted it with {flags} --samples {fit['samples']} --max-tokens {fit['max_tokens']}"
+        else:
+            fitted = (plan.decision or {}).get("fit_records")
+            on = f" (it was fitted on {fitted} records per task)" if fitted else ""
         raise PlanError(f"{path}: the plan merges {len(ruled)} matrices by RegMean ({ruled[0]} …), which needs the "
                         f"Gram matrices of their inputs on task data: give --data TASK=FILE for "
                         f"{', '.join(plan.finetuned)}, with --samples and --max-tokens{on}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import warnings
 from pathlib import Path
 
@@ -906,7 +907,10 @@ def test_a_plan_of_regmean_blocks_is_tuned_written_and_merged_with_the_data_it_n
     assert sorted(gram_ruled(plan)) == sorted(i.name for i in infos if i.layer >= 0 and i.kind == "matrix")
     scale = plan.decision["tuned"]["λ"]
     assert {rule["options"]["scaling"] for rule in plan.matrix_rules.values()} == {scale}
-    with pytest.raises(PlanError, match=r"merges \d+ matrices by RegMean .* give --data"):
+    assert plan.decision["fit_data"] == {"data": data, "samples": FIT, "max_tokens": 48}
+    flags = " ".join(f"--data {t}={spec}" for t, spec in data.items())
+    with pytest.raises(PlanError, match=r"merges \d+ matrices by RegMean .* give --data .*"
+                       + re.escape(f"fitted it with {flags} --samples {FIT} --max-tokens 48")):
         run_merge(tmp_path / "refused", plan=tmp_path / "plan.yaml", progress=False)
     assert not (tmp_path / "refused").exists()
     written = run_merge(tmp_path / "merged", plan=tmp_path / "plan.yaml", progress=False,
