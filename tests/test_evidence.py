@@ -293,11 +293,13 @@ def test_block_forwards_grow_linearly_with_depth(depth_kits, monkeypatch, step):
 
 def test_evidence_on_ray_equals_one_process(depth_kits, tmp_path):
     """2 Ray workers (blocks 0–1 and 2–3) give bitwise the single-process evidence, in the store too, though the
-    driver is killed after its first block and the run resumed on Ray."""
+    driver is killed after its first block and the run resumed on Ray (RegMean's fold Grams measured in the
+    workers)."""
     ray = pytest.importorskip("ray")
     experiment = depth_kits[4]
-    merge = _merge(experiment)
-    fresh = evidence(experiment, merge, candidates=("layer", "attn-mlp", "head-mlp"), folds=2, progress=False)
+    merge = _merge(experiment, block_rules=("regmean",))
+    candidates = ("layer", "attn-mlp", "head-mlp", "regmean")
+    fresh = evidence(experiment, merge, candidates=candidates, folds=2, progress=False)
     store, report = Store(tmp_path / "ray.zarr"), {}
 
     def kill(label):
@@ -305,7 +307,7 @@ def test_evidence_on_ray_equals_one_process(depth_kits, tmp_path):
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        options = {"candidates": ("layer", "attn-mlp", "head-mlp"), "folds": 2, "progress": False, "store": store}
+        options = {"candidates": candidates, "folds": 2, "progress": False, "store": store}
         with pytest.raises(Killed):
             evidence(experiment, merge, **options, engine=RayEngine(workers=2), on_unit=kill)
         resumed = evidence(experiment, merge, **options, engine=RayEngine(workers=2, report=report))
