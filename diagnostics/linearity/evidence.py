@@ -182,7 +182,8 @@ def fold_input_grams(layer: Layer, tasks: list[str], folds: int) -> dict[str, li
     in fold i mod `folds`), in the compute dtype. The inputs are the base block's, replayed on each task's recorded
     inputs (as `submerge.diagnostics.capture.input_gram_matrices` records them in a forward of the base; the sum
     over folds is its Gram on the same records, up to rounding). Maps fed the same tensor (q/k/v, gate/up) share
-    their Grams (the same tensors). Memory: T × folds × the block's distinct in × in Grams."""
+    their Grams (the same tensors). Memory: T × folds × the block's distinct in × in Grams, and while one task is
+    measured, its records' inputs to the block's maps."""
     source, path = layer.source, layer.arch.layer_path(layer.index)
     maps = list(linear_maps(source.base.model, layer.arch, layer.index))
     unit = layer.units[path]
