@@ -454,3 +454,17 @@ def test_regmean_recovers_each_fine_tune_where_their_inputs_are_disjoint(hand_fi
     assert sorted(gram_ruled(forced)) == sorted(info.name for info in block0 if info.kind == "matrix")
     norm = next(info for info in block0 if info.kind == "norm")
     assert forced.rule_for(norm).weights == result.layers[0].alpha["layer"]["layers.0"]
+
+
+def test_folds_are_by_position_among_the_fit_records_not_by_file_index(hand_fit):
+    """Resampled fit records (`diag compare --seeds`) are any positions of their files: record indices 0, 2, 4 …
+    would all fall in fold 0 of 2 by index. Folds go by position among the fit records, so the evidence (RegMean's
+    fold Grams included) is bitwise the same whatever the records' indices in their files."""
+    import dataclasses
+
+    relabelled = dataclasses.replace(hand_fit, batches={
+        task: [dataclasses.replace(batch, sample_index=[2 * i for i in batch.sample_index]) for batch in batches]
+        for task, batches in hand_fit.batches.items()})
+    merge = _merge(hand_fit, block_rules=("regmean",))
+    options = {"candidates": ("layer", "attn-mlp", "regmean"), "folds": 2, "progress": False}
+    assert_same(evidence(relabelled, merge, **options), evidence(hand_fit, merge, **options))

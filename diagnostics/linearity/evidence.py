@@ -127,6 +127,13 @@ def parts_of(candidates: Sequence[str], num_heads: int) -> list[str]:
     return list(dict.fromkeys([BLOCK] + [part_of(u) for u in units]))
 
 
+def fold_of_records(count: int, folds: int) -> np.ndarray:
+    """The fold of each of a task's `count` fit records, in their order: the i-th is in fold i mod `folds`. By
+    position, not by the record's index in its file: resampled records (`diag compare --seeds`) are any positions
+    of the file, and their indices mod k can leave a fold empty."""
+    return np.arange(count) % folds
+
+
 def fold_alphas(grams_by_task, folds_by_task, fold: int, *, balance: bool = True) -> np.ndarray:
     """α (Eq. 12–14, balanced Eq. 33–34) solved on the samples outside `fold` of every task.
 
@@ -178,8 +185,8 @@ def _grams(outputs: Outputs) -> np.ndarray:
 @torch.no_grad()
 def fold_input_grams(layer: Layer, tasks: list[str], folds: int) -> dict[str, list[list[torch.Tensor]]]:
     """RegMean's input Grams of block `layer` per fold: {checkpoint name of each linear map inside the block: per
-    task, [G_0 … G_{k−1}]}, G_f = Σ x xᵀ over the real tokens of the map's input in the records of fold f (record i
-    in fold i mod `folds`), in the compute dtype. The inputs are the base block's, replayed on each task's recorded
+    task, [G_0 … G_{k−1}]}, G_f = Σ x xᵀ over the real tokens of the map's input in the records of fold f
+    (`fold_of_records`), in the compute dtype. The inputs are the base block's, replayed on each task's recorded
     inputs (as `submerge.diagnostics.capture.input_gram_matrices` records them in a forward of the base; the sum
     over folds is its Gram on the same records, up to rounding). Maps fed the same tensor (q/k/v, gate/up) share
     their Grams (the same tensors). Memory: T × folds × the block's distinct in × in Grams, and while one task is
@@ -203,8 +210,11 @@ def fold_input_grams(layer: Layer, tasks: list[str], folds: int) -> dict[str, li
             else:
                 group.append(key)
         per_map: dict[str, list[torch.Tensor]] = {}
+        fold_by_record = torch.from_numpy(fold_of_records(sum(len(rows) for rows in replayed.indices), folds))
+        first = 0  # the position among the task's fit records of the batch's first row
         for b, (mask, indices) in enumerate(zip(replayed.masks, replayed.indices)):
-            fold_of = torch.tensor([index % folds for index in indices])
+            fold_of = fold_by_record[first:first + len(indices)]
+            first += len(indices)
             for group in groups:
                 x = inputs[group[0]][b]
                 if any(inputs[key][b] is not x for key in group):
@@ -297,7 +307,7 @@ class _EvidenceOfLayer:
     def __call__(self, layer: Layer) -> dict:
         j, tasks, folds = layer.index, self.tasks, self.folds
         data = _block_data(layer, tasks)
-        folds_by_task = [index % folds for index in data.indices]
+        folds_by_task = [fold_of_records(len(index), folds) for index in data.indices]
         fold_alpha = np.array([[fold_alphas(data.grams[unit_of(j, p)], folds_by_task, k, balance=self.balance)
                                 for k in range(folds)] for p in self.parts])  # (part, fold, task)
         alpha = np.array([fold_alphas(data.grams[unit_of(j, p)], folds_by_task, -1, balance=self.balance)
