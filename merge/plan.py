@@ -20,10 +20,10 @@ mean of the task vectors (θ0 + Σ_t τ_t / T).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 import json
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
