@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from submerge.diagnostics.base_model import BaseModel, load_base_model
-from submerge.diagnostics.capture import ParameterSource
+from submerge.diagnostics.capture import GramsByLayer, ParameterSource
 from submerge.diagnostics.data import TaskData, TokenBatch, read_task_file, tokenize
 from submerge.diagnostics.errors import DataInputError, ModelInputError
 from submerge.diagnostics.modules import Architecture, find_architecture
@@ -112,6 +112,13 @@ class Experiment:
             raise ModelInputError(f"compute dtype {dtype} needs the base stored in it; this experiment's base is "
                                   f"stored in {storage}: load it with compute_dtype='{str(dtype)[6:]}'")
         return ParameterSource(self.base, self.task_vectors, compute_dtype=dtype)
+
+    def input_grams(self, tasks=None) -> GramsByLayer:
+        """RegMean's input Grams of every linear map inside the blocks on these records, per task of `tasks` (default
+        all), computed block by block on the base as they are asked for (`GramsByLayer`, keyed by checkpoint name)."""
+        chosen = self.tasks if tasks is None else list(tasks)
+        return GramsByLayer(self.base.model, self.arch, {t: self.batches[t] for t in chosen},
+                            checkpoint_names=self.base.checkpoint_names, device=self.device)
 
     @classmethod
     def load(

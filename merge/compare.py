@@ -75,7 +75,6 @@ import xarray as xr
 from scipy.stats import spearmanr
 
 from submerge.diagnostics import plot
-from submerge.diagnostics.capture import GramsByLayer
 from submerge.diagnostics.checkpoints import open_checkpoint
 from submerge.diagnostics.data import TaskData, read_task_file, tokenize
 from submerge.diagnostics.errors import SubmergeError
@@ -301,8 +300,7 @@ def _strategy(name: str, given: dict | None = None) -> Merge:
 def _regmean(experiment, given: dict | None = None) -> Merge:
     """RegMean on every linear map inside the blocks (Grams of the fit records on the base); TA elsewhere."""
 
-    grams = GramsByLayer(experiment.base.model, experiment.arch, experiment.batches,
-                         checkpoint_names=experiment.base.checkpoint_names, device=experiment.device)
+    grams = experiment.input_grams()
     options = STRATEGIES["regmean"].resolve_options(given or {})
     return Merge(regmean_rule(dict(given or {}), grams.names),
                  f"off_diagonal_scale {options['off_diagonal_scale']:g} on {len(grams.names)} linear maps, "
@@ -331,8 +329,7 @@ def _plan_merge(plan, label: str, experiment=None) -> Merge:
     if gram_ruled(plan):
         if experiment is None:
             raise CompareError(f"{label}: its RegMean rules need the Grams of the fit records")
-        grams = GramsByLayer(experiment.base.model, experiment.arch, experiment.batches,
-                             checkpoint_names=experiment.base.checkpoint_names, device=experiment.device)
+        grams = experiment.input_grams()
         detail += f"; {len(gram_ruled(plan))} matrices by RegMean"
     return Merge(plan.rule_for, detail, {"method": label, "granularity": plan.granularity, "alpha": plan.alpha,
                                          "layer_granularity": plan.layer_granularity,

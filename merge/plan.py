@@ -31,7 +31,6 @@ import numpy as np
 import torch
 import yaml
 
-from submerge.diagnostics.capture import GramsByLayer
 from submerge.diagnostics.checkpoints import local_path
 from submerge.diagnostics.errors import SubmergeError
 from submerge.diagnostics.execution import RunSettings
@@ -423,19 +422,20 @@ DEFAULT_SAR_MIN = 0.5
 STEER_METHODS = ("tsv-m", "iso-c")
 #: The steering method unless --steer says otherwise.
 DEFAULT_STEER_METHOD = "tsv-m"
-#: Strategies a block can be merged by as an evidence candidate (``--candidates layer,attn-mlp,ties``): the data-free
-#: registered strategies at their paper defaults (the closed form is the granularities' own rule).
 #: Strategies that need data and that a block can still be merged by: RegMean, whose only data are the input Grams of
 #: the block's linear maps — the evidence step measures them on each fold's training records, and `diag compare` /
 #: `diag merge PLAN --data` on the fit records. Only the block's weight matrices take it; its other tensors (norms,
 #: biases) keep the block's α.
 GRAM_RULES = ("regmean",)
+#: Strategies a block can be merged by as an evidence candidate (``--candidates layer,attn-mlp,ties``): the data-free
+#: registered strategies at their paper defaults (the closed form is the granularities' own rule; NAN reads θ0
+#: itself, which a candidate merge lacks), and the gram rules.
+BLOCK_RULES = tuple(name for name, method in STRATEGIES.items()
+                    if not method.needs_data and not method.checkpoint_inputs and name != "closed-form") + GRAM_RULES
 #: What the evidence plan chooses among per block unless told (`diag compare --candidates`): closed-form α per layer
 #: or per attention + MLP, or RegMean on the block's weight matrices (on the demo kit every block takes RegMean, and
 #: the plan beats every tuned baseline: README, "Tuned leaderboard on the demo kit").
 PLAN_CANDIDATES = (*EVIDENCE_CANDIDATES, "regmean")
-BLOCK_RULES = tuple(name for name, method in STRATEGIES.items()  # NAN reads θ0 itself, which a candidate merge lacks
-                    if not method.needs_data and not method.checkpoint_inputs and name != "closed-form") + GRAM_RULES
 
 
 def interference_marks(interference, *, sti_max: float = DEFAULT_STI_MAX,
@@ -871,7 +871,6 @@ def block_objectives(experiment, plan: Plan, *, fit=None, balance: bool = True, 
         if fit is None:
             raise PlanError(f"the plan merges {len(gram_ruled(plan))} matrices by RegMean: give fit= (the experiment "
                             "on its fit records, whose input Grams they need)")
-        grams = GramsByLayer(fit.base.model, fit.arch, {t: fit.batches[t] for t in plan.finetuned},
-                             checkpoint_names=fit.base.checkpoint_names, device=fit.device)
+        grams = fit.input_grams(plan.finetuned)
     return measured_block_objectives(experiment, PlanDelta(plan, grams), balance=balance, layers=layers,
                                      progress=progress)

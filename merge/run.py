@@ -58,6 +58,14 @@ class DataSettings:
     max_tokens: int = 512
     batch_size: int = 8
 
+    def experiment(self, base: str, finetuned: dict[str, str], *, device: str, offload: bool, allow_pickle: bool,
+                   vocab: str) -> Experiment:
+        """These records of each task on `base` and its `finetuned` (the base loaded on `device`, or with `offload`
+        streamed to it block by block), as the data steps fit on them."""
+        return Experiment.load(base, finetuned, self.data, samples=self.samples, max_tokens=self.max_tokens,
+                               batch_size=self.batch_size, dtype="auto", device=device, offload=offload,
+                               allow_pickle=allow_pickle, trust_remote_code=False, vocab=vocab)
+
 
 def needs_data(method: str) -> bool:
     """Whether `method` (a name or mergekit alias) needs task data; unknown names are a MergeError."""
@@ -179,11 +187,9 @@ def _plan_grams(plan: Plan, path, data: DataSettings | None, *, device: str, off
         raise PlanError(f"{path}: the plan merges {len(ruled)} matrices by RegMean ({ruled[0]} …), which needs the "
                         f"Gram matrices of their inputs on task data: give --data TASK=FILE for "
                         f"{', '.join(plan.finetuned)}, with --samples and --max-tokens{on}")
-    experiment = Experiment.load(plan.base_model, plan.finetuned, data.data, samples=data.samples,
-                                 max_tokens=data.max_tokens, batch_size=data.batch_size, dtype="auto", device=device,
-                                 offload=offload, allow_pickle=allow_pickle, trust_remote_code=False, vocab=vocab)
-    return GramsByLayer(experiment.base.model, experiment.arch, {t: experiment.batches[t] for t in plan.finetuned},
-                        checkpoint_names=experiment.base.checkpoint_names, device=experiment.device)
+    experiment = data.experiment(plan.base_model, plan.finetuned, device=device, offload=offload,
+                                 allow_pickle=allow_pickle, vocab=vocab)
+    return experiment.input_grams(plan.finetuned)
 
 
 def recipe_setup(recipe: Recipe, *, allow_pickle: bool = False, path: str | Path | None = None) -> MergeSetup:
@@ -205,9 +211,8 @@ def method_setup(method: str, options: dict, base: str, finetuned: dict[str, str
     if not registered.needs_data:
         return MergeSetup(method_rule(name, options), record)
 
-    experiment = Experiment.load(base, finetuned, data.data, samples=data.samples, max_tokens=data.max_tokens,
-                                 batch_size=data.batch_size, dtype="auto", device=device, offload=offload,
-                                 allow_pickle=allow_pickle, trust_remote_code=False, vocab=vocab)
+    experiment = data.experiment(base, finetuned, device=device, offload=offload, allow_pickle=allow_pickle,
+                                 vocab=vocab)
     return data_step(name, experiment, base, finetuned, options, record=record, progress=progress)
 
 
@@ -230,8 +235,7 @@ def _closed_form(experiment, base, finetuned, record, options, data_options, pro
 
 
 def _regmean(experiment, base, finetuned, record, options, data_options, progress) -> MergeSetup:
-    grams = GramsByLayer(experiment.base.model, experiment.arch, {t: experiment.batches[t] for t in finetuned},
-                         checkpoint_names=experiment.base.checkpoint_names, device=experiment.device)
+    grams = experiment.input_grams(finetuned)
     return MergeSetup(regmean_rule(options, grams.names), record, grams)
 
 
