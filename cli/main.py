@@ -66,6 +66,42 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
+#: diag compare's tuning and its evidence plan's options.
+LambdasOption = Annotated[str, typer.Option("--lambdas", help="λ grid of task-arithmetic-tuned, and of every tuned "
+                                                              "method whose grid (merge/tuning.py GRIDS) has no λ "
+                                                              "of its own.")]
+ObjectiveOption = Annotated[bool, typer.Option("--objective/--no-objective", help="Also score each merge's block "
+                                               "objective (Σ Eq. 10 over blocks) on the held-out records and print "
+                                               "its Spearman rank correlation with the held-out loss across merges: "
+                                               "whether the diagnostics can choose among merges.")]
+TuneOption = Annotated[str, typer.Option("--tune", help="Tune every method on the fit records over its paper's grid "
+                                                        "(merge/tuning.py): line (golden-section search over λ per "
+                                                        "setting of the other knobs), grid (every λ), or none (paper "
+                                                        "defaults, λ = 1). The evidence plan also tries steering half "
+                                                        "or all of its matrices (most colliding first, by the store's "
+                                                        "interference group) to --steer at that method's own "
+                                                        "scale.")]
+CandidatesOption = Annotated[str, typer.Option("--candidates", help="What the evidence plan chooses among per layer, "
+                                                                    "by the cross-validated block objective: "
+                                                                    "granularities of closed-form α (layer, "
+                                                                    "attn-mlp, head-mlp), data-free strategies that "
+                                                                    "merge the whole block at their paper defaults "
+                                                                    "(e.g. ties, tsv-m), and regmean (the block's "
+                                                                    "weight matrices by RegMean on each fold's input "
+                                                                    "Grams; a plan with it needs --data in diag "
+                                                                    "merge).")]
+FoldsOption = Annotated[int, typer.Option("--folds", help="Cross-validation folds over the fit records.")]
+StiMaxOption = Annotated[float, typer.Option("--sti-max", help="Steer matrices with STI/Σσ above this (needs the "
+                                                               "store's interference group).")]
+SarMinOption = Annotated[float, typer.Option("--sar-min", help="Steer matrices with mean SAR below this.")]
+SteerOption = Annotated[str, typer.Option("--steer", help="Rule for steered matrices: tsv-m or iso-c.")]
+PlanOutOption = Annotated[Optional[Path], typer.Option("--plan-out", help="Also save the plan used (YAML) for diag "
+                                                                          "merge; the evidence plan is chosen from "
+                                                                          "the store group evidence, its 'decision' "
+                                                                          "gives each layer's scores and reason; "
+                                                                          "tuned, it is the plan as tuned (λ, "
+                                                                          "steering), so diag merge of it writes the "
+                                                                          "model compared.")]
 LevelsOption = Annotated[str, typer.Option("--levels", help="Comma-separated: model, layer, attn, mlp, head.")]
 LmEvalOption = Annotated[Optional[str], typer.Option(
     "--lm-eval", help="Also score task accuracy with lm-evaluation-harness (pip install \"submerge[eval]\"): task "
@@ -455,56 +491,30 @@ def compare(
     skip: Annotated[Optional[int], typer.Option("--skip", help="Held-out records start after the first N "
                                                                "(default: --fit).")] = None,
     samples: Annotated[int, typer.Option("--samples", min=1, help="Held-out records per task.")] = 16,
-    lambdas: Annotated[str, typer.Option("--lambdas", help="λ grid of task-arithmetic-tuned, and of every tuned "
-                                                           "method whose grid (merge/tuning.py GRIDS) has no λ "
-                                                           "of its own.")] = "0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1.0",
+    lambdas: LambdasOption = "0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1.0",
     subsets: Annotated[str, typer.Option("--subsets", help="Which task subsets to merge, each scored on its own "
                                                            "tasks: full (all tasks), pairs (every pair) or all "
                                                            "(both).")] = "full",
-    tune: Annotated[str, typer.Option("--tune", help="Tune every method on the fit records over its paper's grid "
-                                                     "(merge/tuning.py): line (golden-section search over λ per "
-                                                     "setting of the other knobs), grid (every λ), or none (paper "
-                                                     "defaults, λ = 1). The evidence plan also tries steering half "
-                                                     "or all of its matrices (most colliding first, by the store's "
-                                                     "interference group) to --steer at that method's own "
-                                                     "scale.")] = "line",
+    tune: TuneOption = "line",
     seeds: Annotated[int, typer.Option("--seeds", min=1, help="Data-sample seeds: seed 0 takes the first records, "
                                                               "seed s > 0 permutes them; the leaderboard gives "
                                                               "mean ± std over seeds.")] = 1,
-    objective: Annotated[bool, typer.Option("--objective/--no-objective", help="Also score each merge's block "
-                                            "objective (Σ Eq. 10 over blocks) on the held-out records and print "
-                                            "its Spearman rank correlation with the held-out loss across merges: "
-                                            "whether the diagnostics can choose among merges.")] = True,
+    objective: ObjectiveOption = True,
     plan_path: Annotated[Optional[Path], typer.Option("--plan", help="Plan file to compare as 'plan' (default: "
                                                                      "choose one, see --choose).")] = None,
     choose: Annotated[str, typer.Option("--choose", help="evidence (granularity per layer by cross-validated "
                                                          "Eq. 10 objective) or thresholds (diag plan's NL/PD "
                                                          "thresholds; needs linearity + alpha in the store).")] = "evidence",
-    candidates: Annotated[str, typer.Option("--candidates", help="What the evidence plan chooses among per layer, "
-                                                                 "by the cross-validated block objective: "
-                                                                 "granularities of closed-form α (layer, attn-mlp, "
-                                                                 "head-mlp), data-free strategies that merge the "
-                                                                 "whole block at their paper defaults (e.g. ties, "
-                                                                 "tsv-m), and regmean (the block's weight matrices "
-                                                                 "by RegMean on each fold's input Grams; a plan "
-                                                                 "with it needs --data in diag merge).")
-                            ] = ",".join(PLAN_CANDIDATES),
-    folds: Annotated[int, typer.Option("--folds", help="Cross-validation folds over the fit records.")] = 4,
+    candidates: CandidatesOption = ",".join(PLAN_CANDIDATES),
+    folds: FoldsOption = 4,
     option: Annotated[Optional[list[str]], typer.Option(
         "--option", help="METHOD.KEY=VALUE: fix an option of one registered strategy that compare does not tune "
                          "(e.g. adamerging.steps=50, lorahub.steps=20, regmean.off_diagonal_scale=0.8); recorded "
                          "in the store's settings. Repeat.")] = None,
-    sti_max: Annotated[float, typer.Option("--sti-max", help="Steer matrices with STI/Σσ above this (needs the "
-                                                             "store's interference group).")] = 3.0,
-    sar_min: Annotated[float, typer.Option("--sar-min", help="Steer matrices with mean SAR below this.")] = 0.5,
-    steer_method: Annotated[str, typer.Option("--steer", help="Rule for steered matrices: tsv-m or iso-c.")] = DEFAULT_STEER_METHOD,
-    plan_out: Annotated[Optional[Path], typer.Option("--plan-out", help="Also save the plan used (YAML) for diag "
-                                                                        "merge; the evidence plan is chosen from the "
-                                                                        "store group evidence, its 'decision' gives "
-                                                                        "each layer's scores and reason; tuned, "
-                                                                        "it is the plan as tuned (λ, steering), so "
-                                                                        "diag merge of it writes the model "
-                                                                        "compared.")] = None,
+    sti_max: StiMaxOption = 3.0,
+    sar_min: SarMinOption = 0.5,
+    steer_method: SteerOption = DEFAULT_STEER_METHOD,
+    plan_out: PlanOutOption = None,
     keep: Annotated[Optional[Path], typer.Option("--keep", help="Keep every merged checkpoint under this "
                                                                 "directory (default: deleted after evaluation).")] = None,
     recipe: Annotated[Optional[list[str]], typer.Option(
@@ -549,6 +559,12 @@ def compare(
                           allow_pickle=run.allow_pickle, vocab=run.vocab, progress=run.progress,
                           command=command_line(), recipes=parse_named(recipe, "recipe") if recipe else None,
                           lm_eval=harness)
+    _print_compare(dataset, run.out, harness, rank_by, plan_out)
+
+
+def _print_compare(dataset, store_path: Path, harness, rank_by: str, plan_out: Path | None) -> None:
+    """`diag compare`'s output: the leaderboard of each subset (and the accuracies with --lm-eval), what was written,
+    and the rank correlation of block objective and held-out loss."""
     COMPARE.check(dataset)
     title = (COMPARE.table_title(dataset) if not harness and rank_by == "gain" else  # as diag report prints it
              "Held-out loss and normalised gain (0 = base, 1 = the task's own fine-tune)"
@@ -556,8 +572,8 @@ def compare(
              + (f", best mean {rank_by} first" if rank_by in ("gain", "accuracy") else f", best {rank_by} first"))
     print_table(leaderboard(dataset, rank_by=rank_by), title, out)
     if harness is not None:  # the accuracy of every model, as `diag report` prints it again
-        COMPARE_ACCURACY.print_summary(Store(run.out).dataset(COMPARE_ACCURACY.name), out)
-    out.print(f"Wrote group [bold]compare[/] of {run.out}"
+        COMPARE_ACCURACY.print_summary(Store(store_path).dataset(COMPARE_ACCURACY.name), out)
+    out.print(f"Wrote group [bold]compare[/] of {store_path}"
               + (f" and [bold]{COMPARE_ACCURACY.name}[/]" if harness else "")
               + (f"; plan → {plan_out}" if plan_out else ""))
     for subset, by_seed in dataset.attrs.get("rank_correlation", {}).items():
