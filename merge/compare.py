@@ -112,6 +112,7 @@ from submerge.merge.plan import (
     make_plan,
     steered_matrices,
     tuned_plan,
+    with_rest,
 )
 from submerge.merge.recipe import Recipe, same_model
 from submerge.merge.rules import regmean_rule
@@ -323,8 +324,9 @@ def _plan_merge(plan, label: str, experiment=None) -> Merge:
     for granularity in (plan.layer_granularity or {}).values():
         counts[granularity] = counts.get(granularity, 0) + 1
     detail = plan.granularity if not counts else "per layer: " + ", ".join(f"{n} × {g}" for g, n in counts.items())
-    if plan.matrix_rules:
-        detail += f"; {len(plan.matrix_rules)} matrices steered"
+    steered = len(plan.matrix_rules) - len(gram_ruled(plan))
+    if steered:
+        detail += f"; {steered} matrices steered"
     grams = None
     if gram_ruled(plan):
         if experiment is None:
@@ -536,11 +538,21 @@ def _candidates(method: str, merge: Merge, grids: dict | None = None, fixed: dic
     registered = method in STRATEGIES and method not in DATA_STEPS
     has_scaling = method in STRATEGIES and SCALE in STRATEGIES[method].resolve_options({})
     scale_name = SCALE if has_scaling else "λ"
+    if method == PLAN and merge.steering is not None:  # the evidence plan: each rest rule of its grid
+        rests = (GRIDS | (grids or {})).get(PLAN, {}).get("rest") or ("mean",)
+        return [({"rest": rest}, _with_rest(merge, rest)) for rest in rests], scale_name
     if not registered:
         return [({}, merge)], scale_name
     unit = {SCALE: 1.0} if has_scaling else {}
     return [(setting, _strategy(method, {**(fixed or {}), **setting, **unit}))
             for setting in settings_of(method, grids)], scale_name
+
+
+def _with_rest(merge: Merge, rest: str) -> Merge:
+    """The evidence plan's `Merge` with its rest rule replaced (`merge.plan.with_rest`)."""
+    plan = with_rest(merge.plan, rest)
+    return dataclasses.replace(merge, rule_for=plan.rule_for, plan=plan,
+                               record={**merge.record, "rest": plan.rest}, detail=f"{merge.detail}; rest: {rest}")
 
 
 def _tune(method: str, merge: Merge, evaluator: _Evaluator, write: Callable, *, search: str, lambdas,
@@ -554,6 +566,7 @@ def _tune(method: str, merge: Merge, evaluator: _Evaluator, write: Callable, *, 
     best: tuple | None = None  # (fit loss, setting, λ, directories, terms)
     searched: dict[str, float] = {}
     steering = merge.steering if method == PLAN else None
+    best_plan = merge.plan  # the evidence plan under the best rest rule: the steering tries it
     try:
         for index, (setting, candidate) in enumerate(candidates):
             if steering is not None:
@@ -572,10 +585,11 @@ def _tune(method: str, merge: Merge, evaluator: _Evaluator, write: Callable, *, 
                 if best is not None:
                     _remove(best[3])
                 best = (losses[chosen], setting, chosen, [directory], ((reader, chosen),))
+                best_plan = candidate.plan
             else:
                 shutil.rmtree(directory, ignore_errors=True)
         if steering is not None:
-            best = _tune_steering(merge.plan, steering, evaluator, write, best, searched, merge.gram_matrices,
+            best = _tune_steering(best_plan, steering, evaluator, write, best, searched, merge.gram_matrices,
                                   search=search, lambdas=values,
                                   shares=(GRIDS | (grids or {})).get(PLAN, {}).get("steer_share", ()),
                                   on_candidate=on_candidate)
@@ -596,7 +610,8 @@ def _tuned_plan(merge: Merge, tuned: Tuned) -> Plan:
     steering = merge.steering
     steered = steered_matrices(steering.infos, share, steering.ranking) if share > 0 else frozenset()
     record = {**tuned.setting, "λ": tuned.scale, "fit_loss": tuned.fit_loss}
-    return tuned_plan(merge.plan, tuned.scale, steered=steered, steer_method=steering.method if share > 0 else None,
+    plan = with_rest(merge.plan, tuned.setting["rest"]) if "rest" in tuned.setting else merge.plan
+    return tuned_plan(plan, tuned.scale, steered=steered, steer_method=steering.method if share > 0 else None,
                       steer_scale=tuned.setting.get("steer_scale"), record=record)
 
 
@@ -613,6 +628,7 @@ def _tune_steering(plan: Plan, steering: PlanSteering, evaluator: _Evaluator, wr
     (one pass of coordinate descent, each a `search_function(search)` over its grid). Returns the best of
     `best` (the unsteered plan's) and these, as `_tune` keeps it; every fit loss goes into `searched`."""
     scales = lambdas_of(steering.method)
+    fixed = {key: value for key, value in best[1].items() if key not in ("steer_scale", "steer_share")}  # its rest
     for share in steering.shares(shares):
         if share == 0.0:
             continue
@@ -623,7 +639,8 @@ def _tune_steering(plan: Plan, steering: PlanSteering, evaluator: _Evaluator, wr
         plan_scale = best[2]
 
         def loss(plan_scale: float, steer_scale: float, share=share, readers=readers) -> float:
-            key = tuning_label({"steer_scale": steer_scale, "steer_share": share}, plan_scale, "λ")  # JSON's order
+            # the keys in JSON's order
+            key = tuning_label({**fixed, "steer_scale": steer_scale, "steer_share": share}, plan_scale, "λ")
             if key not in searched:  # the point both searches share is evaluated once
                 on_candidate(key)
                 searched[key] = _fit_loss_of(evaluator, ((readers[0], plan_scale), (readers[1], steer_scale)))
@@ -633,7 +650,7 @@ def _tune_steering(plan: Plan, steering: PlanSteering, evaluator: _Evaluator, wr
         scale, losses = search_function(search)(lambdas, lambda value, mu=steer_scale: loss(value, mu))
         if losses[scale] < best[0]:
             _remove(best[3])
-            best = (losses[scale], {"steer_scale": steer_scale, "steer_share": share}, scale, directories,
+            best = (losses[scale], {**fixed, "steer_scale": steer_scale, "steer_share": share}, scale, directories,
                     ((readers[0], scale), (readers[1], steer_scale)))
         else:
             _remove(directories)

@@ -544,6 +544,22 @@ def _scaled_options(method: str, options: dict | None, scale: float, where: str)
     return options
 
 
+#: The rules a plan's rest (the tensors outside its α units: embedding, final norm, head …) can take, by name: the
+#: mean task vector (`make_plan`'s default) or task arithmetic's sum Σ_t τ_t. `diag compare` tunes the choice for the
+#: evidence plan (`submerge.merge.tuning.GRIDS`): where the fine-tunes change the embedding, its sum can be worth more
+#: than its mean.
+PLAN_RESTS = ("mean", "sum")
+
+
+def with_rest(plan: Plan, rest: str) -> Plan:
+    """`plan` with its rest rule replaced by the rule named `rest` (of `PLAN_RESTS`)."""
+    if rest == "mean":
+        return dataclasses.replace(plan, rest={"method": "mean-task-vector"})
+    if rest == "sum":
+        return dataclasses.replace(plan, rest={"method": "weights", "weights": dict.fromkeys(plan.finetuned, 1.0)})
+    raise PlanError(f"unknown rest rule '{rest}' (choose from {', '.join(PLAN_RESTS)})")
+
+
 def tuned_plan(plan: Plan, scale: float, *, steered: frozenset[str] = frozenset(), steer_method: str | None = None,
                steer_scale: float | None = None, record: dict | None = None) -> Plan:
     """The plan `diag compare` tuned: θ0 + scale·(its update) + steer_scale·(`steer_method` on the `steered`

@@ -18,6 +18,7 @@ registry) get them here, on the base model θ0 and the task data:
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -175,6 +176,8 @@ def _plan_grams(plan: Plan, path, data: DataSettings | None, *, device: str, off
     records of `data` (`diag merge PLAN --data …`, as `--method regmean` takes them); None for a plan without."""
     ruled = gram_ruled(plan)
     if not ruled:
+        if data is not None and data.data:
+            _unused_data(f"{path}: the plan merges no matrix by a method that needs data")
         return None
     if data is None or not data.data:
         fit = (plan.decision or {}).get("fit_data")
@@ -190,6 +193,12 @@ def _plan_grams(plan: Plan, path, data: DataSettings | None, *, device: str, off
     experiment = data.experiment(plan.base_model, plan.finetuned, device=device, offload=offload,
                                  allow_pickle=allow_pickle, vocab=vocab)
     return experiment.input_grams(plan.finetuned)
+
+
+def _unused_data(why: str) -> None:
+    readers = ", ".join(name for name, method in STRATEGIES.items() if method.needs_data)
+    warnings.warn(f"--data is not used: {why} (task data is read by {readers} and by plans with RegMean blocks)",
+                  UserWarning, stacklevel=3)
 
 
 def recipe_setup(recipe: Recipe, *, allow_pickle: bool = False, path: str | Path | None = None) -> MergeSetup:
@@ -209,6 +218,8 @@ def method_setup(method: str, options: dict, base: str, finetuned: dict[str, str
     record = {"method": method, "options": options}
     registered = STRATEGIES[name]
     if not registered.needs_data:
+        if data.data:
+            _unused_data(f"--method {method} needs no data")
         return MergeSetup(method_rule(name, options), record)
 
     experiment = data.experiment(base, finetuned, device=device, offload=offload, allow_pickle=allow_pickle,

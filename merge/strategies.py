@@ -287,14 +287,16 @@ def registered(name: str, description: str, *, matrix_only: bool = False,
 
 
 @registered("weight-average", "mean of the fine-tuned weights (Wortsman et al. 2022, model soups)")
-def weight_average(task_vectors: Sequence[torch.Tensor]) -> torch.Tensor:
+def weight_average(task_vectors: Sequence[torch.Tensor], *, scaling: float = 1.0) -> torch.Tensor:
     """Simple average of the fine-tuned weights (Wortsman et al. 2022, model soups).
 
     Survey §"Simple Average": θ_M = (1/T) Σ_t θ_t = θ0 + (1/T) Σ_t τ_t, so the merged task
-    vector is the mean of the task vectors. No options.
+    vector is the mean of the task vectors. ``scaling`` λ multiplies it (1, the default, is the soup itself,
+    bitwise; a tuned λ is the global scale every merge `diag compare` tunes gets, and what a tuned plan's
+    weight-average blocks carry).
     """
     _check_task_vectors(task_vectors)
-    return _by_chunks(task_vectors, lambda pieces: _sum(pieces).div_(len(pieces)))
+    return _by_chunks(task_vectors, lambda pieces: _sum(pieces).div_(len(pieces)).mul_(float(scaling)))
 
 
 @registered("task-arithmetic", "θ0 + λ·Σ task vectors (Ilharco et al. 2023, Task Arithmetic)")
@@ -1057,17 +1059,20 @@ def star_truncate(task_matrix: torch.Tensor, energy_fraction: float) -> torch.Te
 @registered("star",
             "spectral truncation to η of the nuclear norm, rescale, average (Lee et al. 2025, STAR)",
             matrix_only=True)
-def star(task_vectors: Sequence[torch.Tensor], *, energy_fraction: float = 0.4) -> torch.Tensor:
+def star(task_vectors: Sequence[torch.Tensor], *, energy_fraction: float = 0.4, scaling: float = 1.0
+         ) -> torch.Tensor:
     """STAR (Lee et al. 2025): truncate each task matrix's spectrum, rescale, average.
 
     Survey §STAR: Δ_M = (1/T) Σ_t Δ_{t,out} (see ``star_truncate``), θ_M = θ0 + Δ_M.
-    Default η = 40 % (the survey: "typically set to 40"). No extra scaling.
+    Default η = 40 % (the survey: "typically set to 40"). The paper has no extra scaling: ``scaling`` λ = 1 (the
+    default) is its merge, bitwise; another λ multiplies Δ_M (the global scale `diag compare` tunes, and what a
+    tuned plan's STAR blocks carry).
     """
     _check_task_vectors(task_vectors, matrix=True)
     total = star_truncate(task_vectors[0], energy_fraction)
     for task_vector in task_vectors[1:]:
         total += star_truncate(task_vector, energy_fraction)
-    return _as_output(total / len(task_vectors), task_vectors[0])
+    return _as_output(total / len(task_vectors) * float(scaling), task_vectors[0])
 
 
 class SftmSystem(NamedTuple):

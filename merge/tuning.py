@@ -20,7 +20,9 @@ The grids (`GRIDS`, method → {option: values}; λ for every method is `LAMBDAS
 - the evidence plan: besides its λ, the share of its block matrices steered to its steering method (`--steer`:
   TSV-M or Iso-C), 0, ½ or all of them, the most colliding first by the store's ``interference`` group (without one:
   none or all), at that method's own scale μ; λ and μ are searched apart, because a strategy's natural scale is not
-  the closed form's α (on the demo kit Iso-C's tuned λ is 2.0, the plan's 1.2);
+  the closed form's α (on the demo kit Iso-C's tuned λ is 2.0, the plan's 1.2); and its rest (the tensors outside
+  the blocks: embedding, final norm, head) as the mean task vector or the sum Σ_t τ_t (`merge.plan.PLAN_RESTS`),
+  each written as its own δ, λ searched on each, the steering tried on the better;
 - every merge whose update is already at its natural scale (`CALIBRATED`: averages, fitted or learned weights,
   the subspace methods, the closed forms and the plan): λ ∈ `LAMBDAS_WIDE`, which brackets that scale (1) as it
   does for the trimming methods. With the narrower grid of task arithmetic, the demo kit's plan chose λ = 1, the
@@ -39,6 +41,7 @@ import math
 from collections.abc import Callable, Sequence
 
 from submerge.diagnostics.errors import SubmergeError
+from submerge.merge.plan import PLAN_RESTS
 
 LAMBDAS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 LAMBDAS_WIDE = (0.2, 0.4, 0.6, 0.8, 1.0, 1.2, 1.4, 1.6, 1.8, 2.0)
@@ -65,6 +68,7 @@ GRIDS.update({method: {"scaling": LAMBDAS_WIDE} for method in CALIBRATED})
 #: at that method's own scale μ (searched over that method's λ grid; `submerge.merge.compare._tune_steering`).
 STEER_SHARES = (0.0, 0.5, 1.0)
 GRIDS["plan"]["steer_share"] = STEER_SHARES
+GRIDS["plan"]["rest"] = PLAN_RESTS
 
 SEARCHES = ("line", "grid")
 SCALE = "scaling"

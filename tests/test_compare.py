@@ -286,9 +286,32 @@ def test_tuned_plan_scales_every_weight_and_rule_and_steers_at_its_own_scale():
     assert tuned.matrix_rules[MATRICES[2]]["options"] == {"scaling": 2 * STRATEGIES["ties"].options["scaling"]}
     assert tuned.decision["tuned"] == {"λ": 2.0, "steer_share": 0.5, "steer_scale": 1.5}
     assert plan.alpha == ALPHA and MATRICES[0] not in plan.matrix_rules  # the plan itself is unchanged
-    plan.matrix_rules[MATRICES[3]] = block_rule("star", 1)
-    with pytest.raises(PlanError, match="star has no scaling option"):
-        tuned_plan(plan, 2.0)
+    for method in ("star", "weight-average"):  # strategies whose paper has no λ take one (1: the paper's merge)
+        plan.matrix_rules[MATRICES[3]] = block_rule(method, 1)
+        assert tuned_plan(plan, 2.0).matrix_rules[MATRICES[3]]["options"]["scaling"] == 2.0
+
+
+def test_with_rest_gives_the_tensors_outside_the_blocks_the_mean_or_the_sum():
+    """The evidence plan's rest rules (`PLAN_RESTS`): the embedding, final norm and head get weights 1/T (the mean
+    task vector) or 1 (Σ_t τ_t); the blocks keep their α; an unknown name is refused."""
+    from submerge.merge.plan import PLAN_RESTS, tuned_plan, with_rest
+
+    plan, by_name = _per_layer_plan(), {i.name: i for i in INFOS}
+    outside = [i for i in INFOS if i.layer < 0]
+    assert outside and PLAN_RESTS == ("mean", "sum")
+    for rest, weight in (("mean", 0.5), ("sum", 1.0)):
+        changed = with_rest(plan, rest)
+        for info in INFOS:
+            rule = changed.rule_for(info)
+            if info.layer < 0:
+                assert rule.weights == {"a": weight, "b": weight}
+            else:
+                assert rule == plan.rule_for(info)
+        assert tuned_plan(changed, 1.5).rule_for(by_name[outside[0].name]).weights == {"a": 1.5 * weight,
+                                                                                        "b": 1.5 * weight}
+    assert plan.rest == {"method": "mean-task-vector"}  # the plan itself is unchanged
+    with pytest.raises(PlanError, match="unknown rest rule 'median'"):
+        with_rest(plan, "median")
 
 
 def test_plan_yaml_round_trip_keeps_layer_granularity_rules_and_reasons(tmp_path):
@@ -846,9 +869,10 @@ def test_summed_source_is_the_sum_of_its_scaled_updates(trained_kit):
 
 
 def test_tuned_plan_steers_the_share_of_matrices_with_the_lowest_fit_loss(trained_kit, tmp_path):
-    """Tuned, the evidence plan also tries steering ½ and all of its block matrices (most colliding first) to Iso-C
-    at its own scale μ: the choice is the lowest fit loss searched, and --plan-out writes the plan so tuned (α and
-    the rest times λ, the steered matrices by Iso-C at scaling μ), whose merge has compare's held-out losses."""
+    """Tuned, the evidence plan tries its rest as the mean and the sum of the task vectors, then steering ½ and all
+    of its block matrices (most colliding first) to Iso-C at its own scale μ: the choice is the lowest fit loss
+    searched, and --plan-out writes the plan so tuned (α and the rest times λ, the steered matrices by Iso-C at
+    scaling μ), whose merge has compare's held-out losses."""
     from submerge.diagnostics.checkpoints import open_checkpoint
     from submerge.diagnostics.interference import interference
     from submerge.diagnostics.store import Store
@@ -867,9 +891,10 @@ def test_tuned_plan_steers_the_share_of_matrices_with_the_lowest_fit_loss(traine
     row = indexed(dataset).sel({"method": "plan"})
     chosen = json.loads(str(row.hyperparameters.values))
     assert float(row.fit_loss) == pytest.approx(min(search.values()))
-    assert {key.split()[0] for key in search} >= {"steer_share=0"}
-    assert any(key.startswith("steer_scale=") and "steer_share=0.5" in key for key in search)
-    assert any(key.startswith("steer_scale=") and "steer_share=1" in key for key in search)
+    assert {" ".join(key.split()[:2]) for key in search} >= {"rest=mean steer_share=0", "rest=sum steer_share=0"}
+    assert all(key.startswith(f"rest={chosen['rest']} ") for key in search if "steer_scale=" in key)  # the better
+    assert any("steer_scale=" in key and "steer_share=0.5" in key for key in search)
+    assert any("steer_scale=" in key and "steer_share=1" in key for key in search)
     share = chosen["steer_share"]
     assert share > 0  # on this kit a steered plan has the lowest fit loss, so the check below covers μ and λ apart
     plan = Plan.load(tmp_path / "plan.yaml")
@@ -878,6 +903,8 @@ def test_tuned_plan_steers_the_share_of_matrices_with_the_lowest_fit_loss(traine
     assert set(plan.matrix_rules) == steered_matrices(infos, share, interference_ranking(measured))
     assert {rule["method"] for rule in plan.matrix_rules.values()} == {"iso-c"}
     assert {rule["options"]["scaling"] for rule in plan.matrix_rules.values()} == {chosen["steer_scale"]}
+    weight = chosen["λ"] * (1.0 if chosen["rest"] == "sum" else 1 / len(finetuned))  # the rest tried better
+    assert plan.rest == {"method": "weights", "weights": {t: pytest.approx(weight) for t in finetuned}}
     written = tmp_path / "tuned-plan"
     write_merge(base, finetuned, written, plan.rule_for, progress=False)
     held = _experiment(trained_kit, skip=FIT)
@@ -1048,3 +1075,24 @@ def test_compare_fixes_a_methods_untuned_options_and_refuses_tuned_or_unknown_on
     for text in ["ties.top_k", "top_k=0.3", ".x=1", "ties.=1"]:
         with pytest.raises(CompareError, match="METHOD.KEY=VALUE"):
             parse_method_options([text])
+
+
+def test_data_that_a_merge_does_not_read_is_named_in_a_warning(trained_kit, tmp_path):
+    """`diag merge --method task-arithmetic --data …` and a plan without RegMean blocks with --data: the data is not
+    read, and a warning says so (the merge is written as without it)."""
+    from submerge.merge.run import DataSettings, run_merge
+
+    _, base, finetuned, data = trained_kit
+    settings = DataSettings(data, samples=FIT, max_tokens=48, batch_size=4)
+    with pytest.warns(UserWarning, match=r"--data is not used: --method task-arithmetic needs no data \(task data "
+                                         r"is read by closed-form, .*regmean"):
+        run_merge(tmp_path / "ta", method="task-arithmetic", base=base, finetuned=finetuned, data=settings,
+                  progress=False)
+    plan = Plan(base_model=base, finetuned=dict(finetuned), granularity="model",
+                alpha={"model": dict.fromkeys(finetuned, 0.5)})
+    plan.save(tmp_path / "plan.yaml")
+    with pytest.warns(UserWarning, match="--data is not used: .*plan.yaml: the plan merges no matrix by a method"):
+        run_merge(tmp_path / "plan", plan=tmp_path / "plan.yaml", data=settings, progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        run_merge(tmp_path / "plain", plan=tmp_path / "plan.yaml", progress=False)

@@ -1005,6 +1005,18 @@ def test_compute_dtype_is_at_least_float32():
     assert compute_dtype(torch.float32) == torch.float32 and compute_dtype(f64) == f64
 
 
+def test_weight_average_and_star_scaling_multiply_the_merged_update():
+    """The soup's and STAR's ``scaling`` λ (1: the paper's merge, bitwise) is λ times the unscaled update: what a
+    tuned plan's blocks merged by either carry (`merge.plan.tuned_plan`)."""
+    generator = torch.Generator().manual_seed(5)
+    vectors = [torch.randn(6, 4, generator=generator, dtype=f64) for _ in range(3)]
+    torch.testing.assert_close(weight_average(vectors), (vectors[0] + vectors[1] + vectors[2]) / 3)
+    for method in (weight_average, star):
+        plain = method(vectors)
+        assert torch.equal(method(vectors, scaling=1.0), plain)
+        torch.testing.assert_close(method(vectors, scaling=1.7), 1.7 * plain, rtol=1e-12, atol=1e-12)
+
+
 def test_regmean_scaling_multiplies_the_merged_update():
     """RegMean's ``scaling`` λ (1: the paper's merge) is λ times the unscaled τ_M, for every Gram."""
     generator = torch.Generator().manual_seed(3)
