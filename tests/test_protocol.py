@@ -73,11 +73,13 @@ def test_grid_table_and_its_settings():
     assert settings_of("x", {"x": {"a": (1, 2), "b": (3,)}}) == [{"a": 1, "b": 3}, {"a": 2, "b": 3}]
     from submerge.merge.strategies import STRATEGIES
 
-    # the plan's own knob: the share of its matrices steered (compare._tune_steering), none, half or all
-    assert settings_of("plan") == [{"steer_share": 0.0}, {"steer_share": 0.5}, {"steer_share": 1.0}]
+    # the plan's own knobs: the share of its matrices steered (compare._tune_steering), none, half or all, and its
+    # rest as the mean or the sum of the task vectors (merge.plan.with_rest)
+    assert settings_of("plan") == [{"steer_share": q, "rest": rest} for q in (0.0, 0.5, 1.0)
+                                   for rest in ("mean", "sum")]
     for method, grid in GRIDS.items():  # every knob of the table is an option of the registered strategy
         knobs = set(grid) - ({"scaling"} if method in CALIBRATED else set())  # there: λ, a global scale
-        knobs -= {"steer_share"} if method == "plan" else set()
+        knobs -= {"steer_share", "rest"} if method == "plan" else set()
         assert method in STRATEGIES or (method in CALIBRATED and not knobs), method
         assert knobs <= set(STRATEGIES[method].resolve_options({}) if knobs else ()), method
     assert check_search("none") is None and check_search(None) is None and check_search("grid") == "grid"
@@ -206,7 +208,8 @@ def test_protocol_tuned_choice_is_the_argmin_of_independently_written_merges(pro
         row = dataset.sel(unit=unit)
         assert float(row.fit_loss) == pytest.approx(min(search.values()))
         chosen = json.loads(str(row.hyperparameters.values))
-        label = " ".join(f"{k}={v:g}" for k, v in chosen.items() if k not in ("scaling", "λ"))
+        label = " ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in chosen.items()
+                         if k not in ("scaling", "λ"))
         scale_name = "scaling" if "scaling" in chosen else "λ"
         assert search[f"{label} {scale_name}={chosen[scale_name]:g}".strip()] == pytest.approx(float(row.fit_loss))
     fit = Experiment.load(base, finetuned, data, samples=FIT, max_tokens=40, batch_size=4, dtype="float32",
