@@ -488,12 +488,16 @@ class ParameterSource:
     """
 
     def __init__(self, base: BaseModel, task_vectors: dict[str, TaskVectorReader],
-                 compute_dtype: torch.dtype = torch.float32):
+                 compute_dtype: torch.dtype = torch.float32, *, tasks_kept: int | None = None):
         self.base = base
         self.task_vectors = task_vectors
         self.compute_dtype = compute_dtype
         self.device = execution_device(base.model)
+        # τ read so far, kept until `clear`; `tasks_kept`: of at most that many tasks, the least recently asked
+        # for dropped first (for drivers whose variants move one task at a time: a 7B block's τ is 0.8 GB a task)
+        self.tasks_kept = tasks_kept
         self._cache: dict[tuple[str, str], torch.Tensor] = {}
+        self._tasks_read: list[str] = []  # the tasks in `_cache`, the most recently asked for last
         self._placed: dict[tuple[str, torch.dtype], torch.Tensor] = {}  # offloaded base weights on the device
         self._pool: dict[tuple[str, torch.dtype], torch.Tensor] = {}  # pooled variants' tensors (`variant`)
         self._scratches: dict[torch.dtype, torch.Tensor] = {}
@@ -527,6 +531,7 @@ class ParameterSource:
         reader = self.task_vectors[task]
         device = self.device
         full_names = module_parameter_names(self.base.model, path)
+        self._ask_for(task)
         out = {}
         for local in full_names if names is None else names:
             key = (task, full_names[local])
@@ -534,6 +539,16 @@ class ParameterSource:
                 self._cache[key] = reader.get(self.base.checkpoint_name(full_names[local]), torch.float32, device)
             out[local] = self._cache[key]
         return out
+
+    def _ask_for(self, task: str) -> None:
+        """Mark `task` the most recently asked for; beyond `tasks_kept` tasks, drop the τ of the least recent."""
+        if task in self._tasks_read:
+            self._tasks_read.remove(task)
+        self._tasks_read.append(task)
+        while self.tasks_kept is not None and len(self._tasks_read) > self.tasks_kept:
+            dropped = self._tasks_read.pop(0)
+            for key in [key for key in self._cache if key[0] == dropped]:
+                del self._cache[key]
 
     def variant(self, path: str, coefficients: Variant, names: Iterable[str] | None = None, *,
                 pooled: bool = False):
@@ -641,6 +656,7 @@ class ParameterSource:
         base weights' pages (`release_mapped_pages`; a base of `RELEASE_BYTES` or more), so memory does not grow
         with the units done."""
         self._cache.clear()
+        self._tasks_read.clear()
         self._placed.clear()
         self.drop_pooled()
         for reader in self.task_vectors.values():

@@ -127,7 +127,7 @@ class BlockWorker:
                                 device=self.device, offload=job.get("offload", False))
         self.arch = find_architecture(self.base.model)
         self.source = ParameterSource(self.base, reopen_task_vectors(self.base.reader, job["task_vectors"]),
-                                      compute_dtype=job["compute_dtype"])
+                                      compute_dtype=job["compute_dtype"], tasks_kept=job.get("tasks_kept"))
         self.batches, self.modules = job["batches"], modules
         self.pending, self.incoming = incoming, None
         self.chunks = [[self.layers[0] + i for i in chunk]
@@ -204,7 +204,8 @@ class Pipeline:
         job = {"base": base,
                "task_vectors": task_vector_specs(experiment.task_vectors), "batches": experiment.batches,
                "device": engine.device, "threads": engine.threads,
-               "compute_dtype": sweep.source.compute_dtype, "layer_bytes": sweep.layer_bytes(),
+               "compute_dtype": sweep.source.compute_dtype, "tasks_kept": sweep.source.tasks_kept,
+               "layer_bytes": sweep.layer_bytes(),
                "capture_budget": sweep.capture_budget, "model_output": sweep.model_output,
                "num_layers": experiment.arch.num_layers, "offload": bool(experiment.inputs.get("offload"))}
         remote = engine.actor_class(BlockWorker)

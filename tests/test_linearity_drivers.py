@@ -139,6 +139,33 @@ def every_level(two_tasks):
                         progress=False)
 
 
+def test_linearity_holds_one_tasks_vectors_at_a_time_with_the_same_scores(two_tasks, every_level, monkeypatch):
+    """`diag linearity` keeps the task vectors of one task at a time (`ParameterSource(tasks_kept=1)`: a 7B block's
+    τ is 0.8 GB a task, and the layer's units read it again per task); its scores and noise floors are bitwise
+    those of a source that keeps every task's τ for the whole layer."""
+    from submerge.diagnostics.capture import ParameterSource
+
+    held: list[int] = []
+    deltas = ParameterSource.deltas
+
+    def counted(self, path, task, names=None):
+        out = deltas(self, path, task, names)
+        held.append(len({key[0] for key in self._cache}))
+        return out
+
+    monkeypatch.setattr(ParameterSource, "deltas", counted)
+    levels = ("model", "layer", "attn", "mlp", "head", "linear")
+    one = nonlinearity(two_tasks, levels=levels, steps=STEPS, progress=False)
+    assert held and max(held) == 1
+    held.clear()
+    monkeypatch.setattr(ParameterSource, "_ask_for", lambda self, task: None)  # keeps every task's τ
+    every = nonlinearity(two_tasks, levels=levels, steps=STEPS, progress=False)
+    assert max(held) == len(TASKS)  # the count above could have failed
+    for name in ("nonlinearity_score", "nonlinearity_floor"):
+        np.testing.assert_array_equal(one[name].values, every[name].values)
+        np.testing.assert_array_equal(one[name].values, every_level[name].values)
+
+
 def test_linear_maps_score_zero_through_replay(two_tasks, every_level):
     experiment = two_tasks
     source = experiment.parameter_source()

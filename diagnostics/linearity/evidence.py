@@ -200,7 +200,7 @@ def fold_input_grams(layer: Layer, tasks: list[str], folds: int) -> dict[str, li
         with hooks() as handles:
             for key, module in maps:
                 handles.append(module.register_forward_pre_hook(
-                    lambda m, args, key=key: inputs[key].append(args[0])))
+                    lambda m, args, key=key, inputs=inputs: inputs[key].append(args[0])))
             replayed = unit.run(task, [{}])
         groups: list[list[str]] = []  # maps fed the same tensor (in the first batch), first of each group leads
         for key, _ in maps:

@@ -44,11 +44,13 @@ class Sweep:
     by its name) or ``"layer"`` (one row per layer, labelled by its index: for results of the layer as a whole).
     ``layers``: only these blocks (default all). ``capture_outputs``: the capture also keeps each module's output on
     θ0 (`Recorded.output`, twice the recorded bytes), which `Unit.points` serves as the point a = 0.
+    ``tasks_kept``: the task vectors of at most that many tasks are held at a time (`ParameterSource`; None: all
+    of a layer's), for drivers whose variants each move one task (a layer's units then read τ again per unit).
     """
 
     def __init__(self, experiment, levels: Sequence[str], group: str, settings: dict, run: RunSettings, *,
                  model_output: str = "hidden", unit_dim: str = "module", layers: Sequence[int] | None = None,
-                 capture_outputs: bool = False):
+                 capture_outputs: bool = False, tasks_kept: int | None = None):
         if unit_dim not in ("module", "layer"):
             raise ValueError(f"unit_dim must be 'module' or 'layer', got {unit_dim!r}")
         if isinstance(run.engine, LocalEngine) and experiment.device.type == "meta":
@@ -57,6 +59,7 @@ class Sweep:
         self.experiment, self.run_settings = experiment, run
         self.tasks = experiment.tasks
         self.source = experiment.parameter_source(run.compute_dtype)
+        self.source.tasks_kept = tasks_kept
         compute = {"compute_dtype": str(self.source.compute_dtype).removeprefix("torch.")}
         self.modules = modules_for(experiment, levels, layers)
         self.capture_budget = run.capture_budget
