@@ -332,7 +332,7 @@ def demo_adapters() -> dict[str, Path]:
 
 # ---------------------------------------------------------------- full fine-tunes (built here, never committed)
 
-FULL_FINETUNES_DIR_NAME = "full-finetunes-v1"
+FULL_FINETUNES_DIR_NAME = "full-finetunes-v2"
 
 
 def full_finetunes_dir() -> Path:
