@@ -5,7 +5,7 @@ compute, with noise floors, and a sweep over update scale (README section of tha
 
 Writes ``levels.csv`` (kit, task, dtype, level, mean score, mean floor), ``scales.csv`` (scale, dtype, level, mean
 score, mean floor) and ``scale_sweep.png``. The kits: the demo's LoRA adapters and the full fine-tunes that exist in
-``~/.cache/submerge/full-finetunes-v1`` (`submerge.diagnostics.demo.full_finetunes_dir`). The update-scale sweep
+``~/.cache/submerge/full-finetunes-v2`` (`submerge.diagnostics.demo.full_finetunes_dir`). The update-scale sweep
 replaces τ by s·τ (every variant θ0 + (k/N)·s·τ) on one full fine-tune.
 """
 

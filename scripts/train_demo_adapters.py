@@ -80,7 +80,7 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     parser.add_argument("--out", type=Path, default=None,
-                        help="output folder (diagnostics/demo_kit/adapters, --full the cache's full-finetunes-v1)")
+                        help="output folder (diagnostics/demo_kit/adapters, --full the cache's full-finetunes-v2)")
     parser.add_argument("--log", type=Path, default=None, help="JSON summary (default <out>/../training_log.json; "
                                                                "--full <out>/training_log.json)")
     args = parser.parse_args(argv)
