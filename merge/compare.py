@@ -324,15 +324,15 @@ def _plan_merge(plan, label: str, experiment=None) -> Merge:
     for granularity in (plan.layer_granularity or {}).values():
         counts[granularity] = counts.get(granularity, 0) + 1
     detail = plan.granularity if not counts else "per layer: " + ", ".join(f"{n} × {g}" for g, n in counts.items())
-    steered = len(plan.matrix_rules) - len(gram_ruled(plan))
-    if steered:
-        detail += f"; {steered} matrices steered"
+    ruled = gram_ruled(plan)
+    if len(plan.matrix_rules) > len(ruled):
+        detail += f"; {len(plan.matrix_rules) - len(ruled)} matrices steered"
     grams = None
-    if gram_ruled(plan):
+    if ruled:
         if experiment is None:
             raise CompareError(f"{label}: its RegMean rules need the Grams of the fit records")
         grams = experiment.input_grams()
-        detail += f"; {len(gram_ruled(plan))} matrices by RegMean"
+        detail += f"; {len(ruled)} matrices by RegMean"
     return Merge(plan.rule_for, detail, {"method": label, "granularity": plan.granularity, "alpha": plan.alpha,
                                          "layer_granularity": plan.layer_granularity,
                                          "matrix_rules": plan.matrix_rules, "decision": plan.decision}, grams,
@@ -548,6 +548,11 @@ def _candidates(method: str, merge: Merge, grids: dict | None = None, fixed: dic
             for setting in settings_of(method, grids)], scale_name
 
 
+def _plan_at(merge: Merge, setting: dict) -> Plan:
+    """The evidence plan under a tuning `setting`: with its ``rest`` rule where the setting names one."""
+    return with_rest(merge.plan, setting["rest"]) if "rest" in setting else merge.plan
+
+
 def _with_rest(merge: Merge, rest: str) -> Merge:
     """The evidence plan's `Merge` with its rest rule replaced (`merge.plan.with_rest`)."""
     plan = with_rest(merge.plan, rest)
@@ -566,7 +571,6 @@ def _tune(method: str, merge: Merge, evaluator: _Evaluator, write: Callable, *, 
     best: tuple | None = None  # (fit loss, setting, λ, directories, terms)
     searched: dict[str, float] = {}
     steering = merge.steering if method == PLAN else None
-    best_plan = merge.plan  # the evidence plan under the best rest rule: the steering tries it
     try:
         for index, (setting, candidate) in enumerate(candidates):
             if steering is not None:
@@ -585,11 +589,10 @@ def _tune(method: str, merge: Merge, evaluator: _Evaluator, write: Callable, *, 
                 if best is not None:
                     _remove(best[3])
                 best = (losses[chosen], setting, chosen, [directory], ((reader, chosen),))
-                best_plan = candidate.plan
             else:
                 shutil.rmtree(directory, ignore_errors=True)
         if steering is not None:
-            best = _tune_steering(best_plan, steering, evaluator, write, best, searched, merge.gram_matrices,
+            best = _tune_steering(_plan_at(merge, best[1]), steering, evaluator, write, best, searched, merge.gram_matrices,
                                   search=search, lambdas=values,
                                   shares=(GRIDS | (grids or {})).get(PLAN, {}).get("steer_share", ()),
                                   on_candidate=on_candidate)
@@ -610,8 +613,7 @@ def _tuned_plan(merge: Merge, tuned: Tuned) -> Plan:
     steering = merge.steering
     steered = steered_matrices(steering.infos, share, steering.ranking) if share > 0 else frozenset()
     record = {**tuned.setting, "λ": tuned.scale, "fit_loss": tuned.fit_loss}
-    plan = with_rest(merge.plan, tuned.setting["rest"]) if "rest" in tuned.setting else merge.plan
-    return tuned_plan(plan, tuned.scale, steered=steered, steer_method=steering.method if share > 0 else None,
+    return tuned_plan(_plan_at(merge, tuned.setting), tuned.scale, steered=steered, steer_method=steering.method if share > 0 else None,
                       steer_scale=tuned.setting.get("steer_scale"), record=record)
 
 
