@@ -81,6 +81,11 @@ TuneOption = Annotated[str, typer.Option("--tune", help="Tune every method on th
                                                         "or all of its matrices (most colliding first, by the store's "
                                                         "interference group) to --steer at that method's own "
                                                         "scale.")]
+TuneByOption = Annotated[str, typer.Option("--tune-by", help="What tuning minimises on the fit records: gain (the "
+                                                            "leaderboard's mean normalised gain: each task's loss "
+                                                            "weighted by 1 / its fine-tune's gain there; the base and "
+                                                            "fine-tunes are evaluated on the fit records too) or loss "
+                                                            "(the plain mean loss over tasks).")]
 CandidatesOption = Annotated[str, typer.Option("--candidates", help="What the evidence plan chooses among per layer, "
                                                                     "by the cross-validated block objective: "
                                                                     "granularities of closed-form α (layer, "
@@ -496,6 +501,7 @@ def compare(
                                                            "tasks: full (all tasks), pairs (every pair) or all "
                                                            "(both).")] = "full",
     tune: TuneOption = "line",
+    tune_by: TuneByOption = "gain",
     seeds: Annotated[int, typer.Option("--seeds", min=1, help="Data-sample seeds: seed 0 takes the first records, "
                                                               "seed s > 0 permutes them; the leaderboard gives "
                                                               "mean ± std over seeds.")] = 1,
@@ -551,7 +557,7 @@ def compare(
     dataset = run_compare(base, named_finetuned, named_data,
                           methods=[m.strip() for m in methods.split(",") if m.strip()] if methods else None,
                           fit=fit, skip=skip, samples=samples, max_tokens=run.max_tokens, batch_size=run.batch_size,
-                          lambdas=grid, subsets=subsets, tune=tune, seeds=seeds, objective=objective,
+                          lambdas=grid, subsets=subsets, tune=tune, tune_by=tune_by, seeds=seeds, objective=objective,
                           method_options=parse_method_options(option),
                           plan=plan_path, choose=choose, evidence_options=evidence, plan_out=plan_out,
                           keep=keep, store=Store(run.out), force=run.force, dtype=run.dtype, device=run.device,

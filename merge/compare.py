@@ -2,7 +2,9 @@
 
 The protocol (seed 002's): each task subset (`subsets`: the full set, every pair, or both) is merged by every method
 and scored on its own tasks; every method is tuned on the fit records over its paper's grid (`tune`,
-`submerge.merge.tuning`; None: paper defaults); fit and held-out records are redrawn per data-sample seed (`seeds`).
+`submerge.merge.tuning`; None: paper defaults) by the leaderboard's measure, the mean normalised gain, there
+(`tune_by`, `merge.tuning.criterion_weights`: the base and each fine-tune are evaluated on the fit records too); fit
+and held-out records are redrawn per data-sample seed (`seeds`).
 The store group ``compare`` has one unit per (subset, seed, method) along dimension ``unit`` ("math+code|0|ties"),
 with coordinates ``subset``, ``seed``, ``method``, ``kind``, ``detail`` and ``hyperparameters`` (the tuned choice,
 JSON); tasks outside a unit's subset are NaN. With `objective`, each merge's block objective (Σ Eq. 10 over blocks,
@@ -14,8 +16,8 @@ Methods (labels along coordinate ``method``):
 - every registered strategy (`submerge.merge.strategies.STRATEGIES`) at its paper's default options
   (RegMean with the input Gram matrices of the fit records, recorded on the base; Fisher merging with each
   fine-tune's diagonal Fisher on its fit records; AdaMerging's and LoraHub's weights learned on the fit records);
-- ``task-arithmetic-tuned``: θ0 + λ Σ_t τ_t with λ from `lambdas` chosen by the mean loss over
-  tasks on the fit records (one Σ τ checkpoint is written; each λ is loaded as θ0 + λ(Σ − θ0));
+- ``task-arithmetic-tuned``: θ0 + λ Σ_t τ_t with λ from `lambdas` chosen by the tuning criterion on the fit
+  records (one Σ τ checkpoint is written; each λ is loaded as θ0 + λ(Σ − θ0));
 - ``closed-form-layer`` and ``closed-form-attn-mlp``: α per block, or per attention and MLP,
   solved on the fit records (seed 002's comparison);
 - ``plan``: by default the evidence plan (`submerge.merge.plan.evidence_plan`: granularity per block by
@@ -121,6 +123,8 @@ from submerge.merge.tuning import (
     GRIDS,
     SCALE,
     check_search,
+    check_tune_by,
+    criterion_weights,
     grid_search,
     lambdas_of,
     search_function,
@@ -436,12 +440,21 @@ class _Evaluator:
         self.tasks, self.allow_pickle, self.compute = experiment.tasks, allow_pickle, experiment.compute_dtype
         self.held_experiment = None  # set to score the block objective of each merge on the held-out records
         self.shared = None  # a directory keeping what every merge's block objective shares (`block_objectives`)
+        self.fit_weights = None  # task weights of the tuning criterion (`merge.tuning.criterion_weights`); None: mean
         self.load(None)
 
-    def losses(self, batches: dict | None = None) -> np.ndarray:
-        batches = batches or self.held_out
-        results = streamed_losses(self.source, self.arch, {t: batches[t] for t in self.tasks}, self.variant)
-        return np.array([results[t][0] for t in self.tasks])
+    def losses(self, batches: dict | None = None, tasks: list[str] | None = None) -> np.ndarray:
+        """Mean loss per task of `tasks` (default: every task of the evaluator) on `batches` (default: held out)."""
+        batches, tasks = batches or self.held_out, tasks or self.tasks
+        results = streamed_losses(self.source, self.arch, {t: batches[t] for t in tasks}, self.variant)
+        return np.array([results[t][0] for t in tasks])
+
+    def fit_criterion(self, terms) -> float:
+        """The tuning criterion of θ0 + Σ scale·(θ_reader − θ0) over `terms`: Σ_t w_t L_t on the fit records, w
+        `fit_weights` (the mean without)."""
+        self.load_terms(terms)
+        losses = self.losses(self.fit)
+        return float(np.mean(losses) if self.fit_weights is None else np.dot(self.fit_weights, losses))
 
     def load(self, spec: str | None) -> None:
         """The checkpoint `spec` (None: the base) is the model the next `losses` measure."""
@@ -473,7 +486,7 @@ class _Evaluator:
 
 
 def _tune_lambda(evaluator: _Evaluator, write: Callable, lambdas) -> tuple[float, dict[float, float]]:
-    """λ of θ0 + λ Σ τ with the lowest mean loss over tasks on the fit records; all fit losses."""
+    """λ of θ0 + λ Σ τ with the lowest fit loss (the tuning criterion); all fit losses."""
 
     summed = ParameterRule(method="task-arithmetic", options={"scaling": 1.0})
     directory = write("task-arithmetic-sum", Merge(lambda info: summed, "", {"method": "task-arithmetic"}), False)
@@ -486,14 +499,8 @@ def _tune_lambda(evaluator: _Evaluator, write: Callable, lambdas) -> tuple[float
 
 
 def _fit_loss(evaluator: _Evaluator, reader, scale: float) -> float:
-    """Mean loss over the evaluator's tasks of θ0 + scale·(θ_reader − θ0) on the fit records."""
-    return _fit_loss_of(evaluator, ((reader, scale),))
-
-
-def _fit_loss_of(evaluator: _Evaluator, terms) -> float:
-    """Mean loss over the evaluator's tasks of θ0 + Σ scale·(θ_reader − θ0) over `terms` on the fit records."""
-    evaluator.load_terms(terms)
-    return float(np.mean(evaluator.losses(evaluator.fit)))
+    """The tuning criterion (`_Evaluator.fit_criterion`) of θ0 + scale·(θ_reader − θ0) on the fit records."""
+    return evaluator.fit_criterion(((reader, scale),))
 
 
 @dataclass(frozen=True)
@@ -645,7 +652,7 @@ def _tune_steering(plan: Plan, steering: PlanSteering, evaluator: _Evaluator, wr
             key = tuning_label({**fixed, "steer_scale": steer_scale, "steer_share": share}, plan_scale, "λ")
             if key not in searched:  # the point both searches share is evaluated once
                 on_candidate(key)
-                searched[key] = _fit_loss_of(evaluator, ((readers[0], plan_scale), (readers[1], steer_scale)))
+                searched[key] = evaluator.fit_criterion(((readers[0], plan_scale), (readers[1], steer_scale)))
             return searched[key]
 
         steer_scale, _ = search_function(search)(scales, lambda mu, at=plan_scale: loss(at, mu))
@@ -811,6 +818,7 @@ def compare(
     lambdas=DEFAULT_LAMBDAS,
     subsets: str = "full",
     tune: str | None = "line",
+    tune_by: str = "gain",
     seeds: int = 1,
     grids: dict | None = None,
     method_options: dict | None = None,
@@ -838,7 +846,9 @@ def compare(
     Returns the ``compare`` dataset: units (subset × seed × method) × task loss and normalised gain, mean gain,
     seconds, the chosen candidate's fit loss, with ``method`` indexed (``dataset.sel({"method": "plan"})``); with
     `store`, writes it as group ``compare`` unit by unit (resumable). `subsets`: full, pairs or all (`task_subsets`);
-    `tune`: line, grid or None (`submerge.merge.tuning`; None: every method at its paper's defaults); `seeds`:
+    `tune`: line, grid or None (`submerge.merge.tuning`; None: every method at its paper's defaults); `tune_by`: the
+    tuning criterion, gain (the mean normalised gain on the fit records, the leaderboard's measure) or loss (the mean
+    fit loss), `merge.tuning.criterion_weights`; `seeds`:
     data-sample seeds (`resampled`); `grids` (method → {option: values}) replaces rows of `merge.tuning.GRIDS`;
     `method_options` (method → {option: value}, the CLI's ``--option METHOD.KEY=VALUE``) fixes options of registered
     strategies that are not tuned, such as AdaMerging's ``steps``; `objective`: also score each merge's block objective
@@ -848,6 +858,7 @@ def compare(
     (group ``compare_accuracy``; ``accuracy`` in the result; untuned, full set, one seed).
     """
     tune = check_search(tune)
+    tune_by = check_tune_by(tune_by)
     methods = check_methods(list(methods) if methods else default_methods(tuned=tune is not None))
     plan_file, plan = plan, Plan.load(plan) if isinstance(plan, (str, Path)) else plan  # checked before any work
     loaded_recipes = load_recipes(recipes, base_spec, methods)
@@ -867,7 +878,8 @@ def compare(
     records = {seed: {t: resampled(t, data[t], fit=fit, skip=skip, samples=samples, seed=seed) for t in tasks}
                for seed in range(seeds)}
     settings = {**experiment.settings, "fit": fit, "held_out_skip": skip, "held_out_samples": samples,
-                **_request_settings(methods, lambdas=lambdas, choose=choose, subsets=subsets, tune=tune, seeds=seeds,
+                **_request_settings(methods, lambdas=lambdas, choose=choose, subsets=subsets, tune=tune,
+                                    tune_by=tune_by, seeds=seeds,
                                     objective=objective, grids=grids, method_options=method_options,
                                     recipes=loaded_recipes, plan_file=plan_file, evidence_options=evidence_options,
                                     lm_eval=lm_eval)}
@@ -882,7 +894,8 @@ def compare(
     if plan_out is not None and PLAN in methods and PLAN not in full_pending:
         warnings.warn(f"'{PLAN}' was compared by an earlier run of this store, so no plan was built and {plan_out} "
                       f"is not written: run with --force to recompute, or write a plan with `diag plan`")
-    run = _Run(experiment, finetuned, methods, loaded_recipes, writer, store=store, tune=tune, lambdas=lambdas,
+    run = _Run(experiment, finetuned, methods, loaded_recipes, writer, store=store, tune=tune, tune_by=tune_by,
+               lambdas=lambdas,
                plan=plan, choose=choose, evidence_options=evidence_options, plan_out=plan_out, keep=keep,
                base_spec=base_spec, allow_pickle=allow_pickle, vocab=vocab, progress=progress, command=command,
                force=force, max_tokens=max_tokens, batch_size=batch_size, grids=grids, objective=objective,
@@ -900,6 +913,17 @@ def _check_given_plan(plan, finetuned: dict[str, str], experiment) -> None:
     if sorted(plan.finetuned) != sorted(finetuned):
         raise CompareError(f"the plan merges {sorted(plan.finetuned)}, compare was given {sorted(finetuned)}")
     plan.check_units(TensorTable.from_model(experiment.base.model, experiment.base.checkpoint_names, experiment.arch))
+
+
+def _fit_references(evaluator: _Evaluator, finetuned: dict[str, str], tasks: list[str]) -> dict:
+    """The base's fit loss on every task and each fine-tune's on its own task (what `criterion_weights` needs)."""
+    evaluator.load(None)
+    base = dict(zip(tasks, map(float, evaluator.losses(evaluator.fit))))
+    own = {}
+    for task in tasks:
+        evaluator.load(finetuned[task])
+        own[task] = float(evaluator.losses(evaluator.fit, [task])[0])
+    return {"base": base, "finetuned": own}
 
 
 def _compare_writer(store, settings: dict, experiment, records: dict, *, force: bool, on_unit, command) -> UnitWriter:
@@ -927,11 +951,13 @@ def _check_protocol(*, fit: int, skip: int, seeds: int, subsets: str, tune, keep
                            "and one seed")
 
 
-def _request_settings(methods: list[str], *, lambdas, choose, subsets, tune, seeds, objective, grids, method_options,
-                      recipes: dict, plan_file, evidence_options, lm_eval) -> dict:
+def _request_settings(methods: list[str], *, lambdas, choose, subsets, tune, tune_by, seeds, objective, grids,
+                      method_options, recipes: dict, plan_file, evidence_options, lm_eval) -> dict:
     """What the group's numbers depend on beyond the experiment and the records (a resumed run must match)."""
     return {"methods": methods, "lambdas": [float(v) for v in lambdas], "choose": choose,
-            "subsets": subsets, "tune": tune or "none", "seeds": seeds, "objective": objective,
+            "subsets": subsets, "tune": tune or "none",
+            **({"tune_by": tune_by} if tune is not None or TUNED in methods else {}),
+            "seeds": seeds, "objective": objective,
             **({"grids": {m: {k: list(v) for k, v in g.items()} for m, g in grids.items()}} if grids else {}),
             **({"method_options": method_options} if method_options else {}),
             **({"tuning": {m: {"settings": settings_of(m, grids), "lambdas": list(lambdas_of(m, lambdas, grids))}
@@ -968,6 +994,9 @@ def _finish(writer: UnitWriter, run, tasks, fit, skip, samples, store, scores) -
     result = writer.finish({
         "loss": "mean next-token cross-entropy over real tokens on held-out records, nats",
         "gain": "(loss_base - loss_model) / (loss_base - loss_finetune_of_the_task): 0 = base, 1 = own fine-tune",
+        "fit_loss": "the chosen candidate's tuning criterion on the fit records, sum_t w_t loss_t (nats): w in "
+                    "attrs 'fit_weights <subset>|<seed>' (tune_by gain: w_t proportional to 1 / the fine-tune's "
+                    "fit-record gain on task t), the plain mean over tasks without them",
         "records": f"fit: the first {fit} records of each task file; held out: {samples} records after the "
                    f"first {skip} (seed s > 0: the same positions of the first {skip + samples} records permuted "
                    f"by numpy default_rng(s); the drawn indices are in attrs 'drawn_records')",
@@ -1039,16 +1068,22 @@ class _Run:
 
     def __init__(self, experiment, finetuned, methods, recipes, writer, *, store, tune, lambdas, plan, choose,
                  evidence_options, plan_out, keep, base_spec, allow_pickle, vocab, progress, command, force,
-                 max_tokens, batch_size, grids=None, objective=False, method_options=None):
+                 max_tokens, batch_size, tune_by, grids=None, objective=False, method_options=None):
         self.experiment, self.finetuned, self.methods, self.recipes = experiment, finetuned, methods, recipes
         self.writer, self.store, self.tune, self.lambdas, self.plan, self.choose = writer, store, tune, lambdas, plan, choose
         self.evidence_options, self.plan_out, self.keep, self.base_spec = evidence_options, plan_out, keep, base_spec
         self.allow_pickle, self.vocab, self.progress, self.command = allow_pickle, vocab, progress, command
         self.force, self.max_tokens, self.batch_size, self.grids = force, max_tokens, batch_size, grids
-        self.objective, self.method_options = objective, method_options or {}
+        self.objective, self.method_options, self.tune_by = objective, method_options or {}, tune_by
         self.notes: dict = {}
         self.references: dict[int, dict] = {}
+        self.fit_references: dict[int, dict] = {}  # seed → {"base": {task: loss}, "finetuned": {task: loss}}
         self.accuracy = self.bar = self.job = None
+
+    def note(self, notes: dict) -> None:
+        """Attrs of the group: kept in `notes` and written at once (a killed run keeps them)."""
+        self.notes.update(notes)
+        self.writer.note(notes)
 
     def methods_of(self, subset) -> list[str]:
         """The methods merged on `subset` (users' recipes bind every fine-tune: on the full set only)."""
@@ -1079,6 +1114,12 @@ class _Run:
         everything = _Evaluator(experiment, held_out, allow_pickle=self.allow_pickle)
         self.references[seed] = _references(everything, self.writer, self.finetuned, tasks, seed, subsets)
         _warn_undefined_gain(self.references[seed], tasks)
+        if self.tune_by == "gain" and (self.tune is not None or TUNED in self.methods) and any(pending.values()):
+            self.bar.update(self.job, description=f"Comparing · seed {seed} · base and fine-tunes on the fit records")
+            key = f"fit_references {seed}"  # a resumed run reads them back (its models and records are checked)
+            stored = self.store.group_attrs(COMPARE.name).get(key) if self.store is not None and self.writer.done else None
+            self.fit_references[seed] = stored or _fit_references(everything, self.finetuned, tasks)
+            self.note({key: self.fit_references[seed]})
         for subset in subsets:
             if pending[subset]:
                 self.subset_run(seed, subset, experiment, held_out, pending[subset])
@@ -1096,12 +1137,16 @@ class _Run:
                                     command=self.command, force=self.force, record_evidence=full and seed == 0,
                                     method_options=self.method_options, seconds=(seconds := {}))
         if seconds:  # the data steps' wall time, outside every unit's `seconds`
-            key = f"data_step_seconds {name}|{seed}"
-            self.notes[key] = seconds
-            self.writer.note({key: seconds})
+            self.note({f"data_step_seconds {name}|{seed}": seconds})
         merges.update({label: _recipe_merge(label, recipe, self.base_spec, finetuned, self.allow_pickle)
                        for label, recipe in recipes.items()})
         evaluator = _Evaluator(part, {t: held_out[t] for t in subset}, allow_pickle=self.allow_pickle)
+        if seed in self.fit_references:
+            references = self.fit_references[seed]
+            weights = criterion_weights(self.tune_by, [references["base"][t] for t in subset],
+                                        [references["finetuned"][t] for t in subset], subset)
+            evaluator.fit_weights = weights
+            self.note({f"fit_weights {name}|{seed}": dict(zip(subset, map(float, weights)))})
         if self.objective:
             evaluator.held_experiment = dataclasses.replace(part, batches={t: held_out[t] for t in subset})
         pending = [m for m in pending if m in merges or m == TUNED]
@@ -1223,7 +1268,7 @@ def _run_methods(pending, merges, evaluator, writer, references, base_spec, fine
                 notes[key] = {f"{v:g}": loss for v, loss in fit_loss.items()}
                 writer.note({key: notes[key]})  # kept if the run is killed later
                 rule = ParameterRule(method="task-arithmetic", options={"scaling": best})
-                merges[label] = Merge(lambda info, rule=rule: rule, f"λ = {best:g} (mean fit loss "
+                merges[label] = Merge(lambda info, rule=rule: rule, f"λ = {best:g} (fit loss "
                                       f"{fit_loss[best]:.4g})", {"method": "task-arithmetic",
                                                                 "options": {"scaling": best}})
             merge, tuned = merges[label], None

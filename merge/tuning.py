@@ -28,6 +28,14 @@ The grids (`GRIDS`, method → {option: values}; λ for every method is `LAMBDAS
   does for the trimming methods. With the narrower grid of task arithmetic, the demo kit's plan chose λ = 1, the
   grid's edge, with its fit loss still falling (stop 32).
 
+The criterion (`criterion_weights`, ``tune_by``): a candidate's fit loss is Σ_t w_t L_t over the subset's tasks on the
+fit records. ``"gain"`` weighs each task by the inverse of its fine-tune's gain on those records, w_t ∝ 1 /
+(L_base,t − L_finetune_t,t): the leaderboard's mean normalised gain, (1/T) Σ_t (L_base,t − L_t) / (L_base,t −
+L_finetune_t,t), is a constant minus (1/T) Σ_t L_t / (L_base,t − L_finetune_t,t), so the candidate with the lowest
+weighted loss is the one with the best mean normalised gain on the fit records: methods are tuned on the measure they
+are ranked by. ``"loss"``: the plain mean over tasks (w_t = 1/T), which weighs a task by the size of its loss changes,
+so a task whose fine-tune gains little counts little in the tuning and much on the leaderboard.
+
 `search`: ``"grid"`` evaluates every λ of the grid; ``"line"`` (`line_search`) finds the minimum of the fit loss
 over the sorted λ grid by a discrete golden-section search, which assumes the loss is unimodal in λ (a quadratic
 to first order: the loss of θ0 + λδ near θ0) and evaluates about log_φ(n) + 2 values instead of n.
@@ -38,7 +46,10 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import warnings
 from collections.abc import Callable, Sequence
+
+import numpy as np
 
 from submerge.diagnostics.errors import SubmergeError
 from submerge.merge.plan import PLAN_RESTS
@@ -71,6 +82,7 @@ GRIDS["plan"]["steer_share"] = STEER_SHARES
 GRIDS["plan"]["rest"] = PLAN_RESTS
 
 SEARCHES = ("line", "grid")
+TUNE_BY = ("gain", "loss")
 SCALE = "scaling"
 
 
@@ -85,6 +97,33 @@ def check_search(search: str | None) -> str | None:
     if search not in SEARCHES:
         raise TuningError(f"--tune must be one of none, {', '.join(SEARCHES)}; got {search!r}")
     return search
+
+
+def check_tune_by(tune_by: str) -> str:
+    if tune_by not in TUNE_BY:
+        raise TuningError(f"--tune-by must be one of {', '.join(TUNE_BY)}; got {tune_by!r}")
+    return tune_by
+
+
+def criterion_weights(tune_by: str, base_losses: Sequence[float], finetuned_losses: Sequence[float],
+                      tasks: Sequence[str]) -> np.ndarray:
+    """Task weights w (summing to 1) of the tuning criterion Σ_t w_t L_t on the fit records (see the module
+    docstring). `base_losses[i]` and `finetuned_losses[i]`: the base's and task i's own fine-tune's fit loss on task
+    i. ``"gain"``: w_t ∝ 1 / (L_base,t − L_finetune_t,t); where a fine-tune does not improve on the base on the fit
+    records that ratio is undefined, and the weights fall back to the plain mean with a warning naming the task."""
+    check_tune_by(tune_by)
+    uniform = np.full(len(tasks), 1.0 / len(tasks))
+    if tune_by == "loss":
+        return uniform
+    gains = np.asarray(base_losses, dtype=np.float64) - np.asarray(finetuned_losses, dtype=np.float64)
+    if not np.all(np.isfinite(gains) & (gains > 0)):
+        bad = [f"{t} ({g:+.4f} nats)" for t, g in zip(tasks, gains) if not (math.isfinite(g) and g > 0)]
+        warnings.warn(f"--tune-by gain: the fine-tune of {', '.join(bad)} does not improve on the base on the fit "
+                      "records, so its normalised gain there is undefined: tuning on the plain mean loss instead",
+                      UserWarning, stacklevel=2)
+        return uniform
+    inverse = 1.0 / gains
+    return inverse / inverse.sum()
 
 
 def settings_of(method: str, options: dict | None = None) -> list[dict]:

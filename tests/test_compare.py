@@ -554,13 +554,29 @@ def test_compare_losses_are_on_held_out_records(compared, trained_kit):
 
 
 def test_tuned_lambda_is_the_argmin_of_the_fit_loss(compared, trained_kit):
+    """The criterion is the fit records' mean normalised gain (`tune_by="gain"`, the default): each task's fit loss
+    weighted by 1 / its fine-tune's gain there, the references measured here from the checkpoint files."""
     dataset, store_path, _ = compared
+    from safetensors.torch import load_file
+
     from submerge.diagnostics.store import Store
 
-    search = Store(store_path).group_attrs("compare")["lambda_search"]
+    attrs = Store(store_path).group_attrs("compare")
+    search = attrs["lambda_search"]
     assert set(search) == {"0.2", "0.6", "1"}
     fit = _experiment(trained_kit, skip=0)
-    independent = {value: float(np.mean(_losses_of(fit, _task_sum_state(trained_kit, fit, value))))
+    _, base, finetuned, _ = trained_kit
+    names = {name: fit.base.checkpoint_name(name) for name, _ in fit.base.model.named_parameters()}
+    base_loss = _losses_of(fit, {n: load_file(str(Path(base) / "model.safetensors"))[k] for n, k in names.items()})
+    own_loss = [_losses_of(fit, {n: load_file(str(Path(finetuned[t]) / "model.safetensors"))[k]
+                                 for n, k in names.items()})[i] for i, t in enumerate(fit.tasks)]
+    assert attrs["fit_references 0"]["base"] == pytest.approx(dict(zip(fit.tasks, base_loss)), rel=1e-5)
+    assert attrs["fit_references 0"]["finetuned"] == pytest.approx(dict(zip(fit.tasks, own_loss)), rel=1e-5)
+    inverse = 1 / (base_loss - np.array(own_loss))
+    weights = inverse / inverse.sum()
+    assert list(attrs[f"fit_weights {'+'.join(TASKS)}|0"].values()) == pytest.approx(list(weights), rel=1e-5)
+    assert not np.allclose(weights, 0.5)  # the two fine-tunes gain unequally: not the plain mean in disguise
+    independent = {value: float(weights @ _losses_of(fit, _task_sum_state(trained_kit, fit, value)))
                    for value in LAMBDAS}
     for value in LAMBDAS:
         assert search[f"{value:g}"] == pytest.approx(independent[value], rel=1e-5)

@@ -87,6 +87,32 @@ def test_grid_table_and_its_settings():
         check_search("random")
 
 
+def test_gain_criterion_weights_are_the_inverse_fine_tune_gains_and_rank_as_the_mean_gain():
+    from submerge.merge.tuning import check_tune_by, criterion_weights
+
+    tasks = ["math", "code", "trivia"]
+    base, own = [2.0, 1.5, 3.0], [1.0, 1.4, 2.5]  # gains 1.0, 0.1, 0.5 → w ∝ 1, 10, 2
+    weights = criterion_weights("gain", base, own, tasks)
+    assert weights == pytest.approx([1 / 13, 10 / 13, 2 / 13])
+    assert criterion_weights("loss", base, own, tasks) == pytest.approx([1 / 3] * 3)
+    # ranking candidates by Σ w_t L_t is ranking them by their mean normalised gain, best first, and here not by
+    # their mean loss: A gains on code (small denominator), B on math
+    candidates = {"A": np.array([1.9, 1.45, 2.9]), "B": np.array([1.5, 1.5, 2.9])}
+    gain = {c: float(np.mean((np.array(base) - x) / (np.array(base) - np.array(own)))) for c, x in candidates.items()}
+    weighted = {c: float(weights @ x) for c, x in candidates.items()}
+    assert gain["A"] > gain["B"] and weighted["A"] < weighted["B"]
+    assert np.mean(candidates["A"]) > np.mean(candidates["B"])  # the plain mean would choose B
+    rng = np.random.default_rng(0)  # property: the order is the mean gain's order for any candidates
+    losses = rng.uniform(1.0, 3.0, size=(50, 3))
+    gains = ((np.array(base) - losses) / (np.array(base) - np.array(own))).mean(axis=1)
+    assert np.array_equal(np.argsort(-gains), np.argsort(losses @ weights))
+    # a fine-tune that does not improve on its task's fit records: no ratio, the plain mean, and a warning naming it
+    with pytest.warns(UserWarning, match=r"code \(-0.1000 nats\)"):
+        assert criterion_weights("gain", base, [1.0, 1.6, 2.5], tasks) == pytest.approx([1 / 3] * 3)
+    with pytest.raises(TuningError, match="--tune-by must be one of gain, loss"):
+        check_tune_by("accuracy")
+
+
 # ----------------------------------------------------------------------- subsets and seeds
 
 
@@ -194,8 +220,9 @@ def test_protocol_layout_every_subset_on_its_own_tasks(protocol):
 
 def test_protocol_tuned_choice_is_the_argmin_of_independently_written_merges(protocol, kit, tmp_path):
     """Every tuned unit's hyperparameters are the lowest fit loss it searched; for task arithmetic and TIES on the
-    full set (seed 0) the searched fit losses and the held-out loss equal those of merges written with the option
-    itself (scaling = λ), not as θ0 + λ·δ."""
+    full set (seed 0) the searched fit losses (each task's weighted by 1 / its fine-tune's fit-record gain, measured
+    here) and the held-out loss equal those of merges written with the option itself (scaling = λ), not as
+    θ0 + λ·δ."""
     from submerge.diagnostics.evaluate import checkpoint_source, streamed_losses
     from submerge.diagnostics.experiment import Experiment
     from submerge.merge.writer import ParameterRule, write_merge
@@ -226,14 +253,23 @@ def test_protocol_tuned_choice_is_the_argmin_of_independently_written_merges(pro
         result = streamed_losses(source, experiment.arch, experiment.batches, variant)
         return np.array([result[t][0] for t in experiment.tasks])
 
+    def model_losses(experiment, spec):  # the base (None) or a fine-tune, as it is
+        source, variant = checkpoint_source(experiment.base, spec, experiment.compute_dtype)
+        result = streamed_losses(source, experiment.arch, experiment.batches, variant)
+        return np.array([result[t][0] for t in experiment.tasks])
+
     full = subset_label(TASKS)
+    # the criterion (tune_by gain, the default): fit losses weighted by 1 / each fine-tune's gain on the fit records
+    gains = model_losses(fit, None) - np.array([model_losses(fit, finetuned[t])[i] for i, t in enumerate(TASKS)])
+    weights = (1 / gains) / (1 / gains).sum()
+    assert list(dataset.attrs[f"fit_weights {full}|0"].values()) == pytest.approx(list(weights), rel=1e-4)
     for method in ("task-arithmetic", "ties"):
         unit = unit_label(full, 0, method)
         search = dataset.attrs[f"search {unit}"]
         chosen = json.loads(str(dataset.sel(unit=unit).hyperparameters.values))
         for candidate, fit_loss in list(search.items())[:3]:
             options = {k: float(v) for k, v in (part.split("=") for part in candidate.split())}
-            assert float(np.mean(losses(fit, method, options))) == pytest.approx(fit_loss, rel=1e-4)
+            assert float(weights @ losses(fit, method, options)) == pytest.approx(fit_loss, rel=1e-4)
         np.testing.assert_allclose(losses(held, method, chosen), dataset.sel(unit=unit).loss.values, rtol=1e-4)
 
 
