@@ -1047,6 +1047,10 @@ def rank_correlations(dataset: xr.Dataset) -> dict:
 def _title(dataset: xr.Dataset) -> str:
     """The leaderboard's title, with the rank correlation of block objective and held-out loss per subset."""
     title = "Held-out loss and normalised gain (0 = base, 1 = the task's own fine-tune), best mean gain first"
+    settings = dataset.attrs.get("settings")
+    if isinstance(settings, dict) and settings.get("tune", "none") != "none":  # stores before stop 36: by the loss
+        by = "mean normalised gain" if settings.get("tune_by", "loss") == "gain" else "mean loss"
+        title += f"; each method tuned ({settings['tune']}) by its {by} on the fit records"
     correlation = dataset.attrs.get("rank_correlation") or rank_correlations(dataset)
     if correlation:
         shown = "; ".join(f"{subset} " + ", ".join(f"{rho:.2f}" for rho in by_seed.values())

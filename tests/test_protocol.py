@@ -337,6 +337,7 @@ def test_report_draws_one_leaderboard_per_subset_with_mean_std_and_tuned(protoco
                                 env={"COLUMNS": "400"})
     assert result.exit_code == 0, result.output
     assert all(s in result.output for s in ("math+code+prose", "math+prose", "code+prose", "± std", "tuned"))
+    assert "each method tuned (line) by its mean normalised gain on the fit records" in result.output  # the criterion
     assert (tmp_path / "figures" / "compare.png").read_bytes()[:4] == b"\x89PNG"
 
 
