@@ -903,7 +903,9 @@ def compare(
     scorer = None if lm_eval is None else _accuracy_scorer(experiment, lm_eval, data, skip, store=store, force=force,
                                                            command=command, progress=progress, allow_pickle=allow_pickle)
     scores = _run_all(run, scorer, finetuned, records, chosen_subsets, progress)
-    return _finish(writer, run, tasks, fit, skip, samples, store, scores)
+    result = _finish(writer, run, tasks, fit, skip, samples, store, scores)
+    result.attrs.setdefault("settings", settings)  # as the store's group has them (the leaderboard's title reads them)
+    return result
 
 
 def _check_given_plan(plan, finetuned: dict[str, str], experiment) -> None:
