@@ -35,7 +35,6 @@ from submerge.diagnostics.linearity import (
     nonlinearity_score,
     projection,
 )
-from submerge.diagnostics.linearity.nonlinearity import trajectories
 from submerge.diagnostics.modules import Submodule, find_submodules, get_module
 from submerge.diagnostics.replay import replay_variants
 from submerge.diagnostics.store import Store
@@ -179,7 +178,7 @@ def test_linear_maps_score_zero_through_replay(two_tasks, every_level):
             replayed = replay_variants(source, experiment.arch, module.path, recorded[module.path],
                                        [{task: k / STEPS} for k in range(STEPS + 1)])
             seen = 0
-            for index, trajectory in trajectories(replayed.of(module)):
+            for index, trajectory in replayed.of(module).trajectories():
                 assert index in positions
                 assert float(torch.linalg.vector_norm(trajectory[-1] - trajectory[0])) > 1e-6, module.name
                 assert nonlinearity_score(trajectory) <= 1e-9, (task, module.name)
@@ -232,7 +231,7 @@ class Squared(nn.Module):
 
 def squared_scores(base_weight: torch.Tensor, tuned_weight: torch.Tensor, inputs: torch.Tensor,
                    mask: torch.Tensor, steps: int) -> list[float]:
-    """Scores of the Squared module through ParameterSource + replay_variants + trajectories."""
+    """Scores of the Squared module through ParameterSource + replay_variants + Outputs.trajectories."""
     holder = nn.Module()
     holder.squared = Squared(base_weight)
     base_reader = StateDictReader("base", Path("base"), {"squared.weight": base_weight})
@@ -242,7 +241,7 @@ def squared_scores(base_weight: torch.Tensor, tuned_weight: torch.Tensor, inputs
     recorded = [Recorded((inputs,), {}, mask, list(range(inputs.shape[0])))]
     replayed = replay_variants(source, None, "squared", recorded, [{"t": k / steps} for k in range(steps + 1)])
     module = Submodule("squared", "linear", 0, "squared")
-    return [nonlinearity_score(trajectory) for _, trajectory in trajectories(replayed.of(module))]
+    return [nonlinearity_score(trajectory) for _, trajectory in replayed.of(module).trajectories()]
 
 
 def test_parabola_by_hand():

@@ -54,6 +54,25 @@ def test_unchanged_module_is_nan_not_error():
     assert math.isnan(nonlinearity_score(trajectory))
 
 
+def test_centred_gram_distances_match_differences_on_curved_lines_with_large_offsets():
+    """`_pairwise_distances` (the centred Gram) against the norms of the differences, on lines that bend, whose
+    features are 1e4 times their whole change: within 1e-12 relative, the nearest points included."""
+    from submerge.diagnostics.linearity.equations import _pairwise_distances
+
+    generator = torch.Generator().manual_seed(3)
+    for steps, width in ((10, 5000), (4, 7), (1, 3)):
+        offset = 1e4 * torch.randn(width, generator=generator, dtype=f64)
+        a, b = torch.randn(2, width, generator=generator, dtype=f64)
+        trajectory = torch.stack([offset + (k / steps) * a + (k / steps) ** 2 * b for k in range(steps + 1)])
+        exact = torch.linalg.vector_norm(trajectory[:, None, :] - trajectory[None, :, :], dim=-1)
+        found = _pairwise_distances(trajectory)
+        off_diagonal = ~torch.eye(steps + 1, dtype=torch.bool)
+        assert torch.all(found.diagonal() == 0)
+        torch.testing.assert_close(found[off_diagonal], exact[off_diagonal], rtol=1e-12, atol=0)
+        batched = _pairwise_distances(torch.stack([trajectory, 2 * trajectory]))
+        torch.testing.assert_close(batched[1], 2 * found, rtol=1e-12, atol=0)
+
+
 def test_small_moves_on_large_features_keep_exact_distances():
     # features of size 1e6 moving linearly by 2^-20 (exactly representable steps of 2^-22):
     # distances through the Gram expansion ‖a‖² + ‖b‖² − 2⟨a,b⟩ cancel to noise here.

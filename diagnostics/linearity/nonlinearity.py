@@ -11,7 +11,6 @@ from collections.abc import Sequence
 
 import numpy as np
 import pandas as pd
-import torch
 import xarray as xr
 
 from submerge.diagnostics import plot
@@ -29,14 +28,8 @@ from submerge.diagnostics.linearity.floor import (
 )
 from submerge.diagnostics.linearity.sweep import Sweep
 from submerge.diagnostics.modules import DEFAULT_LEVELS
-from submerge.diagnostics.replay import Outputs, Unit, module_coords
+from submerge.diagnostics.replay import Unit, module_coords
 from submerge.diagnostics.tables import long_frame, ordered, strings
-
-
-def trajectories(outputs: Outputs):
-    """(record index, trajectory (V, D) float64) per sample: row v is the sample's features under variant v."""
-    for index, rows in zip(outputs.sample_indices(), outputs.per_sample()):
-        yield index, torch.stack(rows)
 
 
 def nonlinearity(
@@ -92,7 +85,7 @@ def nonlinearity(
             replayed = (unit.run(task, [{task: a} for a in coefficients]) if plain_replay
                         else unit.points(task, coefficients))
             for module in unit.modules:
-                for index, trajectory in trajectories(replayed.of(module)):
+                for index, trajectory in replayed.of(module).trajectories():
                     scores[module.name][t, position_of[index]] = nonlinearity_score(trajectory)
             del replayed
         return {name: (scores[name], unchanged[name]) for name in scores}
