@@ -13,6 +13,7 @@ a merged block).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -257,8 +258,117 @@ def _at(terms: tuple, a: float, out: torch.Tensor | None = None) -> torch.Tensor
     return value
 
 
+class _Probed(Exception):
+    """Raised by `LineRotary`'s probe once it has the rotary embedding of a term: the rest of the forward is not
+    needed."""
+
+
+class LineRotary:
+    """The rotary position embedding of a line's queries and keys, applied once per term instead of once per point.
+
+    Where q and k are shared maps of the line (`SharedMap`), they are polynomials in a, and the rotary embedding is
+    linear in them, so RoPE(q(a)) = Σ_i a^i·RoPE(P_i): the embedding of each term is computed once per batch and
+    every point's rotated q and k are formed from those (`_at`), where the attention would apply it to q(a) and
+    k(a) anew at each point (on the CPU it costs about three MLP-sized products per call). It stands in for the
+    function the attention's modeling module calls (``apply_rotary_pos_emb``, looked up there at call time) while a
+    point is replayed. Checked on the first point replayed of each batch: there the true embedding runs too and the
+    formed one must agree with it to float32 rounding (and is used, so every point gets the formed values whichever
+    is replayed first: a = 0 where the capture kept no output), or the line stops forming them (an attention whose q and k are not
+    linear in the maps' outputs before the embedding, say a per-head norm, is then replayed plainly).
+    """
+
+    NAME = "apply_rotary_pos_emb"
+
+    def __init__(self, site):
+        self.site, self.true = site, getattr(site, self.NAME)
+        self.rotated: dict[int, list[tuple[torch.Tensor, ...]]] = {}  # batch → per term: (RoPE(q_i), RoPE(k_i))
+        self.kept: dict[int, tuple[torch.Tensor, ...]] = {}  # batch → the point's rotated (q, k), overwritten
+        self.on = True
+
+    @classmethod
+    def of(cls, module: torch.nn.Module, maps: Sequence[SharedMap]) -> LineRotary | None:
+        """The rotary of `module`'s line, or None: one attention inside it whose modeling module has the function,
+        no norm of its own (q/k norms come before the embedding), and at least two shared maps in it."""
+        import sys
+
+        found = [(name, sub) for name, sub in module.named_modules()
+                 if "attention" in type(sub).__name__.lower() and hasattr(sys.modules.get(type(sub).__module__),
+                                                                          cls.NAME)]
+        if len(found) != 1:
+            return None
+        name, attention = found[0]
+        inside = [m for m in maps if m.name.startswith(f"{name}.") or not name]
+        if len(inside) < 2 or any("norm" in type(sub).__name__.lower() for sub in attention.modules()):
+            return None
+        return cls(sys.modules[type(attention).__module__])
+
+    @contextlib.contextmanager
+    def _standing_in(self, function):
+        """`function` called by the attention in place of the embedding, while the block is open."""
+        setattr(self.site, self.NAME, function)
+        try:
+            yield
+        finally:
+            setattr(self.site, self.NAME, self.true)
+
+    def _probe(self, module, rec: Recorded, params, fixed: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        found = []
+
+        def probe(q, k, *args, **kwargs):
+            found.append(self.true(q, k, *args, **kwargs))
+            raise _Probed
+
+        with self._standing_in(probe):
+            try:
+                _replayed_with(module, rec, params, fixed)
+            except _Probed:
+                pass
+        if not found:
+            raise _Probed
+        return tuple(found[0])
+
+    def replay(self, a: float, b: int, module, rec: Recorded, params, terms: dict[str, list[tuple]],
+               fixed: dict[str, torch.Tensor], kept: dict[str, list] | None) -> torch.Tensor:
+        """Point a of batch b: `_replayed_with`, the rotary embedding formed from the terms'."""
+        if not self.on:
+            return _replayed_with(module, rec, params, fixed, kept)
+        if b not in self.rotated:
+            count = max(len(t[b]) for t in terms.values())
+            try:
+                self.rotated[b] = [self._probe(module, rec, params, {
+                    name: t[b][i] if i < len(t[b]) else torch.zeros_like(t[b][0]) for name, t in terms.items()})
+                    for i in range(count)]
+            except _Probed:  # the embedding was not called: nothing to form
+                self.on = False
+                return _replayed_with(module, rec, params, fixed, kept)
+            checked = []
+
+            def check(q, k, *args, **kwargs):  # the formed values where they pass: the same at every point,
+                true, formed = self.true(q, k, *args, **kwargs), self._formed(a, b)  # whichever is checked first
+                checked.append(all(torch.allclose(t, f, rtol=1e-4, atol=1e-5 * float(t.abs().max()))
+                                   for t, f in zip(true, formed)))
+                return formed if checked == [True] else true
+
+            with self._standing_in(check):
+                output = _replayed_with(module, rec, params, fixed, kept)
+            self.on = checked == [True]
+            return output
+
+        def formed(q, k, *args, **kwargs):
+            return self._formed(a, b)
+
+        with self._standing_in(formed):
+            return _replayed_with(module, rec, params, fixed, kept)
+
+    def _formed(self, a: float, b: int) -> tuple[torch.Tensor, ...]:
+        terms = self.rotated[b]
+        if b not in self.kept:
+            self.kept[b] = tuple(torch.empty_like(t) for t in terms[0])
+        return tuple(_at(tuple(term[j] for term in terms), a, self.kept[b][j]) for j in range(len(terms[0])))
+
+
 def replay_line(source, arch, path: str, recorded, task: str, coefficients: Sequence[float], *,
-                heads: bool = False, keep: dict[str, dict] | None = None) -> Replayed:
+                heads: bool = False, keep: dict[str, dict] | None = None, shared_rotary: bool = True) -> Replayed:
     """The module at `path` at the points θ0 + a·τ_task, a in `coefficients`, on every recorded batch: what
     `replay_variants` gives for ``[{task: a} for a in coefficients]`` (up to rounding), computed with less.
 
@@ -266,6 +376,8 @@ def replay_line(source, arch, path: str, recorded, task: str, coefficients: Sequ
     - The maps whose input every point shares (`shared_maps`: q/k/v of an attention or a block, gate/up of an
       MLP, a linear module itself) are computed once per task as polynomials in a (`SharedMap`), and their output
       at each point is formed from those terms; only the other parameters get a variant θ0 + aτ per point.
+    - Where q and k are such maps, their rotary embedding is applied once per term too (`LineRotary`;
+      ``shared_rotary=False`` applies it at every point).
     Heads (which need the output projection's input per variant) and joined paths replay plainly.
     ``keep``: {submodule's local name: {}}, filled with {a: its output per batch} for each point replayed here.
     """
@@ -279,6 +391,7 @@ def replay_line(source, arch, path: str, recorded, task: str, coefficients: Sequ
     terms = {m.name: _line_terms(source, module, path, task, m, recorded, compute) for m in maps}
     at = {name: [torch.empty_like(t[0]) for t in per_batch] for name, per_batch in terms.items() if name}
     # ^ the shared maps' outputs at a point, written over point after point (a point's replay is done with them)
+    rotary = LineRotary.of(module, maps) if shared_rotary else None
     covered = {n for m in maps for n in _local_parameters(module, m.name)}
     others = [n for n in source.base_parameters(path) if n not in covered]
     for a in coefficients:
@@ -290,9 +403,12 @@ def replay_line(source, arch, path: str, recorded, task: str, coefficients: Sequ
             params = (source.variant(path, {task: a}, others, pooled=True) if others
                       else source.upcast_buffers(path))
             kept = {name: found.setdefault(a, []) for name, found in (keep or {}).items()}
-            result.outputs.append([_replayed_with(module, rec, params, {name: _at(t[b], a, at[name][b]) for name, t
-                                                                        in terms.items()}, kept)
-                                   for b, rec in enumerate(recorded)])
+            per_batch = []
+            for b, rec in enumerate(recorded):
+                fixed = {name: _at(t[b], a, at[name][b]) for name, t in terms.items()}
+                per_batch.append(rotary.replay(a, b, module, rec, params, terms, fixed, kept) if rotary is not None
+                                 else _replayed_with(module, rec, params, fixed, kept))
+            result.outputs.append(per_batch)
     return result
 
 

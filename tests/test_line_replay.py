@@ -121,3 +121,86 @@ def test_a_points_shared_map_output_written_into_a_kept_tensor_is_bitwise_the_ne
             assert torch.equal(kept, fresh)
             exact = sum((a ** k) * term.double() for k, term in enumerate(terms[:count]))
             torch.testing.assert_close(fresh.double(), exact, rtol=2e-7, atol=0)
+
+
+def _counted_rotary(monkeypatch, architecture: str) -> list:
+    """Count the calls of the true rotary embedding of `architecture`'s modeling module (whoever stands in)."""
+    import importlib
+
+    site = importlib.import_module(f"transformers.models.{architecture}.modeling_{architecture}")
+    calls, true = [], site.apply_rotary_pos_emb
+    monkeypatch.setattr(site, "apply_rotary_pos_emb", lambda *args, **kwargs: calls.append(1) or true(*args, **kwargs))
+    return calls
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2", "mistral"])
+def test_rotary_embedding_runs_once_per_term_and_every_point_agrees_with_the_plain_line(toy_kit, monkeypatch,
+                                                                                        architecture):
+    """At the layer and attention levels q and k are shared maps, so the line applies the rotary embedding to each
+    of their polynomial terms once per batch (plus the first point's check) instead of at every point, and every
+    point agrees with the line that applies it at every point to float32 rounding."""
+    experiment = toy_kit(architecture).experiment()
+    arch, source, task = experiment.arch, experiment.parameter_source(), experiment.tasks[0]
+    paths = [arch.layer_path(1), arch.attn_path(1)]
+    recorded = record_inputs(experiment.base.model, arch, paths, experiment.batches[task], outputs=True)
+    coefficients = [k / 10 for k in range(11)]
+    calls = _counted_rotary(monkeypatch, architecture)
+    for path in paths:
+        module = get_module(experiment.base.model, path)
+        terms = max(3 if m.norm is not None else 2 for m in shared_maps(module, recorded[path][0]))
+        batches = len(recorded[path])
+        calls.clear()
+        plain = replay_line(source, arch, path, recorded[path], task, coefficients, shared_rotary=False)
+        assert len(calls) == 10 * batches  # a = 0 is the capture's output
+        calls.clear()
+        line = replay_line(source, arch, path, recorded[path], task, coefficients)
+        assert len(calls) == (terms + 1) * batches, path
+        for got, want in zip(line.outputs, plain.outputs):
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w, rtol=2e-5, atol=2e-6)
+
+
+def test_rotary_check_replays_plainly_where_q_and_k_are_normed_before_the_embedding(toy_kit, monkeypatch):
+    """Gemma 3 normalises each head's q and k before the embedding, so they are not polynomials in a there:
+    `LineRotary.of` declines it, and a LineRotary forced on it fails its first-point check and stands aside, the
+    points then bitwise the plain line's."""
+    from submerge.diagnostics import replay as replay_module
+
+    experiment = toy_kit("gemma3").experiment()
+    arch, source, task = experiment.arch, experiment.parameter_source(), experiment.tasks[0]
+    path = arch.layer_path(1)
+    recorded = record_inputs(experiment.base.model, arch, [path], experiment.batches[task], outputs=True)[path]
+    module = get_module(experiment.base.model, path)
+    assert replay_module.LineRotary.of(module, shared_maps(module, recorded[0])) is None
+    forced = []
+
+    def force(module, maps):
+        import sys
+
+        attention = next(sub for sub in module.modules() if "attention" in type(sub).__name__.lower())
+        forced.append(replay_module.LineRotary(sys.modules[type(attention).__module__]))
+        return forced[-1]
+
+    monkeypatch.setattr(replay_module.LineRotary, "of", staticmethod(force))
+    coefficients = [0.0, 0.5, 1.0]
+    line = replay_line(source, arch, path, recorded, task, coefficients)
+    assert forced and not forced[0].on
+    plain = replay_line(source, arch, path, recorded, task, coefficients, shared_rotary=False)
+    for got, want in zip(line.outputs, plain.outputs):
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)
+
+
+def test_a_rotary_points_values_do_not_depend_on_which_point_is_replayed_first(toy_kit):
+    """The first point replayed of a batch is where the formed embedding is checked; it gets the formed values too,
+    so a point is bitwise the same whichever comes first (a Ray worker, whose capture keeps no a = 0 output,
+    replays a = 0 first; one process starts at the first a > 0)."""
+    experiment = toy_kit("llama").experiment()
+    arch, source, task = experiment.arch, experiment.parameter_source(), experiment.tasks[0]
+    path = arch.layer_path(1)
+    recorded = record_inputs(experiment.base.model, arch, [path], experiment.batches[task], outputs=True)[path]
+    forward = replay_line(source, arch, path, recorded, task, [0.25, 0.5, 1.0])
+    backward = replay_line(source, arch, path, recorded, task, [1.0, 0.5, 0.25])
+    for got, want in zip(forward.outputs, reversed(backward.outputs)):
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)

@@ -54,9 +54,9 @@ def test_unchanged_module_is_nan_not_error():
     assert math.isnan(nonlinearity_score(trajectory))
 
 
-def test_centred_gram_distances_match_differences_on_curved_lines_with_large_offsets():
-    """`_pairwise_distances` (the centred Gram) against the norms of the differences, on lines that bend, whose
-    features are 1e4 times their whole change: within 1e-12 relative, the nearest points included."""
+def test_distances_match_differences_on_curved_lines_with_large_offsets():
+    """`_pairwise_distances` against the norms of the differences, on lines that bend, whose features are 1e4 times
+    their whole change: within 1e-12 relative, the nearest points included, batched as one by one."""
     from submerge.diagnostics.linearity.equations import _pairwise_distances
 
     generator = torch.Generator().manual_seed(3)

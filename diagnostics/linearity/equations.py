@@ -43,7 +43,8 @@ def _pairwise_distances(rows: torch.Tensor) -> torch.Tensor:
     expansion loses only about ε₆₄ · (spread / distance)² relative: for the N + 1 points of a line, whose spread is
     at most about N times their smallest distance, 1e-14 at N = 10 (``tests/test_linearity_math.py`` checks it
     against differences). One matrix product instead of R(R − 1)/2 difference passes: 2–3× faster than
-    ``torch.cdist``'s difference-based path on the CPU, whatever the thread count.
+    ``torch.cdist``'s difference-based path on the CPU. Its sums depend on the thread count, as every product's
+    does: the engines fix it (`submerge.diagnostics.execution`).
     """
     centred = rows - rows[..., :1, :]
     gram = centred @ centred.transpose(-1, -2)
