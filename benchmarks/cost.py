@@ -116,11 +116,9 @@ def _full_finetunes() -> dict[str, Path]:
 
 def _slice(layers: int, scratch: Path) -> dict[str, Path]:
     """benchmarks/scale.py's slice with `layers` blocks (built once per scratch folder, in a fresh process)."""
-    import importlib.util
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # a spawned process finds `scale` by its name too
+    import scale
 
-    spec = importlib.util.spec_from_file_location("scale_benchmark", Path(__file__).with_name("scale.py"))
-    scale = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(scale)
     from submerge.diagnostics.demo import ensure_demo_base
 
     work = scratch / f"L{layers}"
