@@ -14,6 +14,7 @@ a merged block).
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -273,8 +274,9 @@ class LineRotary:
     function the attention's modeling module calls (``apply_rotary_pos_emb``, looked up there at call time) while a
     point is replayed. Checked on the first point replayed of each batch: there the true embedding runs too and the
     formed one must agree with it to float32 rounding (and is used, so every point gets the formed values whichever
-    is replayed first: a = 0 where the capture kept no output), or the line stops forming them (an attention whose q and k are not
-    linear in the maps' outputs before the embedding, say a per-head norm, is then replayed plainly).
+    is replayed first: a = 0 where the capture kept no output), or the line stops forming them (an attention whose
+    q and k are not linear in the maps' outputs before the embedding, say a per-head norm, is then replayed
+    plainly).
     """
 
     NAME = "apply_rotary_pos_emb"
@@ -289,8 +291,6 @@ class LineRotary:
     def of(cls, module: torch.nn.Module, maps: Sequence[SharedMap]) -> LineRotary | None:
         """The rotary of `module`'s line, or None: one attention inside it whose modeling module has the function,
         no norm of its own (q/k norms come before the embedding), and at least two shared maps in it."""
-        import sys
-
         found = [(name, sub) for name, sub in module.named_modules()
                  if "attention" in type(sub).__name__.lower() and hasattr(sys.modules.get(type(sub).__module__),
                                                                           cls.NAME)]
