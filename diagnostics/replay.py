@@ -211,8 +211,26 @@ def _local_parameters(module: torch.nn.Module, prefix: str) -> list[str]:
     return [f"{prefix}.{name}" if prefix else name for name, _ in sub.named_parameters(remove_duplicate=False)]
 
 
-def _line_terms(source, module, path: str, task: str, shared: SharedMap, recorded: list[Recorded], compute):
-    """Per batch, the polynomial coefficients [P0, P1(, P2)] of `shared`'s output along the line θ0 + a·τ_task."""
+@dataclass
+class ChildTerms:
+    """A request to a line (`replay_line`) for the terms of the shared maps inside its submodule `child` on the
+    child's own recorded `inputs`: where each batch's input of those maps is bitwise the child's recorded input
+    (a block's attention: its input norm's output on θ0, or the block's input), a map's terms on that input are
+    P0 = W0 z0 + b0 and P1 = τ_W z0 + τ_b, which the line computes anyway (its own P1 adds W0 d where the norm
+    moves), so the child's line takes them from `found` ({the map's name local to the child: per batch (P0, P1)})
+    instead of computing them again."""
+
+    child: str
+    inputs: list[Recorded]
+    found: dict[str, list[tuple]]
+
+
+def _line_terms(source, module, path: str, task: str, shared: SharedMap, recorded: list[Recorded], compute,
+                child_inputs: list[Recorded] | None = None, found: list | None = None):
+    """Per batch, the polynomial coefficients [P0, P1(, P2)] of `shared`'s output along the line θ0 + a·τ_task.
+
+    ``child_inputs`` (a `ChildTerms`' inputs) and ``found`` (a list): where every batch's input of the map on θ0
+    (z0) is bitwise the child's recorded input, `found` gets the map's terms on it, (P0, τ_W z0 + τ_b) per batch."""
     base, sub = source.base_parameters(path), module.get_submodule(shared.name) if shared.name else module
     names = _local_parameters(module, shared.name)
     own = {n: base[n].to(device=source.device, dtype=compute) for n in names}
@@ -230,8 +248,8 @@ def _line_terms(source, module, path: str, task: str, shared: SharedMap, recorde
         norm_delta = {n.removeprefix(f"{shared.norm}."): d.to(compute)
                       for n, d in source.deltas(path, task, norm_names).items()}
         norm_changed = any(bool(d.abs().max() > 0) for d in norm_delta.values() if d.numel())
-    terms = []
-    for rec in recorded:
+    terms, handed = [], [] if found is not None else None  # handed: None once a batch's input is not the child's
+    for b, rec in enumerate(recorded):
         x = rec.args[0] if rec.args else rec.kwargs["hidden_states"]
         if shared.norm is None:
             z0, d = x, None
@@ -243,10 +261,16 @@ def _line_terms(source, module, path: str, task: str, shared: SharedMap, recorde
                 d = functional_call(norm, norm_delta, (x,), strict=False) - functional_call(norm, zero, (x,),
                                                                                               strict=False)
         p0, p1 = apply(own, z0), apply(delta, z0)
+        if handed is not None:
+            child = child_inputs[b].args[0] if child_inputs[b].args else child_inputs[b].kwargs.get("hidden_states")
+            same = isinstance(child, torch.Tensor) and child.dtype == z0.dtype and torch.equal(child, z0)
+            handed = handed + [(p0, p1)] if same else None
         if d is None:
             terms.append((p0, p1))
         else:
             terms.append((p0, p1 + apply(own, d, zero_bias=True), apply(delta, d, zero_bias=True)))
+    if handed:
+        found.extend(handed)
     return terms
 
 
@@ -368,7 +392,8 @@ class LineRotary:
 
 
 def replay_line(source, arch, path: str, recorded, task: str, coefficients: Sequence[float], *,
-                heads: bool = False, keep: dict[str, dict] | None = None, shared_rotary: bool = True) -> Replayed:
+                heads: bool = False, keep: dict[str, dict] | None = None, shared_rotary: bool = True,
+                child_terms: ChildTerms | None = None, given_terms: dict[str, list[tuple]] | None = None) -> Replayed:
     """The module at `path` at the points θ0 + a·τ_task, a in `coefficients`, on every recorded batch: what
     `replay_variants` gives for ``[{task: a} for a in coefficients]`` (up to rounding), computed with less.
 
@@ -380,6 +405,8 @@ def replay_line(source, arch, path: str, recorded, task: str, coefficients: Sequ
       ``shared_rotary=False`` applies it at every point).
     Heads (which need the output projection's input per variant) and joined paths replay plainly.
     ``keep``: {submodule's local name: {}}, filled with {a: its output per batch} for each point replayed here.
+    ``child_terms``: a `ChildTerms` filled with the terms of the shared maps inside a submodule, where they are the
+    submodule's own; ``given_terms``: such terms ({map's local name: per batch terms}), taken instead of computed.
     """
     if heads or "+" in path:
         return replay_variants(source, arch, path, recorded, [{task: a} for a in coefficients], heads=heads)
@@ -388,7 +415,17 @@ def replay_line(source, arch, path: str, recorded, task: str, coefficients: Sequ
     result = Replayed([], [rec.token_mask for rec in recorded], [rec.sample_index for rec in recorded], arch=arch)
     compute = source.dtype_for(path)
     maps = shared_maps(module, recorded[0]) if recorded else ()
-    terms = {m.name: _line_terms(source, module, path, task, m, recorded, compute) for m in maps}
+    terms = {}
+    for m in maps:
+        if given_terms is not None and m.name in given_terms:
+            terms[m.name] = given_terms[m.name]
+            continue
+        inside = child_terms is not None and m.name.startswith(f"{child_terms.child}.")
+        found = [] if inside else None
+        terms[m.name] = _line_terms(source, module, path, task, m, recorded, compute,
+                                    child_terms.inputs if inside else None, found)
+        if found:
+            child_terms.found[m.name.removeprefix(f"{child_terms.child}.")] = found
     at = {name: [torch.empty_like(t[0]) for t in per_batch] for name, per_batch in terms.items() if name}
     # ^ the shared maps' outputs at a point, written over point after point (a point's replay is done with them)
     rotary = LineRotary.of(module, maps) if shared_rotary else None
@@ -518,7 +555,8 @@ def block_unit(source, arch, path: str, served: list[Submodule], recorded: dict,
 
     ``from_block`` (one dict per layer, shared by its units): a block's line keeps its attention's outputs there
     where they are the attention level's points (`attention_points_coincide`), and the attention's line takes them
-    instead of replaying."""
+    instead of replaying; where they are not (the norm before the attention moves with τ), it keeps the terms of
+    the attention's q/k/v on the attention's own input (`ChildTerms`), and the attention's line takes those."""
     heads = any(m.level == "head" for m in served)
     layer = served[0].layer
     attention = arch.attn_path(layer) if layer >= 0 else None
@@ -528,15 +566,22 @@ def block_unit(source, arch, path: str, served: list[Submodule], recorded: dict,
 
     def line(task, coefficients):
         inputs = recorded[task][path]
+        given = from_block.pop(("terms", task), None) if from_block is not None and path == attention else None
         if from_block is not None and not heads and path == attention and (task, tuple(coefficients)) in from_block:
             return _attention_from_block(from_block.pop((task, tuple(coefficients))), inputs, coefficients, arch)
-        keep = None
-        if (from_block is not None and path == arch.layer_path(layer) and attention in recorded[task]
-                and attention_points_coincide(source, path, arch.attn_child, task, inputs)):
-            keep = {arch.attn_child: {}}
-        replayed = replay_line(source, arch, path, inputs, task, coefficients, heads=heads, keep=keep)
+        keep, child = None, None
+        if from_block is not None and path == arch.layer_path(layer) and attention in recorded[task]:
+            if attention_points_coincide(source, path, arch.attn_child, task, inputs):
+                keep = {arch.attn_child: {}}
+            else:  # the attention's line replays: its q/k/v terms are the block's P0 and τ·z0
+                compute = source.dtype_for(attention)
+                child = ChildTerms(arch.attn_child, [rec.upcast(compute) for rec in recorded[task][attention]], {})
+        replayed = replay_line(source, arch, path, inputs, task, coefficients, heads=heads, keep=keep,
+                               child_terms=child, given_terms=given)
         if keep is not None:
             from_block[(task, tuple(coefficients))] = keep[arch.attn_child]
+        if child is not None and child.found:
+            from_block[("terms", task)] = child.found
         return replayed
 
     return Unit(path, served, run, lambda task: source.changed(path, task), line)

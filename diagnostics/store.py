@@ -941,6 +941,7 @@ class UnitWriter:
                  root: dict | None = None, attrs: dict | None = None, on_unit=None, inputs: dict | None = None,
                  command: str | None = None, expected: int | None = None):
         self.store, self.group, self.dim, self.on_unit = store, group, dim, on_unit
+        self.settings = settings
         self.done: set[str] = set()
         self.pieces: list[xr.Dataset] = []
         if inputs is not None:
@@ -977,6 +978,8 @@ class UnitWriter:
             if self.store is not None and empty is not None and empty.variables:
                 self.store.append(self.group, empty, dim=self.dim)
         result.attrs.update(notes if result_attrs is None else result_attrs)
+        if self.settings:  # an in-memory result (no store) says what produced it as a stored group does
+            result.attrs.setdefault("settings", self.settings)
         if self.store is not None:
             self.store.finish(self.group, notes)
         return result

@@ -883,11 +883,8 @@ def compare(
                                     objective=objective, grids=grids, method_options=method_options,
                                     recipes=loaded_recipes, plan_file=plan_file, evidence_options=evidence_options,
                                     lm_eval=lm_eval)}
-    _refuse_other_models(store, experiment.inputs, methods, plan=plan, choose=choose)
-    if _needs_evidence(methods, plan, choose):  # checked before the group exists: a refused run leaves none
-        check_evidence_options(experiment, evidence_options)
-    if not all(math.isfinite(float(value)) for value in lambdas):
-        raise CompareError(f"--lambdas must be finite numbers, got {list(lambdas)}")
+    _check_before_the_group(store, experiment, methods, plan=plan, choose=choose, evidence_options=evidence_options,
+                            lambdas=lambdas)
     writer = _compare_writer(store, settings, experiment, records, force=force, on_unit=on_unit, command=command)
     full_pending = [m for m in methods if unit_label(subset_label(tasks), 0, m) not in writer.done]
     _check_outputs(full_pending, keep, plan_out, store, force)
@@ -903,9 +900,18 @@ def compare(
     scorer = None if lm_eval is None else _accuracy_scorer(experiment, lm_eval, data, skip, store=store, force=force,
                                                            command=command, progress=progress, allow_pickle=allow_pickle)
     scores = _run_all(run, scorer, finetuned, records, chosen_subsets, progress)
-    result = _finish(writer, run, tasks, fit, skip, samples, store, scores)
-    result.attrs.setdefault("settings", settings)  # as the store's group has them (the leaderboard's title reads them)
-    return result
+    return _finish(writer, run, tasks, fit, skip, samples, store, scores)  # with the settings, as the group has them
+
+
+def _check_before_the_group(store, experiment, methods: list[str], *, plan, choose: str, evidence_options,
+                            lambdas) -> None:
+    """What `compare` refuses before its group exists (a refused run leaves none): a store of other models, the
+    evidence step's options, λ values that are not finite."""
+    _refuse_other_models(store, experiment.inputs, methods, plan=plan, choose=choose)
+    if _needs_evidence(methods, plan, choose):
+        check_evidence_options(experiment, evidence_options)
+    if not all(math.isfinite(float(value)) for value in lambdas):
+        raise CompareError(f"--lambdas must be finite numbers, got {list(lambdas)}")
 
 
 def _check_given_plan(plan, finetuned: dict[str, str], experiment) -> None:

@@ -207,3 +207,52 @@ def test_cuda_scores_match_cpu_and_tf32_is_restored(llama, device):
                              device="cpu")
     cpu = nonlinearity(on_cpu, levels=("model", "layer", "attn", "mlp"), steps=4, progress=False)
     np.testing.assert_allclose(gpu.nonlinearity_score.values, cpu.nonlinearity_score.values, rtol=1e-3)
+
+
+@pytest.mark.parametrize("compute", ["float32", "float64"])
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_a_points_token_embedding_forms_only_the_batches_rows(toy_kit, arch, compute, monkeypatch):
+    """The model level's embedding stage forms θ0 + a·τ of the token embedding at the batches' token ids only
+    (`token_rows`), not the whole table per point: the rows formed are bitwise the whole table's at those ids, the
+    rows left are never read (poisoned with NaN, the outputs stay bitwise those of the whole table formed), on
+    every toy architecture and in float64 (the floor's pass)."""
+    from submerge.diagnostics import capture
+
+    experiment = toy_kit(arch).experiment(compute_dtype=compute)
+    source, model, kit_arch = experiment.parameter_source(), experiment.base.model, experiment.arch
+    batches = experiment.batches[experiment.tasks[0]]
+    rows = capture.token_rows(model, kit_arch, batches)
+    assert len(rows) == 1
+    (name, ids), = rows.items()
+    table_rows = model.get_input_embeddings().weight.shape[0]
+    assert 0 < len(ids) < table_rows and torch.equal(ids, torch.unique(torch.cat([b.input_ids.reshape(-1)
+                                                                                  for b in batches])))
+    names = capture.embedding_stage_names(model, kit_arch)
+    variant = {experiment.tasks[0]: 0.7}
+    whole = {n: t.clone() for n, t in source.variant(kit_arch.backbone_path, variant, names, pooled=True).items()}
+    formed = source.variant(kit_arch.backbone_path, variant, names, pooled=True, rows=rows)
+    assert torch.equal(formed[name][ids], whole[name][ids])
+    assert all(torch.equal(formed[n], whole[n]) for n in whole if n != name)
+    variants = [{experiment.tasks[0]: a} for a in (0.5, 1.0)]
+    expected = capture.model_outputs(source, kit_arch, batches, variants)
+    source.clear()
+    real = source.variant
+
+    def poisoned(path, coefficients, names=None, *, pooled=False, rows=None):  # the buffer's other rows: NaN
+        params = real(path, coefficients, names, pooled=pooled)
+        if rows:
+            for local, index in rows.items():
+                keep = params[local].index_select(0, index)
+                params[local].fill_(float("nan")).index_copy_(0, index, keep)
+        return params
+
+    monkeypatch.setattr(source, "variant", poisoned)
+    found = capture.model_outputs(source, kit_arch, batches, variants)
+    for want, got in zip(expected, found):
+        for w, g in zip(want, got):
+            assert w.dtype == getattr(torch, compute) and torch.equal(w, g)
+    monkeypatch.setattr(capture, "token_rows", lambda *args: {})  # the whole table formed: the same outputs
+    source.clear()
+    monkeypatch.setattr(source, "variant", real)
+    for want, got in zip(expected, capture.model_outputs(source, kit_arch, batches, variants)):
+        assert all(torch.equal(w, g) for w, g in zip(want, got))

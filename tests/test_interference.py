@@ -427,6 +427,8 @@ def test_interference_driver_dataset(tiny_checkpoints):
     assert ds.sizes == {"matrix": 15, "task": 2, "task_other": 2, "rank_frac": 2, "centered": 2}
     assert "lm_head.weight" not in ds["matrix"].values  # tied duplicate of the embedding
     assert ds.attrs["tied_duplicates"] == {"lm_head.weight": "model.embed_tokens.weight"}
+    # written to no store, the result still says what produced it, as a stored group's attrs do
+    assert ds.attrs["settings"]["tasks"] == ["math", "code"] and ds.attrs["settings"]["rank_fracs"] == [0.25, 1.0]
     assert "model.norm.weight" not in ds["matrix"].values  # 1-D
     name = "model.layers.1.mlp.down_proj.weight"
     row = ds.sel(matrix=name)

@@ -204,3 +204,36 @@ def test_a_rotary_points_values_do_not_depend_on_which_point_is_replayed_first(t
     for got, want in zip(forward.outputs, reversed(backward.outputs)):
         for g, w in zip(got, want):
             assert torch.equal(g, w)
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_attention_line_takes_its_qkv_terms_from_the_block_line(toy_kit, architecture):
+    """Where the block's input norm moves with τ (the toy full fine-tunes change every tensor), the attention
+    level's points are not the block's, but its q/k/v terms on its own input are the block line's P0 and τ·z0: the
+    block line hands them over (`ChildTerms`) and the attention's line, taking them, is bitwise the line that
+    computes them, at every point, on every toy architecture; the terms go only where the inputs are bitwise equal."""
+    from submerge.diagnostics.replay import attention_points_coincide, block_unit
+
+    experiment = toy_kit(architecture).experiment()
+    arch, source, task = experiment.arch, experiment.parameter_source(), experiment.tasks[0]
+    modules = find_submodules(experiment.base.model, ("layer", "attn"), layers=[1], arch=arch)
+    layer_path, attention = arch.layer_path(1), arch.attn_path(1)
+    recorded = {task: record_inputs(experiment.base.model, arch, [layer_path, attention], experiment.batches[task],
+                                    outputs=True, compute=source.compute_dtype)}
+    coefficients = [0.0, 0.25, 0.5, 1.0]
+    from_block: dict = {}
+    served = {path: [m for m in modules if m.path == path] for path in (layer_path, attention)}
+    if attention_points_coincide(source, layer_path, arch.attn_child, task, recorded[task][layer_path]):
+        assert architecture == "bert"  # its attention takes the block's input: the points themselves are handed
+        pytest.skip("the attention's points are the block's (test_attention_points_come_from_the_block_replay...)")
+    block_unit(source, arch, layer_path, served[layer_path], recorded, from_block).points(task, coefficients)
+    handed = from_block.get(("terms", task))
+    assert handed, "the block's line handed no terms over"
+    attention_maps = {m.name for m in shared_maps(get_module(experiment.base.model, attention),
+                                                   recorded[task][attention][0])}
+    assert set(handed) == attention_maps
+    taken = block_unit(source, arch, attention, served[attention], recorded, from_block).points(task, coefficients)
+    assert ("terms", task) not in from_block
+    own = replay_line(source, arch, attention, recorded[task][attention], task, coefficients)
+    for got, want in zip(taken.outputs, own.outputs):
+        assert all(torch.equal(g, w) for g, w in zip(got, want))

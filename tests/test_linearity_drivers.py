@@ -139,10 +139,13 @@ def every_level(two_tasks):
 
 
 def test_linearity_holds_one_tasks_vectors_at_a_time_with_the_same_scores(two_tasks, every_level, monkeypatch):
-    """`diag linearity` keeps the task vectors of one task at a time (`ParameterSource(tasks_kept=1)`: a 7B block's
-    τ is 0.8 GB a task, and the layer's units read it again per task); its scores and noise floors are bitwise
-    those of a source that keeps every task's τ for the whole layer."""
+    """`diag linearity` keeps the task vectors of one task at a time where a block's τ is large
+    (`ParameterSource(tasks_kept=1)`: a 7B block's τ is 0.8 GB a task, and the layer's units read it again per
+    task; here the budget `TAU_KEPT_BYTES` is lowered to nothing); its scores and noise floors are bitwise those of
+    a source that keeps every task's τ for the whole layer, which is what the default budget does for small
+    blocks."""
     from submerge.diagnostics.capture import ParameterSource
+    from submerge.diagnostics.linearity import sweep
 
     held: list[int] = []
     deltas = ParameterSource.deltas
@@ -154,6 +157,10 @@ def test_linearity_holds_one_tasks_vectors_at_a_time_with_the_same_scores(two_ta
 
     monkeypatch.setattr(ParameterSource, "deltas", counted)
     levels = ("model", "layer", "attn", "mlp", "head", "linear")
+    default = nonlinearity(two_tasks, levels=levels, steps=STEPS, progress=False)
+    assert max(held) == len(TASKS)  # the toy's blocks are small: every task's τ kept
+    held.clear()
+    monkeypatch.setattr(sweep, "TAU_KEPT_BYTES", 0)
     one = nonlinearity(two_tasks, levels=levels, steps=STEPS, progress=False)
     assert held and max(held) == 1
     held.clear()
@@ -163,6 +170,7 @@ def test_linearity_holds_one_tasks_vectors_at_a_time_with_the_same_scores(two_ta
     for name in ("nonlinearity_score", "nonlinearity_floor"):
         np.testing.assert_array_equal(one[name].values, every[name].values)
         np.testing.assert_array_equal(one[name].values, every_level[name].values)
+        np.testing.assert_array_equal(one[name].values, default[name].values)
 
 
 def test_linear_maps_score_zero_through_replay(two_tasks, every_level):

@@ -620,3 +620,15 @@ def test_consolidate_is_refused_while_another_process_writes(tmp_path):
     with pytest.raises(StoreError, match="being written by process"):
         store.consolidate()
     assert store.consolidation() == "absent"
+
+
+def test_a_result_gathered_without_a_store_carries_its_settings():
+    """`UnitWriter` with no store (the Python API's in-memory run) puts the settings on the result, as `Store.begin`
+    puts them on a stored group; a driver's own ``settings`` attr is not overwritten."""
+    writer = UnitWriter(None, "g", {"steps": 10, "levels": ["layer"]}, dim="module")
+    writer.add(xr.Dataset({"x": ("module", np.arange(2.0))}, coords={"module": ["a", "b"]}), "b")
+    result = writer.finish({"equation": "E"})
+    assert result.attrs == {"equation": "E", "settings": {"steps": 10, "levels": ["layer"]}}
+    own = UnitWriter(None, "g", {"steps": 10}, dim="module")
+    own.add(xr.Dataset({"x": ("module", [1.0])}, coords={"module": ["a"]}), "a")
+    assert own.finish({}, result_attrs={"settings": "the driver's"}).attrs["settings"] == "the driver's"

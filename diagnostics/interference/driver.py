@@ -219,8 +219,6 @@ def _open_writer(store, job: MatrixJob, base, task_readers: dict, matrices, *, f
                  engine: dict):
     """The `UnitWriter` of group ``interference`` (store None: results are only gathered)."""
 
-    if store is None:
-        return UnitWriter(None, INTERFERENCE.name, {}, dim=INTERFERENCE.dim)
     settings = {
         "tasks": list(task_readers), "rank_fracs": [float(f) for f in job.rank_fracs],
         "sar_against": job.sar_against, "sar_options": dict(job.sar_options or {}), "eps": float(job.eps),
@@ -228,6 +226,8 @@ def _open_writer(store, job: MatrixJob, base, task_readers: dict, matrices, *, f
         "svd": "exact" if job.exact_svd else "gram",
         "matrices": list(matrices) if matrices is not None else "all", "transposed": sorted(job.transposed),
     }
+    if store is None:  # the settings still go on the result
+        return UnitWriter(None, INTERFERENCE.name, settings, dim=INTERFERENCE.dim)
     inputs = {"base_model": base.fingerprint(),
               "finetuned": {task: reader.finetuned.fingerprint() for task, reader in task_readers.items()}}
     inputs["engine"] = engine  # provenance only: a run resumes across engines

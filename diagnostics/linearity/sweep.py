@@ -26,6 +26,7 @@ from submerge.diagnostics.provenance import run_attrs
 from submerge.diagnostics.replay import LayerMeasure, Unit, bytes_per_layer, modules_for, units_of
 from submerge.diagnostics.store import UnitWriter
 
+TAU_KEPT_BYTES = 1 << 30  # a one-task driver keeps as many tasks' τ of a block as fit here (`Sweep`'s tasks_kept)
 PRECISION_NOTE = {
     "storage": "settings.dtype: the dtype the base is loaded and its recorded inputs are kept in",
     "compute": "settings.compute_dtype: τ, every θ0 + Σ c_t τ_t, the replayed module or block and its inputs are "
@@ -45,7 +46,8 @@ class Sweep:
     ``layers``: only these blocks (default all). ``capture_outputs``: the capture also keeps each module's output on
     θ0 (`Recorded.output`, twice the recorded bytes), which `Unit.points` serves as the point a = 0.
     ``tasks_kept``: the task vectors of at most that many tasks are held at a time (`ParameterSource`; None: all
-    of a layer's), for drivers whose variants each move one task (a layer's units then read τ again per unit).
+    of a layer's), for drivers whose variants each move one task (a layer's units then read τ again per unit);
+    more where more blocks' τ fit in `TAU_KEPT_BYTES`.
     """
 
     def __init__(self, experiment, levels: Sequence[str], group: str, settings: dict, run: RunSettings, *,
@@ -59,7 +61,7 @@ class Sweep:
         self.experiment, self.run_settings = experiment, run
         self.tasks = experiment.tasks
         self.source = experiment.parameter_source(run.compute_dtype)
-        self.source.tasks_kept = tasks_kept
+        self.source.tasks_kept = tasks_kept if tasks_kept is None else max(tasks_kept, self._tasks_fitting())
         compute = {"compute_dtype": str(self.source.compute_dtype).removeprefix("torch.")}
         self.modules = modules_for(experiment, levels, layers)
         self.capture_budget = run.capture_budget
@@ -70,6 +72,15 @@ class Sweep:
         self.writer = UnitWriter(run.store, group, {**experiment.settings, **compute, **settings}, dim=unit_dim,
                                  force=run.force, root=root, attrs={**attrs, "precision": PRECISION_NOTE},
                                  on_unit=run.on_unit)
+
+    def _tasks_fitting(self) -> int:
+        """How many tasks' τ of one block (float32) fit in `TAU_KEPT_BYTES`: a layer's units share them instead of
+        reading them again unit by unit (SmolLM2-135M: every task's; a 7B block's τ is 0.8 GB a task: one)."""
+        arch = self.experiment.arch
+        if arch.num_layers == 0:
+            return 0
+        block = self.experiment.base.model.get_submodule(arch.layer_path(0))
+        return TAU_KEPT_BYTES // max(1, 4 * sum(p.numel() for p in block.parameters()))
 
     @property
     def compute_dtype(self) -> torch.dtype:
