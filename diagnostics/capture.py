@@ -468,9 +468,15 @@ def head_output(o_proj_input: torch.Tensor, o_proj_weight: torch.Tensor, arch: A
     return x @ o_proj_weight[:, lo:hi].to(x.dtype).T
 
 
+def real_tokens(output: torch.Tensor, token_mask: torch.Tensor, i: int) -> torch.Tensor:
+    """Sequence i of a batch's `output` (batch, seq, ...), its real tokens only (a view where all are real)."""
+    row, real = output[i], token_mask[i]
+    return row if bool(real.all()) else row[real]
+
+
 def sample_features(output: torch.Tensor, token_mask: torch.Tensor) -> list[torch.Tensor]:
     """One flattened float64 vector per sequence, real tokens only."""
-    return [output[i][token_mask[i]].reshape(-1).double() for i in range(output.shape[0])]
+    return [real_tokens(output, token_mask, i).reshape(-1).double() for i in range(output.shape[0])]
 
 
 # --------------------------------------------------------------------------- parameters of variants
@@ -713,8 +719,9 @@ def model_outputs(
     block_inputs = block_kwargs(model, arch, layers, batches, device=device, compute=source.compute_dtype)
     # 2. the embedding stage per variant, 3. the blocks, 4. the final norm and, on request, the output head
     if hidden is None:  # the embedding stage's τ read once for all variants
-        rows = token_rows(model, arch, batches)  # the same tokens for every variant
-        hidden = [_embedded(source, arch, batches, variant, block_inputs[layer_paths[0]], rows)
+        rows = token_rows(model, arch, batches)  # the same tokens and stage for every variant
+        stage = embedding_stage_names(model, arch)
+        hidden = [_embedded(source, arch, batches, variant, block_inputs[layer_paths[0]], stage, rows)
                   for variant in variants]
         source.clear()
     for i, path in zip(layers, layer_paths):
@@ -766,15 +773,13 @@ def embed(model: nn.Module, arch: Architecture, params: dict[str, torch.Tensor],
 
 
 def _embedded(source: ParameterSource, arch: Architecture, batches, variant: Variant, first_inputs,
-              rows: dict[str, torch.Tensor]) -> list:
-    """Block 0's input hidden state per batch under `variant`'s embedding stage (backbone parameters
-    outside the blocks and the final norm), in the compute dtype; the recorded base input when unchanged. `rows`:
-    the batches' `token_rows`, the only rows of the token embedding formed."""
+              stage: list[str], rows: dict[str, torch.Tensor]) -> list:
+    """Block 0's input hidden state per batch under `variant`'s embedding stage (`stage`: its parameters'
+    backbone-local names, `embedding_stage_names`), in the compute dtype; the recorded base input when the stage
+    has none. `rows`: the batches' `token_rows`, the only rows of the token embedding formed."""
     model = source.base.model
     device = source.device
-    embed_locals = embedding_stage_names(model, arch)
-    params = (source.variant(arch.backbone_path, variant, embed_locals, pooled=True, rows=rows)
-              if embed_locals else None)
+    params = source.variant(arch.backbone_path, variant, stage, pooled=True, rows=rows) if stage else None
     compute = source.dtype_for(arch.layer_path(0))
     if params is None:
         return [upcast(_hidden_of(first), compute) for first in first_inputs]

@@ -33,6 +33,7 @@ from submerge.diagnostics.capture import (
     model_outputs,
     record_inputs,
     replay,
+    real_tokens,
     replay_with_heads,
     sample_features,
 )
@@ -65,13 +66,10 @@ class Outputs:
         one float64 tensor (the same values as stacking `per_sample`'s rows, with one copy instead of three)."""
         for b, (mask, batch_indices) in enumerate(zip(self.masks, self.indices)):
             for i, index in enumerate(batch_indices):
-                real, whole = mask[i], bool(mask[i].all())
-                first = self.values[0][b][i]
-                tokens = first.shape[0] if whole else int(real.sum())
-                rows = torch.empty((len(self.values), tokens, *first.shape[1:]), dtype=torch.float64,
-                                   device=first.device)
+                first = real_tokens(self.values[0][b], mask, i)
+                rows = torch.empty((len(self.values), *first.shape), dtype=torch.float64, device=first.device)
                 for v, per_batch in enumerate(self.values):
-                    rows[v].copy_(per_batch[b][i] if whole else per_batch[b][i][real])
+                    rows[v].copy_(first if v == 0 else real_tokens(per_batch[b], mask, i))
                 yield index, rows.reshape(len(self.values), -1)
 
     def minus(self, base: list[torch.Tensor]) -> Outputs:
