@@ -730,6 +730,7 @@ def model_outputs(
             params = source.variant(path, variant, pooled=True)
             for b in range(len(batches)):
                 hidden[v][b] = run_block(block, params, block_inputs[path][b].upcast(compute), hidden[v][b])
+        params = None  # the pooled tensors go with the pool: held here, they would outlive it into the next block
         source.clear()
         if on_layer:
             on_layer(i)
@@ -753,6 +754,7 @@ def _final_stages(source: ParameterSource, arch: Architecture, hidden: list[list
             for b in range(len(hidden[v])):
                 x = upcast(hidden[v][b], source.dtype_for(path))
                 hidden[v][b] = functional_call(module, params, (x,), strict=False) if params else module(x)
+        params = None  # as in `model_outputs`: freed with the pool
         source.clear()
 
 
