@@ -439,6 +439,44 @@ def test_a_regmean_candidate_is_regmean_fitted_on_the_other_folds_and_scored_on_
     assert with_leak[0] != pytest.approx(scores[0, 0], rel=1e-3)
 
 
+def test_regmean_fold_grams_are_the_other_folds_grams_shared_by_maps_fed_the_same_input(random_kit, tmp_path,
+                                                                                         monkeypatch):
+    """The Grams each fold's RegMean is fitted on (`training_grams`, from the block's map inputs kept once per task,
+    not T × folds Grams) are the Grams of a base forward over the other folds' records alone; q/k/v share one tensor,
+    gate/up another. Batches of 3 records mix the folds."""
+    from submerge.diagnostics.capture import input_gram_matrices
+
+    folds, records = 3, 8
+    fit = _records_experiment(random_kit, list(range(records)), tmp_path)
+    tasks, seen = list(fit.tasks), {}
+    real = evidence_module.training_grams
+
+    def spy(inputs, count, fold):
+        found = real(inputs, count, fold)
+        for name, per_task in found.items():
+            assert (name, fold) not in seen or "layers.0." not in name  # each block asks once per fold
+            seen[(name, fold)] = per_task
+        return found
+
+    monkeypatch.setattr(evidence_module, "training_grams", spy)
+    evidence(fit, _merge(fit, block_rules=("regmean",)), candidates=("layer", "regmean"), folds=folds, progress=False)
+    names = fit.base.checkpoint_names
+    for k in range(folds):
+        train = _records_experiment(random_kit, [i for i in range(records) if i % folds != k], tmp_path)
+        expected = {t: {names.get(key, key): g for key, g in input_gram_matrices(
+            train.base.model, train.arch, train.batches[t]).items()} for t in tasks}
+        checked = [(name, per_task) for (name, fold), per_task in seen.items() if fold == k]
+        assert sorted(name for name, _ in checked) == sorted(expected[tasks[0]])
+        for name, per_task in checked:
+            for t, gram in zip(tasks, per_task):
+                torch.testing.assert_close(gram, expected[t][name].to(gram.dtype), rtol=1e-5, atol=1e-5)
+        q, k_, v = (seen[(f"model.layers.0.self_attn.{m}_proj.weight", k)] for m in "qkv")
+        assert all(a is b is c for a, b, c in zip(q, k_, v))
+        gate, up = (seen[(f"model.layers.0.mlp.{m}_proj.weight", k)] for m in ("gate", "up"))
+        assert all(a is b for a, b in zip(gate, up))
+        assert all(a is not b for a, b in zip(q, gate))
+
+
 def test_regmean_recovers_each_fine_tune_where_their_inputs_are_disjoint(hand_fit):
     """The hand kit: each fine-tune's attention update reads only its own task's input dimensions and the MLP update
     is shared, so RegMean on each block's input Grams gives every task its own fine-tune's block: objective 0 (to

@@ -16,7 +16,7 @@ The fit records of each task are split into k folds by record position (record i
 
 A block rule (a strategy that merges the whole block, e.g. ``ties``) has no α: one merge, scored on every fold. A
 gram rule (``regmean``, `CandidateMerge.gram_rules`) is fitted per fold like α: its linear maps' input Grams are
-measured on the base block's replay of the other folds' records (`fold_input_grams`), the block's other tensors take
+measured on the base block's replay of the other folds' records (`map_inputs`, `training_grams`), the block's other tensors take
 the block's α of those folds, and fold k scores it.
 
 Scoring every candidate on the same function (the block's output) makes the scores comparable. What the choice
@@ -182,19 +182,28 @@ def _grams(outputs: Outputs) -> np.ndarray:
                      for sample in outputs.per_sample()])
 
 
+@dataclass
+class MapInputs:
+    """The inputs of block `layer`'s linear maps on each task's fit records, as the base block computes them
+    (`map_inputs`): what RegMean's input Grams are measured on, fold by fold (`training_grams`)."""
+
+    names: dict[str, list[str]]  # per group of maps fed the same tensor: its leader's key → the maps' checkpoint names
+    inputs: list[dict[str, list[torch.Tensor]]]  # per task: leader's key → per batch, the maps' input
+    masks: list[list[torch.Tensor]]  # per task: per batch (batch, seq) real tokens
+    folds: list[torch.Tensor]  # per task: the fold of each record by position among the fit records
+
+
 @torch.no_grad()
-def fold_input_grams(layer: Layer, tasks: list[str], folds: int) -> dict[str, list[list[torch.Tensor]]]:
-    """RegMean's input Grams of block `layer` per fold: {checkpoint name of each linear map inside the block: per
-    task, [G_0 … G_{k−1}]}, G_f = Σ x xᵀ over the real tokens of the map's input in the records of fold f
-    (`fold_of_records`), in the compute dtype. The inputs are the base block's, replayed on each task's recorded
-    inputs (as `submerge.diagnostics.capture.input_gram_matrices` records them in a forward of the base; the sum
-    over folds is its Gram on the same records, up to rounding). Maps fed the same tensor (q/k/v, gate/up) share
-    their Grams (the same tensors). Memory: T × folds × the block's distinct in × in Grams, and while one task is
-    measured, its records' inputs to the block's maps."""
-    source, path = layer.source, layer.arch.layer_path(layer.index)
+def map_inputs(layer: Layer, tasks: list[str], folds: int) -> MapInputs:
+    """The inputs of block `layer`'s linear maps, the base block replayed on each task's recorded inputs (as
+    `submerge.diagnostics.capture.input_gram_matrices` records them in a forward of the base). Maps fed the same
+    tensor (q/k/v, gate/up) form a group and keep one copy. Memory: T × the records' tokens × the block's distinct
+    input widths (Llama-2-7B: 4096 · 3 + 11,008 values per token), not the T × folds Grams of in × in that the
+    folds' sums would take (0.68 GB per task and fold for a 7B block)."""
+    source = layer.source
     maps = list(linear_maps(source.base.model, layer.arch, layer.index))
-    unit = layer.units[path]
-    grams: dict[str, list[list[torch.Tensor]]] = {source.base.checkpoint_name(key): [] for key, _ in maps}
+    unit = layer.units[layer.arch.layer_path(layer.index)]
+    result = MapInputs({}, [], [], [])
     for task in tasks:
         inputs: dict[str, list[torch.Tensor]] = {key: [] for key, _ in maps}
         with hooks() as handles:
@@ -209,44 +218,45 @@ def fold_input_grams(layer: Layer, tasks: list[str], folds: int) -> dict[str, li
                 groups.append([key])
             else:
                 group.append(key)
-        per_map: dict[str, list[torch.Tensor]] = {}
-        fold_by_record = torch.from_numpy(fold_of_records(sum(len(rows) for rows in replayed.indices), folds))
-        first = 0  # the position among the task's fit records of the batch's first row
-        for b, (mask, indices) in enumerate(zip(replayed.masks, replayed.indices)):
-            fold_of = fold_by_record[first:first + len(indices)]
-            first += len(indices)
+        for b in range(len(replayed.masks)):
             for group in groups:
-                x = inputs[group[0]][b]
-                if any(inputs[key][b] is not x for key in group):
+                if any(inputs[key][b] is not inputs[group[0]][b] for key in group):
                     raise EvidenceError(f"block {layer.index}: the linear maps {group} shared their input in the "
                                         f"first batch of task {task} but not in batch {b}")
-                grams_of_x = per_map.setdefault(group[0], [x.new_zeros(x.shape[-1], x.shape[-1])
-                                                           for _ in range(folds)])
-                for f in range(folds):
-                    rows = (fold_of == f).nonzero().flatten()
+        names = {group[0]: [source.base.checkpoint_name(key) for key in group] for group in groups}
+        if result.names and result.names != names:
+            raise EvidenceError(f"block {layer.index}: its linear maps share their inputs otherwise on task {task}")
+        result.names = names
+        result.inputs.append({group[0]: inputs[group[0]] for group in groups})
+        result.masks.append(replayed.masks)
+        result.folds.append(torch.from_numpy(fold_of_records(sum(len(rows) for rows in replayed.indices), folds)))
+    return result
+
+
+@torch.no_grad()
+def training_grams(inputs: MapInputs, folds: int, fold: int) -> dict[str, list[torch.Tensor]]:
+    """Per linear map (checkpoint name) and task, RegMean's input Gram on the records of every fold but `fold` (those
+    fold `fold`'s merge is fitted on): Σ_{f ≠ fold} G_f in fold order, each G_f = Σ x xᵀ over the real tokens of
+    fold f's records, batch by batch, in the compute dtype (the sum over every fold is the Gram on all the records,
+    up to rounding). Maps fed the same tensor share one Gram. Memory: the T tasks' sums and one fold's Gram."""
+    result: dict[str, list[torch.Tensor]] = {name: [] for names in inputs.names.values() for name in names}
+    for per_task, masks, fold_by_record in zip(inputs.inputs, inputs.masks, inputs.folds):
+        for lead, names in inputs.names.items():
+            total = None
+            for f in range(folds):
+                if f == fold:
+                    continue
+                first, gram = 0, None  # first: the position among the task's fit records of the batch's first row
+                for x, mask in zip(per_task[lead], masks):
+                    rows = (fold_by_record[first:first + mask.shape[0]] == f).nonzero().flatten()
+                    first += mask.shape[0]
+                    gram = x.new_zeros(x.shape[-1], x.shape[-1]) if gram is None else gram
                     if len(rows):
                         tokens = x[rows][mask[rows].to(x.device)]
-                        grams_of_x[f] += tokens.T @ tokens
-        for group in groups:
-            for key in group:
-                per_map[key] = per_map[group[0]]
-        for key, _ in maps:
-            grams[source.base.checkpoint_name(key)].append(per_map[key])
-        inputs.clear()
-    return grams
-
-
-def training_grams(fold_grams: dict[str, list[list[torch.Tensor]]], fold: int) -> dict[str, list[torch.Tensor]]:
-    """Per map and task, the Gram of every fold but `fold` (the records fold `fold`'s merge is fitted on); maps that
-    share their fold Grams share the sum."""
-    sums: dict[int, torch.Tensor] = {}
-    result = {}
-    for name, per_task in fold_grams.items():
-        result[name] = []
-        for per_fold in per_task:
-            if id(per_fold) not in sums:
-                sums[id(per_fold)] = sum(g for f, g in enumerate(per_fold) if f != fold)
-            result[name].append(sums[id(per_fold)])
+                        gram += tokens.T @ tokens
+                total = gram if total is None else total.add_(gram)
+            for name in names:
+                result[name].append(total)
     return result
 
 
@@ -316,12 +326,12 @@ class _EvidenceOfLayer:
         infos = [info for info in table if info.layer == j]
         scores = np.full((len(self.candidates), folds), np.nan)
         gram_rules = [c for c in self.candidates if c in getattr(self.merge, "gram_rules", ())]
-        fold_grams = fold_input_grams(layer, tasks, folds) if gram_rules else {}
+        inputs = map_inputs(layer, tasks, folds) if gram_rules else None
         for c, candidate in enumerate(self.candidates):
             if candidate in gram_rules:  # fitted per fold: Grams and the block's α of the other folds
                 for k in range(folds):
                     solved = {f"layers.{j}": dict(zip(tasks, map(float, fold_alpha[self.parts.index(BLOCK), k])))}
-                    delta = self.merge(j, candidate, solved, infos, grams=training_grams(fold_grams, k))
+                    delta = self.merge(j, candidate, solved, infos, grams=training_grams(inputs, folds, k))
                     merged = _merged_features(layer, delta, table, tasks)
                     scores[c, k] = fold_objective(merged, data.targets, data.denominators, folds_by_task, k,
                                                   self.balance)
