@@ -131,6 +131,7 @@ def replay_variants(source, arch, path: str, recorded, variants: Sequence[Varian
         if heads:
             result.o_inputs.append(per_batch_x)
             result.o_weights.append(weight)
+        params = None  # this variant's tensors go now, not once the next variant's are formed beside them
     return result
 
 

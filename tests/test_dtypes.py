@@ -287,3 +287,34 @@ def test_the_model_level_frees_a_blocks_pooled_variant_before_forming_the_next_b
     blocks = [path for path, _ in alive_at_call if path.startswith(kit_arch.layers_path + ".")]
     assert len(set(blocks)) == kit_arch.num_layers >= 2
     assert all(alive == [] for _, alive in alive_at_call), alive_at_call
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_a_head_replay_frees_each_variant_before_forming_the_next(toy_kit, arch, monkeypatch):
+    """`replay_variants(..., heads=True)` (the head level) forms each variant anew (not pooled: the output
+    projection's weight of every variant is kept for the heads). When the next variant is formed, of the previous
+    ones only those kept weights may still be alive, not the rest of their tensors (at 7B two block-sized variants
+    side by side)."""
+    import weakref
+
+    from submerge.diagnostics.capture import record_inputs
+    from submerge.diagnostics.replay import replay_variants
+
+    experiment = toy_kit(arch).experiment()
+    source, kit_arch, task = experiment.parameter_source(), experiment.arch, experiment.tasks[0]
+    path = kit_arch.attn_path(0)
+    recorded = record_inputs(experiment.base.model, kit_arch, [path], experiment.batches[task])
+    formed, alive_at_call, real = [], [], source.variant
+
+    def watched(where, coefficients, names=None, **options):
+        alive_at_call.append(sum(ref() is not None for refs in formed for ref in refs))
+        params = real(where, coefficients, names, **options)
+        formed.append([weakref.ref(t) for t in params.values()])
+        return params
+
+    monkeypatch.setattr(source, "variant", watched)
+    replayed = replay_variants(source, kit_arch, path, recorded[path], [{task: a} for a in (0.5, 1.0, 1.5)],
+                               heads=True)
+    assert len(formed) == 3 and all(len(refs) > 1 for refs in formed)
+    assert alive_at_call == [0, 1, 2], alive_at_call  # one kept weight per earlier variant
+    assert len(replayed.o_weights) == 3
