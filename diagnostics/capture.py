@@ -532,18 +532,25 @@ class ParameterSource:
                        self.compute_dtype)
         return torch.promote_types(storage, self.compute_dtype)
 
-    def deltas(self, path: str, task: str, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
-        """τ_task of the parameters of the module at `path` (local names; all or `names`), float32, on its device."""
+    def deltas(self, path: str, task: str, names: Iterable[str] | None = None, *,
+               keep: bool = True) -> dict[str, torch.Tensor]:
+        """τ_task of the parameters of the module at `path` (local names; all or `names`), float32, on its device.
+        Kept until `clear` (the points of a line share them); ``keep=False``: read for this call alone where not
+        kept already (a caller that reads a block tensor by tensor and lets each go)."""
         reader = self.task_vectors[task]
         device = self.device
         full_names = module_parameter_names(self.base.model, path)
-        self._ask_for(task)
+        if keep:
+            self._ask_for(task)
         out = {}
         for local in full_names if names is None else names:
             key = (task, full_names[local])
-            if key not in self._cache:
-                self._cache[key] = reader.get(self.base.checkpoint_name(full_names[local]), torch.float32, device)
-            out[local] = self._cache[key]
+            found = self._cache.get(key)
+            if found is None:
+                found = reader.get(self.base.checkpoint_name(full_names[local]), torch.float32, device)
+                if keep:
+                    self._cache[key] = found
+            out[local] = found
         return out
 
     def _ask_for(self, task: str) -> None:

@@ -477,6 +477,25 @@ def test_regmean_fold_grams_are_the_other_folds_grams_shared_by_maps_fed_the_sam
         assert all(a is not b for a, b in zip(q, gate))
 
 
+def test_the_candidates_merges_read_the_blocks_task_vectors_tensor_by_tensor(random_kit, tmp_path, monkeypatch):
+    """Each candidate's merge of a block (`merged_block`) starts with no τ kept by the source and keeps none: it reads
+    the T tasks' τ of one tensor at a time (a 7B block's τ of three tasks is 2.4 GB in float32); the scores are those
+    of the τ kept (`test_a_regmean_candidate_is_regmean_fitted_on_the_other_folds_and_scored_on_its_own`)."""
+    fit = _records_experiment(random_kit, list(range(6)), tmp_path)
+    real, kept = evidence_module.merged_block, []
+
+    def watched(source, path, delta, table, tasks):
+        before = len(source._cache)
+        params = real(source, path, delta, table, tasks)
+        kept.append((before, len(source._cache)))
+        return params
+
+    monkeypatch.setattr(evidence_module, "merged_block", watched)
+    evidence(fit, _merge(fit, block_rules=("regmean", "ties")), candidates=("layer", "regmean", "ties"), folds=2,
+             progress=False)
+    assert len(kept) == 2 * (2 + 2 + 1) and all(counts == (0, 0) for counts in kept), kept
+
+
 def test_regmean_recovers_each_fine_tune_where_their_inputs_are_disjoint(hand_fit):
     """The hand kit: each fine-tune's attention update reads only its own task's input dimensions and the MLP update
     is shared, so RegMean on each block's input Grams gives every task its own fine-tune's block: objective 0 (to

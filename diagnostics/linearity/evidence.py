@@ -163,14 +163,14 @@ def fold_objective(merged, targets, denominators, folds_by_task, fold: int, bala
 
 def merged_block(source, path: str, delta: TensorDelta, table: TensorTable, tasks: list[str]) -> dict:
     """Block `path`'s parameters θ0 + δ (local names) in the compute dtype, never rounded back to storage, plus
-    the block's floating buffers upcast (as `ParameterSource.variant` gives them)."""
+    the block's floating buffers upcast (as `ParameterSource.variant` gives them). τ is read tensor by tensor and let
+    go (``keep=False``): the T tasks' τ of one tensor at a time, not of the whole block (2.4 GB at 7B, T = 3)."""
     params = source.upcast_buffers(path)
     base = source.base_parameters(path)
-    deltas = {t: source.deltas(path, t) for t in tasks}
     for local, full in module_parameter_names(source.base.model, path).items():
         weight = base[local]
         info = table.get(source.base.checkpoint_name(full), tuple(weight.shape))
-        merged = delta(info, [deltas[t][local] for t in tasks])
+        merged = delta(info, [source.deltas(path, t, [local], keep=False)[local] for t in tasks])
         compute = torch.promote_types(weight.dtype, source.compute_dtype)
         params[local] = weight.to(device=source.device, dtype=compute) + merged.to(compute)
     return params
@@ -285,6 +285,7 @@ def _block_data(layer: Layer, tasks: list[str]) -> _BlockData:
                     targets.append(list(outputs.features(1 + a)))
                     indices.append(np.fromiter(outputs.sample_indices(), dtype=np.int64))
             del replayed
+    layer.source.clear(release_pages=False)  # the fine-tunes' τ of the block: the merges read it tensor by tensor
     block = grams[f"layers.{layer.index}"]
     return _BlockData(grams, targets, indices, [[balance_denominator(g) for g in stack] for stack in block])
 
