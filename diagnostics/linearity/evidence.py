@@ -285,7 +285,6 @@ def _block_data(layer: Layer, tasks: list[str]) -> _BlockData:
                     targets.append(list(outputs.features(1 + a)))
                     indices.append(np.fromiter(outputs.sample_indices(), dtype=np.int64))
             del replayed
-    layer.source.clear(release_pages=False)  # the fine-tunes' τ of the block: the merges read it tensor by tensor
     block = grams[f"layers.{layer.index}"]
     return _BlockData(grams, targets, indices, [[balance_denominator(g) for g in stack] for stack in block])
 
@@ -318,6 +317,7 @@ class _EvidenceOfLayer:
     def __call__(self, layer: Layer) -> dict:
         j, tasks, folds = layer.index, self.tasks, self.folds
         data = _block_data(layer, tasks)
+        layer.source.clear(release_pages=False)  # the block's τ its replays kept: the merges read it tensor by tensor
         folds_by_task = [fold_of_records(len(index), folds) for index in data.indices]
         fold_alpha = np.array([[fold_alphas(data.grams[unit_of(j, p)], folds_by_task, k, balance=self.balance)
                                 for k in range(folds)] for p in self.parts])  # (part, fold, task)
@@ -508,6 +508,7 @@ class _ObjectiveOfLayer:
 
     def __call__(self, layer: Layer) -> dict:
         data = self._data(layer)
+        layer.source.clear(release_pages=False)  # as in the evidence: the merge reads τ tensor by tensor
         merged = _merged_features(layer, self.delta, _table(layer), self.tasks)
         every = [np.zeros(len(index), dtype=np.int64) for index in data.indices]
         name = f"layers.{layer.index}"
