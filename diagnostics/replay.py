@@ -31,9 +31,9 @@ from submerge.diagnostics.capture import (
     hooks,
     layer_chunks,
     model_outputs,
+    real_tokens,
     record_inputs,
     replay,
-    real_tokens,
     replay_with_heads,
     sample_features,
 )
