@@ -194,17 +194,18 @@ class MapInputs:
 
 
 @torch.no_grad()
-def map_inputs(layer: Layer, tasks: list[str], folds: int) -> MapInputs:
+def map_inputs(layer: Layer, tasks: list[str], folds_by_task: list[np.ndarray]) -> MapInputs:
     """The inputs of block `layer`'s linear maps, the base block replayed on each task's recorded inputs (as
     `submerge.diagnostics.capture.input_gram_matrices` records them in a forward of the base). Maps fed the same
     tensor (q/k/v, gate/up) form a group and keep one copy. Memory: T × the records' tokens × the block's distinct
     input widths (Llama-2-7B: 4096 · 3 + 11,008 values per token), not the T × folds Grams of in × in that the
-    folds' sums would take (0.68 GB per task and fold for a 7B block)."""
+    folds' sums would take (0.68 GB per task and fold for a 7B block). `folds_by_task`: each task's fold per record
+    (`fold_of_records`), the evidence's own."""
     source = layer.source
     maps = list(linear_maps(source.base.model, layer.arch, layer.index))
     unit = layer.units[layer.arch.layer_path(layer.index)]
     result = MapInputs({}, [], [], [])
-    for task in tasks:
+    for task, fold_by_record in zip(tasks, folds_by_task):
         inputs: dict[str, list[torch.Tensor]] = {key: [] for key, _ in maps}
         with hooks() as handles:
             for key, module in maps:
@@ -229,7 +230,10 @@ def map_inputs(layer: Layer, tasks: list[str], folds: int) -> MapInputs:
         result.names = names
         result.inputs.append({group[0]: inputs[group[0]] for group in groups})
         result.masks.append(replayed.masks)
-        result.folds.append(torch.from_numpy(fold_of_records(sum(len(rows) for rows in replayed.indices), folds)))
+        if sum(len(rows) for rows in replayed.indices) != len(fold_by_record):
+            raise EvidenceError(f"block {layer.index}: task {task} replayed {sum(map(len, replayed.indices))} records "
+                                f"for {len(fold_by_record)} fold assignments")
+        result.folds.append(torch.from_numpy(fold_by_record))
     return result
 
 
@@ -246,11 +250,11 @@ def training_grams(inputs: MapInputs, folds: int, fold: int) -> dict[str, list[t
             for f in range(folds):
                 if f == fold:
                     continue
-                first, gram = 0, None  # first: the position among the task's fit records of the batch's first row
+                width = per_task[lead][0].shape[-1]
+                first, gram = 0, per_task[lead][0].new_zeros(width, width)  # first: the batch's first record's position
                 for x, mask in zip(per_task[lead], masks):
                     rows = (fold_by_record[first:first + mask.shape[0]] == f).nonzero().flatten()
                     first += mask.shape[0]
-                    gram = x.new_zeros(x.shape[-1], x.shape[-1]) if gram is None else gram
                     if len(rows):
                         tokens = x[rows][mask[rows].to(x.device)]
                         gram += tokens.T @ tokens
@@ -327,7 +331,7 @@ class _EvidenceOfLayer:
         infos = [info for info in table if info.layer == j]
         scores = np.full((len(self.candidates), folds), np.nan)
         gram_rules = [c for c in self.candidates if c in getattr(self.merge, "gram_rules", ())]
-        inputs = map_inputs(layer, tasks, folds) if gram_rules else None
+        inputs = map_inputs(layer, tasks, folds_by_task) if gram_rules else None
         for c, candidate in enumerate(self.candidates):
             if candidate in gram_rules:  # fitted per fold: Grams and the block's α of the other folds
                 for k in range(folds):
