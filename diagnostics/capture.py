@@ -57,6 +57,11 @@ class Recorded:
     sample_index: list[int]
     output: torch.Tensor | None = None  # the module's output on θ0, when the capture kept it (``outputs=True``)
 
+    @property
+    def hidden(self) -> torch.Tensor | None:
+        """The hidden state among these inputs: the first argument, or the keyword ``hidden_states`` (None: neither)."""
+        return self.args[0] if self.args else self.kwargs.get("hidden_states")
+
     def upcast(self, dtype: torch.dtype) -> Recorded:
         """These inputs (and the kept output) with every floating tensor of lower precision than `dtype` in `dtype`
         (never rounded down)."""

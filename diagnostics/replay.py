@@ -178,7 +178,7 @@ def _placed_like(module: torch.nn.Module, stream) -> dict[str, torch.Tensor] | N
 def _probe_shared_maps(module: torch.nn.Module, recorded: Recorded) -> tuple[SharedMap, ...]:
     if is_linear(module):
         return (SharedMap("", None),)
-    stream = recorded.args[0] if recorded.args else recorded.kwargs.get("hidden_states")
+    stream = recorded.hidden
     inputs: dict[str, list] = {}
     outputs: dict[str, object] = {}
     with hooks() as handles:
@@ -261,7 +261,7 @@ def _line_terms(source, module, path: str, task: str, shared: SharedMap, recorde
                                                                                               strict=False)
         p0, p1 = apply(own, z0), apply(delta, z0)
         if handed is not None:
-            child = child_inputs[b].args[0] if child_inputs[b].args else child_inputs[b].kwargs.get("hidden_states")
+            child = child_inputs[b].hidden
             same = isinstance(child, torch.Tensor) and child.dtype == z0.dtype and torch.equal(child, z0)
             handed = handed + [(p0, p1)] if same else None
         if d is None:
