@@ -126,9 +126,9 @@ def gram_matrix(tall: torch.Tensor) -> torch.Tensor:
         lower = syrk(1.0, array, trans=1, lower=1)
     else:
         return tall.mT @ tall
-    gram = torch.from_numpy(lower).tril_()
-    gram += gram.tril(-1).mT
-    return gram.contiguous()
+    gram = torch.from_numpy(lower.T).triu_()  # syrk's result is Fortran-ordered: its transpose is C-ordered, upper
+    gram += gram.triu(1).mT
+    return gram
 
 
 def gram_eigh(gram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

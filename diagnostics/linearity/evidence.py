@@ -230,8 +230,9 @@ def map_inputs(layer: Layer, tasks: list[str], folds_by_task: list[np.ndarray]) 
         result.names = names
         result.inputs.append({group[0]: inputs[group[0]] for group in groups})
         result.masks.append(replayed.masks)
-        if sum(len(rows) for rows in replayed.indices) != len(fold_by_record):
-            raise EvidenceError(f"block {layer.index}: task {task} replayed {sum(map(len, replayed.indices))} records "
+        records = sum(len(rows) for rows in replayed.indices)
+        if records != len(fold_by_record):
+            raise EvidenceError(f"block {layer.index}: task {task} replayed {records} records "
                                 f"for {len(fold_by_record)} fold assignments")
         result.folds.append(torch.from_numpy(fold_by_record))
     return result
