@@ -10,6 +10,8 @@ process, with peak RSS (wait4 ru_maxrss), peak anonymous RSS (sampled) and wall 
     diag interference (Gram route) and --exact-svd             diag merge --method task-arithmetic | ties | plan
                                                                diag merge --method regmean (Grams of the fit data)
     diag eval (base, fine-tunes, the TA merge)                 diag merge RECIPE.yaml (a mergekit TIES recipe)
+    diag compare --methods plan --tune none (compare-plan: the evidence step on its default 8 fit records per task,
+        candidates layer, attn-mlp, regmean, 4 folds; the plan's merge; base, fine-tunes and plan evaluated)
 
 Per command it fits peak RSS = a + b·L and wall = c + d·L over the slices (b ≈ 0 means memory does not grow with
 depth), and projects Llama-2-7B (32 blocks) + 3 fine-tunes: peak a + 32·b, wall c + 32·d on this machine.
@@ -24,7 +26,8 @@ RECIPE.yaml`` and, with ``--mergekit-python``, by ``mergekit-yaml`` from the sam
 float32, and the entries TIES' equations do not decide are counted apart (`ties_differences_explained`).
 
     python benchmarks/scale.py [--layers 1,2,4] [--samples 2] [--max-tokens 64] [--mergekit-python /work/mkvenv/bin/python]
-        [--commands linearity,alpha,interference,interference-exact,merge-ta,merge-ties,merge-plan,merge-regmean,eval]
+        [--commands linearity,alpha,interference,interference-exact,merge-ta,merge-ties,merge-plan,merge-regmean,eval,
+         compare-plan]
         [--matrices PATTERNS] [--keep DIR] [--results FILE]
 
 ``--results FILE`` accumulates the measurements in a JSON file (slice → command → figures) across invocations, so
@@ -282,6 +285,8 @@ def commands(paths: dict[str, Path], data: dict[str, Path], work: Path, samples:
         "merge-regmean": diag + ["merge", "--model", str(paths["base"]), *dense, "--method", "regmean", *tasks_data,
                                  "--samples", str(samples), "--max-tokens", str(max_tokens), "--out",
                                  str(work / "regmean"), "--no-progress", *placed],
+        "compare-plan": diag + ["compare", *common, *dense, *tasks_data, "--methods", "plan", "--tune", "none",
+                                "--no-objective", "--out", str(work / "compare.zarr")],
         "eval": diag + ["eval", "--model", str(paths["base"]), *dense, "--merged", f"ta={work / 'ta'}",
                         *tasks_data, "--skip", "0", "--samples", str(samples), "--max-tokens", str(max_tokens),
                         "--dtype", "float16", "--out", str(work / "eval.zarr"), "--no-progress", *placed],

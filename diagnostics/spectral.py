@@ -28,10 +28,11 @@ from typing import NamedTuple
 
 import scipy.linalg
 import scipy.linalg.blas
+import scipy.linalg.lapack
 import torch
 
-__all__ = ["SVD_DTYPES", "Svd", "concat_top", "gram_eigh", "gram_matrix", "numerical_rank", "svd_dtype", "thin_svd",
-           "tolerance_dtype"]
+__all__ = ["SVD_DTYPES", "Svd", "concat_top", "gram_eigh", "gram_matrix", "numerical_rank", "solve_symmetric_right",
+           "svd_dtype", "thin_svd", "tolerance_dtype"]
 
 SVD_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -129,6 +130,45 @@ def gram_matrix(tall: torch.Tensor) -> torch.Tensor:
     gram = torch.from_numpy(lower.T).triu_()  # syrk's result is Fortran-ordered: its transpose is C-ordered, upper
     gram += gram.triu(1).mT
     return gram
+
+
+_POTRF = {torch.float32: scipy.linalg.lapack.spotrf, torch.float64: scipy.linalg.lapack.dpotrf}
+_POTRS = {torch.float32: scipy.linalg.lapack.spotrs, torch.float64: scipy.linalg.lapack.dpotrs}
+
+
+def solve_symmetric_right(rows: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
+    """B A⁻¹ for a symmetric positive semi-definite (n, n) A and an (m, n) B; both are overwritten.
+
+    Cholesky (LAPACK ``potrf`` / ``potrs``) where A is positive definite, in place on the CPU: A's C-ordered rows
+    are its Fortran-ordered columns (A is symmetric), B's C-ordered rows are the right-hand sides of A X = Bᵀ, so
+    neither is copied and the result is ``rows`` itself. At RegMean's largest map of a 7B model (n = 11,008,
+    float64) the copies ``torch.linalg.solve`` makes of A and of the result are 0.9 and 0.3 GB. Only A's upper
+    triangle (in C order) is read and overwritten, so where A is singular (a feature no input ever had) A is rebuilt
+    from the triangle left alone and B A⁺ (the pseudo-inverse) is returned. Elsewhere (another device or dtype, or a
+    layout that would need a copy) the same through torch. Results agree with a general LU solve to rounding.
+    """
+    potrf, potrs = _POTRF.get(matrix.dtype), _POTRS.get(matrix.dtype)
+    in_place = (matrix.device.type == "cpu" and rows.device.type == "cpu" and potrf is not None
+                and rows.dtype == matrix.dtype and matrix.is_contiguous() and rows.is_contiguous()
+                and not matrix.requires_grad and not rows.requires_grad)
+    if not in_place:
+        factor, info = torch.linalg.cholesky_ex(matrix)
+        if int(info) == 0:
+            return torch.cholesky_solve(rows.mT, factor).mT
+        return rows @ torch.linalg.pinv(matrix, hermitian=True)
+    diagonal = matrix.diagonal().clone()  # potrf overwrites it: kept to rebuild A if A is singular
+    columns = matrix.numpy().T  # Fortran-ordered (n, n), the same memory: A itself, A being symmetric
+    factor, info = potrf(columns, lower=1, clean=0, overwrite_a=1)
+    if info < 0:
+        raise ValueError(f"LAPACK potrf: argument {-info} is invalid")
+    if info == 0:
+        solution, info = potrs(factor, rows.numpy().T, lower=1, overwrite_b=1)
+        if info != 0:
+            raise ValueError(f"LAPACK potrs: argument {-info} is invalid")
+        return rows if solution.ctypes.data == rows.data_ptr() else torch.from_numpy(solution.T)
+    lower = matrix.tril(-1)  # potrf wrote the upper triangle (C order) and the diagonal: rebuild A from the rest
+    torch.add(lower, lower.mT, out=matrix).diagonal().copy_(diagonal)
+    return rows @ torch.linalg.pinv(matrix, hermitian=True)
 
 
 def gram_eigh(gram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import warnings
+import weakref
 from collections import Counter
 
 import numpy as np
@@ -381,7 +382,8 @@ def random_kit(tmp_path_factory):
     return str(base), {t: str(p) for t, p in tuned.items()}, data
 
 
-def _records_experiment(kit, positions: list[int], directory, batch_size: int = 3) -> Experiment:
+def _records_experiment(kit, positions: list[int], directory, batch_size: int = 3,
+                        dtype: str = "float32") -> Experiment:
     """The kit's experiment on its records at `positions` only (written to their own data files)."""
     import json
 
@@ -392,7 +394,7 @@ def _records_experiment(kit, positions: list[int], directory, batch_size: int = 
         subset[task] = directory / f"{task}-{'-'.join(map(str, positions))}.jsonl"
         subset[task].write_text("".join(json.dumps(lines[i]) + "\n" for i in positions))
     return Experiment.load(base, finetuned, {t: str(p) for t, p in subset.items()}, samples=len(positions),
-                           max_tokens=32, batch_size=batch_size, dtype="float32", device="cpu")
+                           max_tokens=32, batch_size=batch_size, dtype=dtype, device="cpu")
 
 
 def test_a_regmean_candidate_is_regmean_fitted_on_the_other_folds_and_scored_on_its_own(random_kit, tmp_path):
@@ -471,10 +473,30 @@ def test_regmean_fold_grams_are_the_other_folds_grams_shared_by_maps_fed_the_sam
             for t, gram in zip(tasks, per_task):
                 torch.testing.assert_close(gram, expected[t][name].to(gram.dtype), rtol=1e-5, atol=1e-5)
         q, k_, v = (seen[(f"model.layers.0.self_attn.{m}_proj.weight", k)] for m in "qkv")
-        assert all(a is b is c for a, b, c in zip(q, k_, v))
+        assert q is k_ is v
         gate, up = (seen[(f"model.layers.0.mlp.{m}_proj.weight", k)] for m in ("gate", "up"))
-        assert all(a is b for a, b in zip(gate, up))
-        assert all(a is not b for a, b in zip(q, gate))
+        assert gate is up and q is not gate
+        # computed when asked for, one task at a time, and not kept (a 7B down-projection's is 0.5 GB)
+        first = weakref.ref(q[0])
+        assert first() is None and len(q) == len(tasks) and torch.equal(q[-1], q[len(tasks) - 1])
+        with pytest.raises(IndexError):
+            q[len(tasks)]
+
+
+def test_the_regmean_inputs_replay_lets_the_base_blocks_pooled_parameters_go(random_kit, tmp_path, monkeypatch):
+    """`map_inputs` replays the base block, which forms θ0 in the compute dtype in the source's pool (a float16 7B
+    block: 0.8 GB in float32); the candidates' merges that follow never use it, so it is let go on return."""
+    fit = _records_experiment(random_kit, list(range(6)), tmp_path, dtype="bfloat16")  # θ0 formed in float32
+    real, pooled = evidence_module.map_inputs, []
+
+    def watched(layer, tasks, folds_by_task):
+        inputs = real(layer, tasks, folds_by_task)
+        pooled.append(len(layer.source._pool))
+        return inputs
+
+    monkeypatch.setattr(evidence_module, "map_inputs", watched)
+    evidence(fit, _merge(fit, block_rules=("regmean",)), candidates=("layer", "regmean"), folds=2, progress=False)
+    assert pooled == [0, 0]
 
 
 def test_the_candidates_merges_read_the_blocks_task_vectors_tensor_by_tensor(random_kit, tmp_path, monkeypatch):

@@ -215,8 +215,35 @@ def test_centered_row_blocks_are_bitwise_the_whole_matrix_arithmetic(chunk, dtyp
         mean += weight.to(F64)
     mean /= 3
     out_dtype = torch.promote_types(dtype, torch.float32)
-    for got, weight in zip(centered(weights), weights):
+    for index, (got, weight) in enumerate(zip(centered(weights), weights)):
         assert got.dtype == out_dtype and torch.equal(got, (weight.to(F64) - mean).to(out_dtype))
+        assert torch.equal(metrics.centered_one(weights, index), got)  # alone, as the exact route takes them
+
+
+def test_the_exact_route_keeps_only_the_left_vectors_sti_reads(monkeypatch):
+    """The exact route's task SVDs keep U[:, :k] for STI's k = ⌊min(m, n) / T⌋ (nothing else reads U: a 7B
+    embedding's full U is 0.8 GB per task), and its centred SVDs get one Δ̄_t at a time; the figures are those of
+    the full decompositions (the 2×2 STI case above and the exact-route tests pin their values)."""
+    from submerge.diagnostics import spectral
+    from submerge.diagnostics.interference import metrics
+
+    widths, live = [], []
+    real_concat, real_svd = metrics.concat_top, metrics.thin_svd
+    monkeypatch.setattr(metrics, "concat_top", lambda svds, ks: widths.extend(s.U.shape[1] for s in svds)
+                        or real_concat(svds, ks))
+
+    def watched_svd(matrix, dtype):
+        live.append(matrix.shape)
+        return real_svd(matrix, dtype)
+
+    monkeypatch.setattr(metrics, "thin_svd", watched_svd)
+    matrices = random_task_matrices(3, shape=(40, 13), num_tasks=3)
+    result = metrics.task_matrix_interference(matrices, exact_svd=True)
+    assert widths == [4, 4, 4] and result["sti_k"] == 4  # ⌊13 / 3⌋
+    assert len(live) == 2 * 3 + 1  # T task matrices, the merged one, T centred ones
+    full = [spectral.thin_svd(m, torch.float32) for m in matrices]
+    expected = metrics._sti_from_svds(full, (40, 13), torch.float32)
+    assert (result["sti"], result["sti_normalized"], result["sti_k"]) == expected
 
 
 def test_centered_and_rank_fractions():
@@ -472,8 +499,9 @@ def test_interference_driver_dataset(tiny_checkpoints):
 
 
 def test_each_matrix_gives_its_mapped_pages_back_once_measured(tiny_checkpoints, monkeypatch):
-    """The driver unmaps the checkpoints after every matrix (at 7B the pages of every matrix read so far would add
-    up in the RSS), and the reopened files give the same figures."""
+    """The driver unmaps each fine-tune's checkpoints once per matrix, as soon as its τ is formed and before the
+    SVDs (at 7B the pages of every matrix read so far would add up in the RSS), and the reopened files give the
+    same figures."""
     from submerge.diagnostics.interference import interference
     from submerge.diagnostics.task_vectors import TaskVectorReader
 
@@ -893,6 +921,35 @@ def test_gram_matrix_is_the_symmetric_product_for_every_layout(dtype, monkeypatc
         assert torch.equal(gram, gram.mT) or tall.stride(0) == 2  # syrk's mirror; the plain product is not exact
         torch.testing.assert_close(gram, plain, rtol=tolerance, atol=tolerance * float(plain.abs().max()))
     assert calls == [0, 1]  # syrk for both orders, the plain product for the strided view
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_solve_symmetric_right_solves_in_place_and_falls_back_to_the_pseudo_inverse(dtype):
+    """B A⁻¹ of a symmetric positive definite A by Cholesky overwrites B and A and returns B itself (no copy of either:
+    RegMean's 11,008² float64 sum is 0.9 GB); a singular A is rebuilt from the triangle potrf left alone and B A⁺ is
+    returned; a 2×2 case by hand."""
+    from submerge.diagnostics.spectral import solve_symmetric_right
+
+    a, b = torch.tensor([[2.0, 1.0], [1.0, 2.0]], dtype=dtype), torch.tensor([[3.0, 3.0], [1.0, -1.0]], dtype=dtype)
+    torch.testing.assert_close(solve_symmetric_right(b, a), torch.tensor([[1.0, 1.0], [1.0, -1.0]], dtype=dtype))
+    generator = torch.Generator().manual_seed(11)
+    x = torch.randn(120, 40, generator=generator, dtype=F64)
+    product = x.mT @ x
+    matrix, rows = (product + product.mT) / 2, torch.randn(7, 40, generator=generator, dtype=F64)  # symmetric
+    expected = rows @ torch.linalg.inv(matrix)
+    tolerance = 1e-4 if dtype == torch.float32 else 1e-10
+    a, b = matrix.to(dtype, copy=True), rows.to(dtype, copy=True)
+    solved = solve_symmetric_right(b, a)
+    assert solved.data_ptr() == b.data_ptr() and solved.dtype == dtype
+    torch.testing.assert_close(solved.to(F64), expected, rtol=tolerance, atol=tolerance * float(expected.abs().max()))
+    matrix[:, 3] = 0.0
+    matrix[3, :] = 0.0  # feature 3 never active
+    a, b = matrix.to(dtype, copy=True), rows.to(dtype, copy=True)
+    solved = solve_symmetric_right(b, a)
+    assert torch.equal(a, matrix.to(dtype))  # rebuilt as it was
+    expected = rows @ torch.linalg.pinv(matrix, hermitian=True)
+    torch.testing.assert_close(solved.to(F64), expected, rtol=tolerance, atol=tolerance * float(expected.abs().max()))
+    assert float(solved[:, 3].abs().max()) < tolerance
 
 
 def test_interference_driver_routes_and_store(tiny_checkpoints, tmp_path):

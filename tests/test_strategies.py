@@ -477,6 +477,41 @@ def test_regmean_disjoint_inputs_take_each_tasks_columns():
     )
 
 
+def test_regmean_gives_a_feature_no_input_had_no_weight():
+    # Feature 1 is never active: Σ G̃ = diag(5, 0) is singular, and the pseudo-inverse's answer is known by hand:
+    # column 0 is the Gram-weighted mean (2 τ1 + 3 τ2) / 5, column 1 is 0.
+    grams = [_identity_diag(2.0, 0.0), _identity_diag(3.0, 0.0)]
+    tau1 = torch.tensor([[1.0, 9.0], [2.0, 9.0]], dtype=f64)
+    tau2 = torch.tensor([[6.0, 3.0], [7.0, 4.0]], dtype=f64)
+    torch.testing.assert_close(regmean([tau1, tau2], gram_matrices=grams),
+                               torch.tensor([[4.0, 0.0], [5.0, 0.0]], dtype=f64))
+
+
+@pytest.mark.parametrize("block_entries", [2**22, 64, 7, 1])
+def test_regmean_forms_its_scaled_grams_block_by_block_to_the_same_merge(block_entries, monkeypatch):
+    """Each G̃_t is formed `REGMEAN_BLOCK_ENTRIES` entries (whole rows) at a time: below the threshold (one block),
+    above it (blocks of 6, 1 and 1 rows of 11 features) the merge is the closed form's; the Grams are taken once
+    each, in task order (a lazy sequence never holds all T)."""
+    from submerge.merge import strategies
+
+    monkeypatch.setattr(strategies, "REGMEAN_BLOCK_ENTRIES", block_entries)
+    generator = torch.Generator().manual_seed(3)
+    inputs = [torch.randn(30, 11, generator=generator, dtype=f64) for _ in range(3)]
+    vectors = [torch.randn(5, 11, generator=generator, dtype=f64) for _ in range(3)]
+    grams = [x.mT @ x for x in inputs]
+    taken = []
+
+    class Lazy(list):
+        def __getitem__(self, index):
+            taken.append(index)
+            return list.__getitem__(self, index)
+
+    scaled = [0.9 * g + 0.1 * torch.diag(torch.diagonal(g)) for g in grams]
+    expected = sum(v @ g for v, g in zip(vectors, scaled)) @ torch.linalg.inv(sum(scaled))
+    torch.testing.assert_close(regmean(vectors, gram_matrices=Lazy(grams)), expected, rtol=1e-10, atol=1e-12)
+    assert taken == [0, 1, 2]
+
+
 def test_regmean_errors_name_the_shapes():
     with pytest.raises(ValueError, match=r"gram_matrices\[0\] has shape \(3, 3\), expected \(2, 2\)"):
         regmean([torch.ones(4, 2)], gram_matrices=[torch.eye(3)])

@@ -45,13 +45,15 @@ def measure_matrix(name: str, task_readers: dict, job: MatrixJob, device) -> tup
     """Read the T task matrices of matrix ``name`` and measure them: (shape as measured, metrics dict).
 
     A Conv1D weight (``name in job.transposed``) is transposed to (out, in) first, so U is
-    always the output space and the row space V the input space, as CART's I(k) assumes.
+    always the output space and the row space V the input space, as CART's I(k) assumes. Each reader's files are
+    unmapped once its τ is formed (a tensor of its own), before the SVDs: the pages read leave the RSS.
     """
     dtype = _svd_dtype(job.svd_dtype)
     task_matrices = []
     for reader in task_readers.values():
         delta = reader.get(name, dtype=dtype, device=device)
         task_matrices.append(delta.T if name in job.transposed else delta)
+        reader.release()  # τ is its own tensor: the checkpoints' pages read for it leave the RSS before the SVDs
     merged = None if job.sar_merge is None else job.sar_merge(name, task_matrices, job.kinds.get(name))
     result = task_matrix_interference(task_matrices, job.rank_fracs, merged, eps=job.eps, svd_dtype=job.svd_dtype,
                                       exact_svd=job.exact_svd)
@@ -66,13 +68,9 @@ class MatrixWorker:
 
     def measure(self, names: list[str]) -> list[tuple]:
         """(name, shape, result) of each matrix of the group, in order. The checkpoints' pages read for a matrix
-        leave the RSS once it is measured (at 7B the mapped pages of every matrix read so far would add up)."""
-        results = []
-        for name in names:
-            results.append((name, *measure_matrix(name, self.task_readers, self.job, self.device)))
-            for reader in self.task_readers.values():
-                reader.release()
-        return results
+        leave the RSS once its task matrices are formed (`measure_matrix`; at 7B the mapped pages of every matrix
+        read so far would add up)."""
+        return [(name, *measure_matrix(name, self.task_readers, self.job, self.device)) for name in names]
 
     def stats(self) -> dict:
         """This worker process: its pid, host and peak resident memory (MiB)."""

@@ -71,6 +71,7 @@ __all__ = [
     "DEFAULT_RANK_FRACS",
     "SAR_EPS",
     "centered",
+    "centered_one",
     "cosine_similarity",
     "effective_rank",
     "effective_rank_cutoff",
@@ -336,11 +337,18 @@ def centered(task_weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     take more than a block's memory beside the results (a vocabulary-sized matrix's
     float64 copies are 1.6 GB each at Llama-2-7B's 32,000 × 4,096); every entry is
     the same arithmetic as on the whole matrix, so the results are bitwise those.
+    One at a time: `centered_one`.
     """
     _check_same_shape(task_weights, "task_weights")
+    return [centered_one(task_weights, index) for index in range(len(task_weights))]
+
+
+def centered_one(task_weights: Sequence[torch.Tensor], index: int) -> torch.Tensor:
+    """Δ̄_index of `centered`, bitwise, alone: the float64 mean of each row block is formed again for it (T
+    conversions per block), so a caller that needs the T centred matrices one after another holds one (a 7B
+    embedding's is 0.8 GB in float32), not T."""
     first = task_weights[0]
-    out_dtype = torch.promote_types(first.dtype, torch.float32)
-    results = [torch.empty(first.shape, dtype=out_dtype, device=first.device) for _ in task_weights]
+    result = torch.empty(first.shape, dtype=torch.promote_types(first.dtype, torch.float32), device=first.device)
     rows_per_block = max(1, _CHUNK // max(1, first.shape[1]))
     for start in range(0, first.shape[0], rows_per_block):
         rows = slice(start, start + rows_per_block)
@@ -348,9 +356,8 @@ def centered(task_weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         for weight in task_weights:
             mean += weight[rows].to(torch.float64)
         mean /= len(task_weights)
-        for result, weight in zip(results, task_weights):
-            result[rows] = weight[rows].to(torch.float64) - mean
-    return results
+        result[rows] = task_weights[index][rows].to(torch.float64) - mean
+    return result
 
 
 def _row_space_interference_curve(svds: Sequence[Svd], ranks: Sequence[int]) -> list[float]:
@@ -501,7 +508,12 @@ def _spectral_by_svds(task_matrices: list[torch.Tensor], ranks: np.ndarray, merg
     shape = tuple(task_matrices[0].shape)
     interference = np.zeros((len(ranks), 2))
     reconstruction = np.zeros((len(ranks), 2))
-    svds = [thin_svd(delta, dtype) for delta in task_matrices]
+    sti_k = sti_rank(shape, len(task_matrices))
+    svds = []
+    for delta in task_matrices:  # U beyond STI's k columns is never read: each task keeps U[:, :k] (T = 3: a third)
+        svd = thin_svd(delta, dtype)
+        svds.append(Svd(svd.U[:, :sti_k].clone(), svd.S, svd.Vh))
+        del svd
     effective_ranks = np.array([effective_rank_from_singular_values(svd.S) for svd in svds])
     sti_value, sti_normalized, sti_k = _sti_from_svds(svds, shape, dtype)
     interference[:, 0], reconstruction[:, 0] = _rank_curves(svds, ranks)
@@ -600,11 +612,11 @@ def _sar_against_merged(task_matrices: list[torch.Tensor], merged: torch.Tensor 
 
 
 def _centered_spectra(task_matrices: list[torch.Tensor], dtype: torch.dtype) -> list[Svd]:
-    """S and Vh of each centred Δ̄_t (U is not needed for I(k) / R(k) and is dropped at once)."""
-    centered_matrices = centered(task_matrices)
+    """S and Vh of each centred Δ̄_t (U is not needed for I(k) / R(k) and is dropped at once); one Δ̄_t at a time."""
+    _check_same_shape(task_matrices, "task_matrices")
     spectra = []
-    while centered_matrices:
-        centered_svd = thin_svd(centered_matrices.pop(0), dtype)
+    for index in range(len(task_matrices)):
+        centered_svd = thin_svd(centered_one(task_matrices, index), dtype)
         spectra.append(Svd(torch.empty(0), centered_svd.S, centered_svd.Vh))
         del centered_svd
     return spectra

@@ -36,6 +36,7 @@ The group (dims ``layer`` — the unit dimension —, ``candidate``, ``fold``, `
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -235,33 +236,58 @@ def map_inputs(layer: Layer, tasks: list[str], folds_by_task: list[np.ndarray]) 
             raise EvidenceError(f"block {layer.index}: task {task} replayed {records} records "
                                 f"for {len(fold_by_record)} fold assignments")
         result.folds.append(torch.from_numpy(fold_by_record))
+    source.drop_pooled()  # the base block's θ0 its replays formed in the compute dtype (0.8 GB at 7B in float32)
     return result
 
 
-@torch.no_grad()
-def training_grams(inputs: MapInputs, folds: int, fold: int) -> dict[str, list[torch.Tensor]]:
-    """Per linear map (checkpoint name) and task, RegMean's input Gram on the records of every fold but `fold` (those
-    fold `fold`'s merge is fitted on): Σ_{f ≠ fold} G_f in fold order, each G_f = Σ x xᵀ over the real tokens of
-    fold f's records, batch by batch, in the compute dtype (the sum over every fold is the Gram on all the records,
-    up to rounding). Maps fed the same tensor share one Gram. Memory: the T tasks' sums and one fold's Gram."""
-    result: dict[str, list[torch.Tensor]] = {name: [] for names in inputs.names.values() for name in names}
-    for per_task, masks, fold_by_record in zip(inputs.inputs, inputs.masks, inputs.folds):
-        for lead, names in inputs.names.items():
-            total = None
-            for f in range(folds):
-                if f == fold:
-                    continue
-                width = per_task[lead][0].shape[-1]
-                first, gram = 0, per_task[lead][0].new_zeros(width, width)  # first: the batch's first record's position
-                for x, mask in zip(per_task[lead], masks):
-                    rows = (fold_by_record[first:first + mask.shape[0]] == f).nonzero().flatten()
-                    first += mask.shape[0]
-                    if len(rows):
-                        tokens = x[rows][mask[rows].to(x.device)]
-                        gram += tokens.T @ tokens
-                total = gram if total is None else total.add_(gram)
-            for name in names:
-                result[name].append(total)
+@dataclass(eq=False)
+class FoldGrams(Sequence):
+    """Per task, RegMean's input Gram of one group of maps fed the same tensor (`MapInputs.names`, led by `lead`) on
+    the records of every fold but `fold` — those fold `fold`'s merge is fitted on — computed when indexed and not
+    kept: RegMean takes them in task order and lets each go, so one in × in Gram exists at a time (a 7B
+    down-projection's is 0.5 GB in float32, T of them 1.4 GB). Gram t is Σ_{f ≠ fold} G_f in fold order, each
+    G_f = Σ x xᵀ over the real tokens of fold f's records of task t, batch by batch, in the compute dtype (the sum
+    over every fold is the Gram on all the records, up to rounding)."""
+
+    inputs: MapInputs
+    lead: str
+    folds: int
+    fold: int
+
+    def __len__(self) -> int:
+        return len(self.inputs.inputs)
+
+    @torch.no_grad()
+    def __getitem__(self, task: int) -> torch.Tensor:
+        task = operator.index(task)  # a position, not a slice
+        if not -len(self) <= task < len(self):
+            raise IndexError(f"task {task} of {len(self)}")
+        per_batch, masks = self.inputs.inputs[task][self.lead], self.inputs.masks[task]
+        fold_by_record = self.inputs.folds[task]
+        width = per_batch[0].shape[-1]
+        total = None
+        for f in range(self.folds):
+            if f == self.fold:
+                continue
+            first, gram = 0, per_batch[0].new_zeros(width, width)  # first: the batch's first record's position
+            for x, mask in zip(per_batch, masks):
+                rows = (fold_by_record[first:first + mask.shape[0]] == f).nonzero().flatten()
+                first += mask.shape[0]
+                if len(rows):
+                    tokens = x[rows][mask[rows].to(x.device)]
+                    gram += tokens.T @ tokens
+            total = gram if total is None else total.add_(gram)
+        return total
+
+
+def training_grams(inputs: MapInputs, folds: int, fold: int) -> dict[str, FoldGrams]:
+    """Per linear map (checkpoint name), RegMean's per-task input Grams for fold `fold`'s merge (`FoldGrams`, computed
+    when a merge asks for them). Maps fed the same tensor share one `FoldGrams`."""
+    result: dict[str, FoldGrams] = {}
+    for lead, names in inputs.names.items():
+        shared = FoldGrams(inputs, lead, folds, fold)
+        for name in names:
+            result[name] = shared
     return result
 
 
