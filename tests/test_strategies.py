@@ -490,7 +490,7 @@ def test_regmean_gives_a_feature_no_input_had_no_weight():
 @pytest.mark.parametrize("block_entries", [2**22, 64, 7, 1])
 def test_regmean_forms_its_scaled_grams_block_by_block_to_the_same_merge(block_entries, monkeypatch):
     """Each G̃_t is formed `REGMEAN_BLOCK_ENTRIES` entries (whole rows) at a time: below the threshold (one block),
-    above it (blocks of 6, 1 and 1 rows of 11 features) the merge is the closed form's; the Grams are taken once
+    above it (blocks of 5 rows and of 1 row, of 11 features) the merge is the closed form's; the Grams are taken once
     each, in task order (a lazy sequence never holds all T)."""
     from submerge.merge import strategies
 
