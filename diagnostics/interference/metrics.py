@@ -340,24 +340,43 @@ def centered(task_weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     One at a time: `centered_one`.
     """
     _check_same_shape(task_weights, "task_weights")
-    return [centered_one(task_weights, index) for index in range(len(task_weights))]
+    first = task_weights[0]
+    results = [_centered_output(first) for _ in task_weights]
+    for rows in _row_blocks(first):
+        mean = _block_mean(task_weights, rows)
+        for result, weight in zip(results, task_weights):
+            result[rows] = weight[rows].to(torch.float64) - mean
+    return results
 
 
 def centered_one(task_weights: Sequence[torch.Tensor], index: int) -> torch.Tensor:
     """Δ̄_index of `centered`, bitwise, alone: the float64 mean of each row block is formed again for it (T
     conversions per block), so a caller that needs the T centred matrices one after another holds one (a 7B
     embedding's is 0.8 GB in float32), not T."""
-    first = task_weights[0]
-    result = torch.empty(first.shape, dtype=torch.promote_types(first.dtype, torch.float32), device=first.device)
-    rows_per_block = max(1, _CHUNK // max(1, first.shape[1]))
-    for start in range(0, first.shape[0], rows_per_block):
-        rows = slice(start, start + rows_per_block)
-        mean = torch.zeros(first[rows].shape, dtype=torch.float64, device=first.device)
-        for weight in task_weights:
-            mean += weight[rows].to(torch.float64)
-        mean /= len(task_weights)
-        result[rows] = task_weights[index][rows].to(torch.float64) - mean
+    result = _centered_output(task_weights[0])
+    for rows in _row_blocks(task_weights[0]):
+        result[rows] = task_weights[index][rows].to(torch.float64) - _block_mean(task_weights, rows)
     return result
+
+
+def _centered_output(first: torch.Tensor) -> torch.Tensor:
+    return torch.empty(first.shape, dtype=torch.promote_types(first.dtype, torch.float32), device=first.device)
+
+
+def _row_blocks(matrix: torch.Tensor):
+    """Row slices of about ``_CHUNK`` entries each (whole rows)."""
+    rows_per_block = max(1, _CHUNK // max(1, matrix.shape[1]))
+    for start in range(0, matrix.shape[0], rows_per_block):
+        yield slice(start, start + rows_per_block)
+
+
+def _block_mean(task_weights: Sequence[torch.Tensor], rows: slice) -> torch.Tensor:
+    """(1/T) Σ_t W_t[rows] in float64, summed in task order."""
+    mean = torch.zeros(task_weights[0][rows].shape, dtype=torch.float64, device=task_weights[0].device)
+    for weight in task_weights:
+        mean += weight[rows].to(torch.float64)
+    mean /= len(task_weights)
+    return mean
 
 
 def _row_space_interference_curve(svds: Sequence[Svd], ranks: Sequence[int]) -> list[float]:
@@ -508,11 +527,11 @@ def _spectral_by_svds(task_matrices: list[torch.Tensor], ranks: np.ndarray, merg
     shape = tuple(task_matrices[0].shape)
     interference = np.zeros((len(ranks), 2))
     reconstruction = np.zeros((len(ranks), 2))
-    sti_k = sti_rank(shape, len(task_matrices))
+    read_columns = sti_rank(shape, len(task_matrices))
     svds = []
     for delta in task_matrices:  # U beyond STI's k columns is never read: each task keeps U[:, :k] (T = 3: a third)
         svd = thin_svd(delta, dtype)
-        svds.append(Svd(svd.U[:, :sti_k].clone(), svd.S, svd.Vh))
+        svds.append(Svd(svd.U[:, :read_columns].clone(), svd.S, svd.Vh))
         del svd
     effective_ranks = np.array([effective_rank_from_singular_values(svd.S) for svd in svds])
     sti_value, sti_normalized, sti_k = _sti_from_svds(svds, shape, dtype)
