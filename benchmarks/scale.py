@@ -254,14 +254,16 @@ def flops_per_block(tokens: int, command: str, steps: int = 10) -> float:
 
 
 def commands(paths: dict[str, Path], data: dict[str, Path], work: Path, samples: int, max_tokens: int,
-             matrices: str | None = None, device: str | None = None, offload: bool = False) -> dict:
+             matrices: str | None = None, device: str | None = None, offload: bool = False,
+             capture_budget: float | None = None) -> dict:
     diag = [sys.executable, "-m", "submerge.cli.main"]
     placed = (["--device", device] if device else []) + (["--offload"] if offload else [])  # data-driven commands
     dense = [arg for t in TASKS for arg in ("-f", f"{t}={paths[t]}")]
     lora = [arg for t in TASKS for arg in ("-f", f"{t}={paths['lora_' + t]}")]
     tasks_data = [arg for t in TASKS for arg in ("-d", f"{t}={data[t]}")]
     common = ["--model", str(paths["base"]), "--samples", str(samples), "--max-tokens", str(max_tokens),
-              "--no-progress", "--dtype", "float16", *placed]
+              "--no-progress", "--dtype", "float16", *placed,
+              *(["--capture-budget", f"{capture_budget:g}"] if capture_budget else [])]
     store = str(work / "scale.zarr")
     selected = ["--matrices", matrices] if matrices else []
     # --force everywhere: with --keep a second invocation must measure the work again, not a resume that skips it
@@ -342,7 +344,8 @@ def run_slice(layers: int, directory: Path, args, tokenizer_dir: Path, data: dic
     print(f"L = {layers}: built base + 3 dense fine-tunes + 3 LoRA adapters in {time.perf_counter() - start:.0f} s",
           flush=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    runs = commands(paths, data, work, args.samples, args.max_tokens, args.matrices, args.device, args.offload)
+    runs = commands(paths, data, work, args.samples, args.max_tokens, args.matrices, args.device, args.offload,
+                    args.capture_budget)
     results = {}
     for name in args.commands:
         if name == "merge-plan":
@@ -435,6 +438,8 @@ def main() -> None:
                         "when present; merges other than regmean stay on the CPU).")
     parser.add_argument("--offload", action="store_true", help="--offload for the data-driven commands: the base "
                         "stays in host memory, one block at a time on --device.")
+    parser.add_argument("--capture-budget", type=float, help="--capture-budget (GiB) for linearity, alpha and "
+                        "compare-plan (default: theirs).")
     parser.add_argument("--keep", type=Path, help="Build here and keep the checkpoints (default: a temp dir).")
     parser.add_argument("--results", type=Path, help="JSON file that accumulates measurements across runs.")
     args = parser.parse_args()

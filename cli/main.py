@@ -486,7 +486,8 @@ def demo_fetch():
 
 @app.command()
 @user_errors
-@run_options(*MODELS, "data", "out", "max_tokens", "batch_size", "device", "offload", "dtype", "force", "progress")
+@run_options(*MODELS, "data", "out", "max_tokens", "batch_size", "capture_budget", "device", "offload", "dtype",
+             "force", "progress")
 def compare(
     methods: Annotated[Optional[str], typer.Option(
         "--methods", help="Comma-separated subset (default: every registered strategy, task-arithmetic-tuned, "
@@ -560,11 +561,8 @@ def compare(
                           lambdas=grid, subsets=subsets, tune=tune, tune_by=tune_by, seeds=seeds, objective=objective,
                           method_options=parse_method_options(option),
                           plan=plan_path, choose=choose, evidence_options=evidence, plan_out=plan_out,
-                          keep=keep, store=Store(run.out), force=run.force, dtype=run.dtype, device=run.device,
-                          offload=run.offload,
-                          allow_pickle=run.allow_pickle, vocab=run.vocab, progress=run.progress,
-                          command=command_line(), recipes=parse_named(recipe, "recipe") if recipe else None,
-                          lm_eval=harness)
+                          keep=keep, vocab=run.vocab, recipes=parse_named(recipe, "recipe") if recipe else None,
+                          lm_eval=harness, load=run.load_settings(), run=run.run_settings())
     _print_compare(dataset, run.out, harness, rank_by, plan_out)
 
 

@@ -28,6 +28,7 @@ import typer
 
 from submerge.cli.common import ConfigOption, command_line, console, resolve_inputs
 from submerge.diagnostics.base_model import LoadSettings
+from submerge.diagnostics.capture import DEFAULT_CAPTURE_BUDGET
 from submerge.diagnostics.execution import LocalEngine, RayEngine, RunSettings
 from submerge.diagnostics.experiment import Experiment
 from submerge.diagnostics.store import Store, check_store_path
@@ -142,7 +143,7 @@ class RunOptions:
     samples: Optional[int] = None
     max_tokens: Optional[int] = None
     batch_size: int = 8
-    capture_budget: float = 2.0
+    capture_budget: float = DEFAULT_CAPTURE_BUDGET / 2**30  # GiB
     device: str = "auto"
     offload: bool = False
     dtype: str = "auto"

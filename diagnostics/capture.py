@@ -39,6 +39,7 @@ from torch.func import functional_call
 
 from submerge.diagnostics.base_model import BaseModel
 from submerge.diagnostics.data import TokenBatch
+from submerge.diagnostics.errors import ArchitectureError
 from submerge.diagnostics.modules import Architecture, get_module, input_module_path, module_parameter_names
 from submerge.diagnostics.placement import canonical_device, execution_device, release_mapped_pages
 from submerge.diagnostics.task_vectors import TaskVectorReader
@@ -228,10 +229,14 @@ def _in_compute_dtype(handles: list, model: nn.Module, arch: Architecture, compu
         handles.append(stage.register_forward_hook(leave, prepend=True, always_call=True))
 
 
+#: Bytes of recorded inputs held at once (--capture-budget). Capture costs one forward whatever the budget (each
+#: chunk continues from the hidden state where the previous one stopped), so the budget only bounds memory: 512 MiB
+#: keeps the chunk's share of a 7B run's peak small (a Llama-2-7B block's inputs are ≈ 75 MB at 3 tasks × 8 records
+#: × 64 tokens, so a chunk of 6 blocks) while a small model's chunk still holds several blocks.
+DEFAULT_CAPTURE_BUDGET = 512 * 1024**2
 #: Models whose weights take at least this many bytes give the pages of their memory-mapped weights back after
 #: every block of a capture forward (one ``/proc/self/smaps`` read, ≈ 20 ms, per block and batch): the RSS then
 #: holds about one stored block, not every block the forward passed (≈ 400 MiB each at Llama-2-7B width).
-DEFAULT_CAPTURE_BUDGET = 2 * 1024**3  # bytes of recorded inputs held at once (--capture-budget)
 RELEASE_BYTES = 2**30
 
 
@@ -878,26 +883,38 @@ def input_gram_matrices(model: nn.Module, arch: Architecture, batches: list[Toke
     Keys are the linear maps' weight names (e.g. ``model.layers.0.self_attn.q_proj.weight``). Recorded on
     the base model θ0, as the capture engine does; RegMean's paper uses each fine-tune's own activations.
     `layers` restricts it to some blocks (the forward stops after the deepest; a `state` continues where
-    the previous call stopped). Memory: one in×in matrix per linear map of the chosen blocks (all blocks
-    of a 7B model ≈ 28 GB in float32 per task: `GramsByLayer` holds one block's at a time).
+    the previous call stopped). Maps fed the same tensor (q/k/v, gate/up: the same object in the forward) share
+    one Gram, computed once: their keys hold the same tensor, so a consumer must not change it in place. Memory:
+    one in×in matrix per distinct input of the chosen blocks (a Llama-2-7B block: 4 of them, 0.7 GB in float32
+    per task; all 32 blocks ≈ 22 GB: `GramsByLayer` holds one block's at a time).
     """
     device = device or execution_device(model)
     chosen = sorted(set(range(arch.num_layers) if layers is None else layers))
-    grams: dict[str, torch.Tensor] = {}
+    grams: dict[str, torch.Tensor] = {}  # per leading map: the Gram of its input
+    lead_of: dict[str, str] = {}  # every map → the first map fed the same tensor (itself when none was)
 
     def register(handles, b, batch, mask):
+        last = {"input": None, "key": None}  # the previous map's input in this forward, and the map that led it
+
         for layer in chosen:
             for key, module in linear_maps(model, arch, layer):
                 def hook(module, args, key=key):
-                    x = args[0][mask].to(dtype)
-                    gram = x.T @ x
-                    grams[key] = gram.cpu() if key not in grams else grams[key] + gram.cpu()
+                    shared = args[0] is last["input"]
+                    lead = last["key"] if shared else key
+                    if lead_of.setdefault(key, lead) != lead:
+                        raise ArchitectureError(f"{key}: fed the same tensor as {lead_of[key]} in the first batch but "
+                                           f"not in batch {b}; its Gram cannot be shared")
+                    if not shared:
+                        x = args[0][mask].to(dtype)
+                        gram = (x.T @ x).cpu()
+                        grams[key] = gram if key not in grams else grams[key].add_(gram)
+                        last["input"], last["key"] = args[0], key
 
                 handles.append(module.register_forward_pre_hook(hook))
 
     _partial_forward(model, arch, batches, device, max(chosen, default=-1), min(chosen, default=-1), register, state,
                      dtype)
-    return grams
+    return {key: grams[lead] for key, lead in lead_of.items()}
 
 
 class GramsByLayer:
@@ -905,10 +922,10 @@ class GramsByLayer:
 
     ``grams(checkpoint_name)`` → [its Gram for each task of `batches`] for a linear map inside a block, None for
     any other tensor (the merge writer's ``gram_matrices``). Only the Grams of the block asked for last are held:
-    T × that block's in×in matrices (≈ 0.9 GB per task for a Llama-2-7B block, instead of 28 GB for its 32
-    blocks). Each task's forward continues from where it stopped (`CaptureState`), so blocks asked for in order
-    cost about one forward per batch in all; a block asked for again or out of order is recomputed from the
-    embeddings (the merge writer asks in layer order, `submerge.merge.writer.writing_order`).
+    T × that block's in×in matrices, one per distinct input (≈ 0.7 GB per task for a Llama-2-7B block, instead
+    of 22 GB for its 32 blocks). Each task's forward continues from where it stopped (`CaptureState`), so blocks
+    asked for in order cost about one forward per batch in all; a block asked for again or out of order is
+    recomputed from the embeddings (the merge writer asks in layer order, `submerge.merge.writer.writing_order`).
     """
 
     def __init__(self, model: nn.Module, arch: Architecture, batches: dict[str, list[TokenBatch]], *,

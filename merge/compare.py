@@ -77,11 +77,13 @@ import xarray as xr
 from scipy.stats import spearmanr
 
 from submerge.diagnostics import plot
+from submerge.diagnostics.base_model import LoadSettings
+from submerge.diagnostics.capture import DEFAULT_CAPTURE_BUDGET
 from submerge.diagnostics.checkpoints import open_checkpoint
 from submerge.diagnostics.data import TaskData, read_task_file, tokenize
 from submerge.diagnostics.errors import SubmergeError
 from submerge.diagnostics.evaluate import checkpoint_source, scaled_source, streamed_losses, summed_source
-from submerge.diagnostics.execution import RunSettings
+from submerge.diagnostics.execution import LocalEngine, RunSettings, driver_settings
 from submerge.diagnostics.experiment import Experiment
 from submerge.diagnostics.groups import StoreGroup
 from submerge.diagnostics.harness import COMPARE_ACCURACY, AccuracyRunner, accuracy_frame
@@ -346,14 +348,16 @@ def _plan_merge(plan, label: str, experiment=None) -> Merge:
 def prepare(experiment, finetuned: dict[str, str], methods: list[str], *, plan=None, choose: str = "evidence",
             store: Store | None = None, evidence_options: dict | None = None, progress: bool = True,
             command: str | None = None, force: bool = False, record_evidence: bool = True,
-            method_options: dict | None = None, seconds: dict | None = None) -> tuple[dict[str, Merge], object]:
+            method_options: dict | None = None, seconds: dict | None = None,
+            capture_budget: int = DEFAULT_CAPTURE_BUDGET) -> tuple[dict[str, Merge], object]:
     """The `Merge` of every method except the tuned task arithmetic, fitted on the experiment's records.
 
     Runs before any merged weights are loaded: capture needs the base model's own weights. The evidence step
     writes (or, resumed, reads) the group ``evidence`` of `store` (recomputed with `force`; not written with
     `record_evidence` False: compare's other subsets and seeds, whose evidence would replace the full set's).
     Returns (merges, the plan used or None); `seconds` (a dict) receives each data step's wall time (RegMean's
-    Grams, the learned methods, the evidence step).
+    Grams, the learned methods, the evidence step). `capture_budget`: bytes of recorded inputs the evidence step
+    holds at once (memory only: the evidence is bitwise the same at any budget).
     """
 
     given, seconds = method_options or {}, {} if seconds is None else seconds
@@ -387,7 +391,7 @@ def prepare(experiment, finetuned: dict[str, str], methods: list[str], *, plan=N
         candidates = list(dict.fromkeys(among + [m.removeprefix("closed-form-") for m in wanted_closed]))
         interference = store.dataset("interference") if store is not None and store.is_complete("interference") else None
         run = RunSettings(store=store if record_evidence else None, force=force, progress=progress, command=command,
-                          **{key: options.pop(key) for key in ("capture_budget",) if key in options})
+                          capture_budget=capture_budget)
         with _timed(seconds, "evidence"):
             evidence = evidence_plan(experiment, finetuned, candidates=tuple(candidates), interference=interference,
                                      run=run, **options)
@@ -828,18 +832,12 @@ def compare(
     evidence_options: dict | None = None,
     plan_out: str | Path | None = None,
     keep: str | Path | None = None,
-    store: Store | None = None,
-    force: bool = False,
-    dtype: str = "auto",
-    device: str = "auto",
-    offload: bool = False,
-    allow_pickle: bool = False,
     vocab: str = "base",
-    progress: bool = True,
-    command: str | None = None,
-    on_unit: Callable[[str], None] | None = None,
     recipes: dict | None = None,
     lm_eval=None,
+    load: LoadSettings | None = None,
+    run: RunSettings | None = None,
+    **options,
 ) -> xr.Dataset:
     """Merge with every method in turn and evaluate each on held-out records (see the module docstring).
 
@@ -855,8 +853,16 @@ def compare(
     (Σ Eq. 10 over blocks) on the held-out records, and its Spearman rank correlation with the held-out loss across
     methods per subset and seed (attrs ``rank_correlation``). `recipes` (label → mergekit config file or `Recipe`) adds users' recipes,
     ranked under their labels (full set only). `lm_eval` (`HarnessSettings`) also scores every model's task accuracy
-    (group ``compare_accuracy``; ``accuracy`` in the result; untuned, full set, one seed).
+    (group ``compare_accuracy``; ``accuracy`` in the result; untuned, full set, one seed). ``load`` (or its fields
+    as keywords: ``dtype``, ``device``, ``offload``, ``allow_pickle``, ``trust_remote_code``) reads the models;
+    ``run`` (or its fields as keywords: ``store``, ``force``, ``progress``, ``command``, ``on_unit``,
+    ``capture_budget``): `submerge.diagnostics.execution.RunSettings`, in this process and in float32.
     """
+    load, run_settings = driver_settings(load, run, options)
+    if not isinstance(run_settings.engine, LocalEngine) or run_settings.compute_dtype not in (None, "float32"):
+        raise CompareError("compare runs in this process and in float32: no Ray engine, no other compute dtype")
+    store, force, progress = run_settings.store, run_settings.force, run_settings.progress
+    command, on_unit = run_settings.command, run_settings.on_unit
     tune = check_search(tune)
     tune_by = check_tune_by(tune_by)
     methods = check_methods(list(methods) if methods else default_methods(tuned=tune is not None))
@@ -870,8 +876,7 @@ def compare(
     if lm_eval is not None and lm_eval.samples is None:  # the local tasks score compare's held-out records
         lm_eval = dataclasses.replace(lm_eval, samples=samples)
     experiment = Experiment.load(base_spec, finetuned, data, samples=fit, max_tokens=max_tokens,
-                                 batch_size=batch_size, dtype=dtype, device=device, offload=offload,
-                                 allow_pickle=allow_pickle, vocab=vocab)
+                                 batch_size=batch_size, vocab=vocab, **load.keywords())
     tasks = experiment.tasks
     _check_given_plan(plan, finetuned, experiment)
     chosen_subsets = task_subsets(tasks, subsets)
@@ -894,11 +899,12 @@ def compare(
     run = _Run(experiment, finetuned, methods, loaded_recipes, writer, store=store, tune=tune, tune_by=tune_by,
                lambdas=lambdas,
                plan=plan, choose=choose, evidence_options=evidence_options, plan_out=plan_out, keep=keep,
-               base_spec=base_spec, allow_pickle=allow_pickle, vocab=vocab, progress=progress, command=command,
-               force=force, max_tokens=max_tokens, batch_size=batch_size, grids=grids, objective=objective,
-               method_options=method_options)
+               base_spec=base_spec, allow_pickle=load.allow_pickle, vocab=vocab, progress=progress,
+               command=command, force=force, max_tokens=max_tokens, batch_size=batch_size, grids=grids,
+               objective=objective, method_options=method_options, capture_budget=run_settings.capture_budget)
     scorer = None if lm_eval is None else _accuracy_scorer(experiment, lm_eval, data, skip, store=store, force=force,
-                                                           command=command, progress=progress, allow_pickle=allow_pickle)
+                                                           command=command, progress=progress,
+                                                           allow_pickle=load.allow_pickle)
     scores = _run_all(run, scorer, finetuned, records, chosen_subsets, progress)
     return _finish(writer, run, tasks, fit, skip, samples, store, scores)  # with the settings, as the group has them
 
@@ -1080,13 +1086,15 @@ class _Run:
 
     def __init__(self, experiment, finetuned, methods, recipes, writer, *, store, tune, lambdas, plan, choose,
                  evidence_options, plan_out, keep, base_spec, allow_pickle, vocab, progress, command, force,
-                 max_tokens, batch_size, tune_by, grids=None, objective=False, method_options=None):
+                 max_tokens, batch_size, tune_by, grids=None, objective=False, method_options=None,
+                 capture_budget=DEFAULT_CAPTURE_BUDGET):
         self.experiment, self.finetuned, self.methods, self.recipes = experiment, finetuned, methods, recipes
         self.writer, self.store, self.tune, self.lambdas, self.plan, self.choose = writer, store, tune, lambdas, plan, choose
         self.evidence_options, self.plan_out, self.keep, self.base_spec = evidence_options, plan_out, keep, base_spec
         self.allow_pickle, self.vocab, self.progress, self.command = allow_pickle, vocab, progress, command
         self.force, self.max_tokens, self.batch_size, self.grids = force, max_tokens, batch_size, grids
         self.objective, self.method_options, self.tune_by = objective, method_options or {}, tune_by
+        self.capture_budget = capture_budget
         self.notes: dict = {}
         self.references: dict[int, dict] = {}
         self.fit_references: dict[int, dict] = {}  # seed → {"base": {task: loss}, "finetuned": {task: loss}}
@@ -1147,7 +1155,8 @@ class _Run:
                                     plan=self.plan, choose=self.choose, store=self.store,
                                     evidence_options=self.evidence_options, progress=self.progress,
                                     command=self.command, force=self.force, record_evidence=full and seed == 0,
-                                    method_options=self.method_options, seconds=(seconds := {}))
+                                    method_options=self.method_options, seconds=(seconds := {}),
+                                    capture_budget=self.capture_budget)
         if seconds:  # the data steps' wall time, outside every unit's `seconds`
             self.note({f"data_step_seconds {name}|{seed}": seconds})
         merges.update({label: _recipe_merge(label, recipe, self.base_spec, finetuned, self.allow_pickle)

@@ -175,6 +175,36 @@ def test_grams_streamed_by_layer_equal_the_grams_of_one_pass(engine):
     assert grams.computed == [*range(arch.num_layers), 0]
 
 
+def test_grams_are_sums_of_outer_products_of_each_maps_input_and_shared_where_the_input_is(engine):
+    """Known answer: each linear map's Gram is Σ x xᵀ over the real tokens of the input it was called with,
+    recorded here by a hook of our own; maps called with the same tensor hold one shared Gram, bitwise that sum."""
+    from submerge.diagnostics.capture import linear_maps
+
+    model, arch = engine.base.model, engine.arch
+    maps = [pair for layer in range(arch.num_layers) for pair in linear_maps(model, arch, layer)]
+    seen: dict[str, list[torch.Tensor]] = {key: [] for key, _ in maps}
+    handles = [module.register_forward_pre_hook(lambda m, args, key=key: seen[key].append(args[0].detach().clone()))
+               for key, module in maps]
+    try:
+        grams = input_gram_matrices(model, arch, engine.batches)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert set(grams) == set(seen)
+    for key, inputs in seen.items():
+        want = None
+        for x, batch in zip(inputs, engine.batches, strict=True):
+            real = x[batch.attention_mask.bool()].float()
+            want = real.T @ real if want is None else want + real.T @ real
+        assert torch.equal(grams[key], want), key
+    block = [key for key, _ in linear_maps(model, arch, 0)]
+    pairs = [(key, other) for i, key in enumerate(block) for other in block[i + 1:]]
+    fed_alike = [(k, o) for k, o in pairs if all(torch.equal(a, b) for a, b in zip(seen[k], seen[o]))]
+    shared = [(k, o) for k, o in pairs if grams[k] is grams[o]]
+    assert set(shared) <= set(fed_alike)  # a Gram is shared only by maps fed the same values
+    assert bool(shared) == bool(fed_alike), (shared, fed_alike)  # q/k/v and gate/up share; GPT-2's fused maps do not
+
+
 def test_variant_is_base_plus_scaled_task_vector(engine):
     path = engine.arch.attn_path(1)
     assert engine.source.variant(path, {TASK: 0.0}) is None

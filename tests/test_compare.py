@@ -779,21 +779,31 @@ def test_compare_refuses_unknown_methods_and_overlapping_records(trained_kit, tm
     assert not list(tmp_path.iterdir())
 
 
-def test_cli_compare_prints_the_leaderboard_and_report_draws_it(trained_kit, tmp_path):
+def test_cli_compare_prints_the_leaderboard_and_report_draws_it(trained_kit, tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
     from submerge.cli.main import app
+    from submerge.diagnostics.store import Store
+    from submerge.merge import compare as compare_module
 
     _, base, finetuned, data = trained_kit
     store, plan_out = tmp_path / "store.zarr", tmp_path / "plan.yaml"
+    # --capture-budget 1e-9 GiB (one byte): the evidence step captures one block per chunk
     arguments = ["compare", "--model", base, "--out", store, "--methods", "ties,closed-form-attn-mlp,plan",
                  "--fit", FIT, "--samples", FIT, "--folds", 2, "--lambdas", "0.5,1", "--max-tokens", 48,
-                 "--batch-size", 4, "--dtype", "float32", "--device", "cpu", "--no-progress", "--plan-out", plan_out]
+                 "--batch-size", 4, "--dtype", "float32", "--device", "cpu", "--no-progress", "--plan-out", plan_out,
+                 "--capture-budget", "1e-9"]
     for task in TASKS:
         arguments += ["--finetuned", f"{task}={finetuned[task]}", "--data", f"{task}={data[task]}"]
+    budgets, evidence_plan = [], compare_module.evidence_plan
+    monkeypatch.setattr(compare_module, "evidence_plan",
+                        lambda *args, run, **keywords: budgets.append(run.capture_budget)
+                        or evidence_plan(*args, run=run, **keywords))
     runner = CliRunner()
     result = runner.invoke(app, [str(a) for a in arguments], env={"COLUMNS": "400"})
     assert result.exit_code == 0, result.output
+    assert budgets == [1]  # the budget reached the evidence step; it bounds memory, so the store does not record it
+    assert "capture_budget" not in Store(store).dataset("compare").attrs["settings"]["evidence"]
     output = " ".join(result.output.split())
     assert "Held-out loss and normalised gain" in output and "Wrote group compare" in output
     printed = result.stdout.split("Wrote group")[0].strip("\n")
