@@ -759,6 +759,26 @@ def test_compare_keep_and_plan_out_never_delete_what_the_user_owns(trained_kit, 
     assert "ties" in [str(m) for m in result.method.values]
 
 
+def test_compare_takes_its_settings_as_objects_or_keywords_not_both_and_runs_here_in_float32(tmp_path):
+    """`compare` takes load=/run= settings objects or their fields as keywords, like the other drivers; a Ray engine
+    or another compute dtype is refused before any model is read (the paths do not exist)."""
+    from submerge.diagnostics.base_model import LoadSettings
+    from submerge.diagnostics.execution import RayEngine, RunSettings
+    from submerge.merge.compare import CompareError, compare
+
+    missing = str(tmp_path / "no-such-model")
+    with pytest.raises(TypeError, match="not both"):
+        compare(missing, {}, {}, run=RunSettings(), progress=False)
+    with pytest.raises(TypeError, match="not both"):
+        compare(missing, {}, {}, load=LoadSettings(), device="cpu")
+    with pytest.raises(TypeError, match="unknown run setting"):
+        compare(missing, {}, {}, stor=None)
+    for run in (RunSettings(engine=RayEngine("auto", 2)), RunSettings(compute_dtype="float64")):
+        with pytest.raises(CompareError, match="in this process and in float32"):
+            compare(missing, {}, {}, run=run)
+    assert not list(tmp_path.iterdir())
+
+
 def test_compare_refuses_unknown_methods_and_overlapping_records(trained_kit, tmp_path):
     from submerge.merge.compare import CompareError, compare
 
