@@ -902,8 +902,8 @@ def input_gram_matrices(model: nn.Module, arch: Architecture, batches: list[Toke
                     shared = args[0] is last["input"]
                     lead = last["key"] if shared else key
                     if lead_of.setdefault(key, lead) != lead:
-                        raise ArchitectureError(f"{key}: fed the same tensor as {lead_of[key]} in the first batch but "
-                                           f"not in batch {b}; its Gram cannot be shared")
+                        raise ArchitectureError(f"{key}: fed the same tensor as {lead_of[key]} in the first batch "
+                                                f"but not in batch {b}; its Gram cannot be shared")
                     if not shared:
                         x = args[0][mask].to(dtype)
                         gram = (x.T @ x).cpu()

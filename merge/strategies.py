@@ -229,13 +229,13 @@ def _compute(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to(compute_dtype(tensor.dtype))
 
 
-def _row_chunks(shape: tuple[int, ...], limit: int | None = None) -> list:
-    """Slices of dim 0 holding about CHUNK_ELEMENTS entries each when a tensor of ≥ 2 dims has more than
-    `limit` (default CHUNK_THRESHOLD) entries; else one index (``...``: the whole tensor)."""
+def _row_chunks(shape: tuple[int, ...], limit: int | None = None, entries: int | None = None) -> list:
+    """Slices of dim 0 holding about `entries` (default CHUNK_ELEMENTS) entries each, whole rows, when a tensor of
+    ≥ 2 dims has more than `limit` (default CHUNK_THRESHOLD) entries; else one index (``...``: the whole tensor)."""
     numel = math.prod(shape)
     if len(shape) < 2 or numel <= (CHUNK_THRESHOLD if limit is None else limit) or shape[0] == 0:
         return [...]
-    rows = max(1, CHUNK_ELEMENTS // max(1, numel // shape[0]))
+    rows = max(1, (CHUNK_ELEMENTS if entries is None else entries) // max(1, numel // shape[0]))
     return [slice(start, start + rows) for start in range(0, shape[0], rows)]
 
 
@@ -1205,7 +1205,7 @@ def regmean(
     device = task_vectors[0].device
     total_gram = torch.zeros(in_features, in_features, dtype=COMPUTE_DTYPE, device=device)  # Σ_t G̃_t
     merged = torch.zeros(out_features, in_features, dtype=COMPUTE_DTYPE, device=device)  # Σ_t τ_t G̃_t, then τ_M
-    rows_per_block = max(1, REGMEAN_BLOCK_ENTRIES // in_features)
+    blocks = _row_chunks((in_features, in_features), limit=0, entries=REGMEAN_BLOCK_ENTRIES)  # row slices
     for index, task_vector in enumerate(task_vectors):
         gram = gram_matrices[index]
         if tuple(gram.shape) != (in_features, in_features):
@@ -1214,11 +1214,10 @@ def regmean(
                 f"for a weight of shape {(out_features, in_features)} (out × in)"
             )
         vector = task_vector.to(COMPUTE_DTYPE)
-        for start in range(0, in_features, rows_per_block):
-            rows = slice(start, min(start + rows_per_block, in_features))
+        for rows in blocks:
             scaled = gram[rows].to(device=device, dtype=COMPUTE_DTYPE, copy=True).mul_(off_diagonal_scale)
-            diagonal = gram[rows].diagonal(offset=start).to(device=device, dtype=COMPUTE_DTYPE)
-            scaled.diagonal(offset=start).add_(diagonal, alpha=1 - off_diagonal_scale)  # G̃_t[i, i] of rows i
+            diagonal = gram[rows].diagonal(offset=rows.start).to(device=device, dtype=COMPUTE_DTYPE)
+            scaled.diagonal(offset=rows.start).add_(diagonal, alpha=1 - off_diagonal_scale)  # G̃_t[i, i] of rows i
             total_gram[rows] += scaled
             merged[:, rows].addmm_(vector, scaled.mT)  # (τ_t G̃_tᵀ)[:, rows] = τ_t G̃_t[rows]ᵀ
             del scaled
