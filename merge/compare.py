@@ -882,20 +882,15 @@ def compare(
     chosen_subsets = task_subsets(tasks, subsets)
     records = {seed: {t: resampled(t, data[t], fit=fit, skip=skip, samples=samples, seed=seed) for t in tasks}
                for seed in range(seeds)}
-    settings = {**experiment.settings, "fit": fit, "held_out_skip": skip, "held_out_samples": samples,
-                **_request_settings(methods, lambdas=lambdas, choose=choose, subsets=subsets, tune=tune,
-                                    tune_by=tune_by, seeds=seeds,
-                                    objective=objective, grids=grids, method_options=method_options,
-                                    recipes=loaded_recipes, plan_file=plan_file, evidence_options=evidence_options,
-                                    lm_eval=lm_eval)}
+    request = _request_settings(methods, lambdas=lambdas, choose=choose, subsets=subsets, tune=tune, tune_by=tune_by,
+                                seeds=seeds, objective=objective, grids=grids, method_options=method_options,
+                                recipes=loaded_recipes, plan_file=plan_file, evidence_options=evidence_options,
+                                lm_eval=lm_eval)
+    settings = {**experiment.settings, "fit": fit, "held_out_skip": skip, "held_out_samples": samples, **request}
     _check_before_the_group(store, experiment, methods, plan=plan, choose=choose, evidence_options=evidence_options,
                             lambdas=lambdas)
     writer = _compare_writer(store, settings, experiment, records, force=force, on_unit=on_unit, command=command)
-    full_pending = [m for m in methods if unit_label(subset_label(tasks), 0, m) not in writer.done]
-    _check_outputs(full_pending, keep, plan_out, store, force)
-    if plan_out is not None and PLAN in methods and PLAN not in full_pending:
-        warnings.warn(f"'{PLAN}' was compared by an earlier run of this store, so no plan was built and {plan_out} "
-                      f"is not written: run with --force to recompute, or write a plan with `diag plan`")
+    _check_outputs_of_pending(writer, methods, tasks, keep=keep, plan_out=plan_out, store=store, force=force)
     run = _Run(experiment, finetuned, methods, loaded_recipes, writer, store=store, tune=tune, tune_by=tune_by,
                lambdas=lambdas,
                plan=plan, choose=choose, evidence_options=evidence_options, plan_out=plan_out, keep=keep,
@@ -907,6 +902,17 @@ def compare(
                                                            allow_pickle=load.allow_pickle)
     scores = _run_all(run, scorer, finetuned, records, chosen_subsets, progress)
     return _finish(writer, run, tasks, fit, skip, samples, store, scores)  # with the settings, as the group has them
+
+
+def _check_outputs_of_pending(writer, methods: list[str], tasks: list[str], *, keep, plan_out, store,
+                              force: bool) -> None:
+    """The outputs (--keep, --plan-out) of the full set's methods not yet in the store, checked before any work; a
+    plan compared by an earlier run is not built again, so --plan-out is not written (a warning says so)."""
+    full_pending = [m for m in methods if unit_label(subset_label(tasks), 0, m) not in writer.done]
+    _check_outputs(full_pending, keep, plan_out, store, force)
+    if plan_out is not None and PLAN in methods and PLAN not in full_pending:
+        warnings.warn(f"'{PLAN}' was compared by an earlier run of this store, so no plan was built and {plan_out} "
+                      f"is not written: run with --force to recompute, or write a plan with `diag plan`")
 
 
 def _check_before_the_group(store, experiment, methods: list[str], *, plan, choose: str, evidence_options,
