@@ -491,7 +491,9 @@ def demo_fetch():
 def compare(
     methods: Annotated[Optional[str], typer.Option(
         "--methods", help="Comma-separated subset (default: every registered strategy, task-arithmetic-tuned, "
-                          "closed-form-layer, closed-form-attn-mlp, plan).")] = None,
+                          "closed-form-layer, closed-form-attn-mlp, plan). On an --out that holds a comparison "
+                          "with the same other settings, the methods it lacks are added to its board; those it "
+                          "has are not merged again.")] = None,
     fit: Annotated[int, typer.Option("--fit", help="First N records of each task fit α, λ, RegMean, the Fishers, "
                                                    "AdaMerging's and LoraHub's weights and the evidence plan.")] = 8,
     skip: Annotated[Optional[int], typer.Option("--skip", help="Held-out records start after the first N "

@@ -121,3 +121,24 @@ def settings_diff(old: dict, new: dict, prefix: str = "") -> list[str]:
         elif a != b:
             changes.append(f"{prefix}{key}: {a!r} → {b!r}")
     return changes
+
+
+def settings_grown(old: dict | None, new: dict, keys: tuple[str, ...]) -> bool:
+    """Whether `new` extends `old` at `keys` only: each such setting a list `old`'s extended at its end or a dict
+    `old`'s with keys added (absent in `old`: empty), every other setting equal, and `new` not `old` itself."""
+    if not isinstance(old, dict) or old == new:
+        return False
+    for key in set(old) | set(new):
+        a, b = old.get(key), new.get(key)
+        if key not in keys:
+            if a != b:
+                return False
+        elif isinstance(b, list):
+            if not isinstance(a, list) or b[:len(a)] != a:
+                return False
+        elif isinstance(b, dict):
+            if a is not None and (not isinstance(a, dict) or any(k not in b or b[k] != v for k, v in a.items())):
+                return False
+        elif a != b:
+            return False
+    return True

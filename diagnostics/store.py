@@ -77,6 +77,7 @@ from submerge.diagnostics.provenance import (
     library_versions,
     run_attrs,
     settings_diff,
+    settings_grown,
 )
 
 LOCK_NAME = ".submerge.lock"
@@ -612,12 +613,15 @@ class Store:
         _atomic_write(meta_path, json.dumps(meta, indent=2).encode())
 
     def begin(self, group: str, settings: dict, *, force: bool = False, root: dict | None = None,
-              attrs: dict | None = None, dim: str = "module", expected: int | None = None) -> set[str]:
+              attrs: dict | None = None, dim: str = "module", expected: int | None = None,
+              grows: tuple[str, ...] = ()) -> set[str]:
         """Start or resume writing `group`; returns the labels along `dim` already complete.
 
         A group made with the same `settings` and inputs resumes; with other settings, or inputs whose
         fingerprints (``attrs["provenance"]``: models' and data files' hashes) differ, it is an error
-        naming what changed unless `force`, which deletes the group first. `root` updates the store's
+        naming what changed unless `force`, which deletes the group first. `grows`: settings that may gain
+        entries (a list extended at its end, a dict given new keys, everything else the same): the group then
+        resumes under the grown settings, marked incomplete, its units kept (compare's methods). `root` updates the store's
         root attrs (kept from the first run otherwise); `attrs` (provenance) go on the group;
         `expected` (the number of labels a complete run writes) lets `status` say how far it got.
         Takes the store's lock (released by `finish`, on error, or at exit).
@@ -632,7 +636,11 @@ class Store:
             self._begin_root(root, force)
             if self.has(group) and not force:
                 old = self.group_attrs(group)
-                self._refuse_changes(group, old, settings, identity)
+                grown = grows and settings_grown(old.get("settings"), settings, grows)
+                self._refuse_changes(group, {**old, "settings": settings} if grown else old, settings, identity)
+                if grown:
+                    old = {**old, "settings": settings, "complete": False}
+                    self._put_attrs(group, old)
                 if expected is not None and old.get("units_expected") != expected:
                     self._put_attrs(group, {**old, "units_expected": expected})
                 return self._repair(group, dim)
@@ -934,12 +942,13 @@ class UnitWriter:
     (tests use it to simulate a kill). `finish` concatenates the resumed and new units, sets `notes` (or
     `result_attrs`) on the result and marks the group complete; with no unit at all it returns `empty`.
     `inputs` (fingerprints: base_model, finetuned, data …) builds `root` and `attrs` with `run_attrs`;
-    `expected` is the number of labels a complete run writes (for `Store.status`).
+    `expected` is the number of labels a complete run writes (for `Store.status`); `grows`: settings that may gain
+    entries (`Store.begin`).
     """
 
     def __init__(self, store: Store | None, group: str, settings: dict, *, dim: str = "module", force: bool = False,
                  root: dict | None = None, attrs: dict | None = None, on_unit=None, inputs: dict | None = None,
-                 command: str | None = None, expected: int | None = None):
+                 command: str | None = None, expected: int | None = None, grows: tuple[str, ...] = ()):
         self.store, self.group, self.dim, self.on_unit = store, group, dim, on_unit
         self.settings = settings
         self.done: set[str] = set()
@@ -949,7 +958,8 @@ class UnitWriter:
             root = made_root if root is None else root
             attrs = made_attrs if attrs is None else attrs
         if store is not None:
-            self.done = store.begin(group, settings, force=force, root=root, attrs=attrs, dim=dim, expected=expected)
+            self.done = store.begin(group, settings, force=force, root=root, attrs=attrs, dim=dim, expected=expected,
+                                    grows=grows)
             if self.done:
                 self.pieces.append(store.dataset(group))
 

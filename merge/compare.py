@@ -97,6 +97,7 @@ from submerge.diagnostics.outputs import (
 )
 from submerge.diagnostics.placement import process_alive
 from submerge.diagnostics.progress import progress_bar
+from submerge.diagnostics.provenance import jsonable
 from submerge.diagnostics.store import Store, UnitWriter
 from submerge.diagnostics.tables import long_frame, strings
 from submerge.diagnostics.task_vectors import TaskVectorReader
@@ -856,7 +857,8 @@ def compare(
     (group ``compare_accuracy``; ``accuracy`` in the result; untuned, full set, one seed). ``load`` (or its fields
     as keywords: ``dtype``, ``device``, ``offload``, ``allow_pickle``, ``trust_remote_code``) reads the models;
     ``run`` (or its fields as keywords: ``store``, ``force``, ``progress``, ``command``, ``on_unit``,
-    ``capture_budget``): `submerge.diagnostics.execution.RunSettings`, in this process and in float32.
+    ``capture_budget``): `submerge.diagnostics.execution.RunSettings`, in this process and in float32. A `store`
+    that holds a comparison with the same other settings gains the methods it lacks (`with_earlier_methods`).
     """
     load, run_settings = driver_settings(load, run, options)
     if not isinstance(run_settings.engine, LocalEngine) or run_settings.compute_dtype not in (None, "float32"):
@@ -870,6 +872,7 @@ def compare(
     loaded_recipes = load_recipes(recipes, base_spec, methods)
     methods += list(loaded_recipes)
     method_options = check_method_options(method_options, methods, tuned=tune is not None, grids=grids)
+    methods, method_options = with_earlier_methods(store, methods, method_options, loaded_recipes, force=force)
     skip = fit if skip is None else skip
     _check_protocol(fit=fit, skip=skip, seeds=seeds, subsets=subsets, tune=tune, keep=keep, lm_eval=lm_eval,
                     plan=plan, choose=choose)
@@ -902,6 +905,30 @@ def compare(
                                                            allow_pickle=load.allow_pickle)
     scores = _run_all(run, scorer, finetuned, records, chosen_subsets, progress)
     return _finish(writer, run, tasks, fit, skip, samples, store, scores)  # with the settings, as the group has them
+
+
+#: Settings of group ``compare`` that a later run may extend: it adds methods (`with_earlier_methods`).
+GROWING_SETTINGS = ("methods", "tuning", "method_options")
+
+
+def with_earlier_methods(store: Store | None, methods: list[str], method_options: dict, recipes: dict, *,
+                         force: bool) -> tuple[list[str], dict]:
+    """The methods (and ``--option`` values) of the comparison `store` holds, then the new ones. A run that asks for
+    methods the store lacks adds them to its comparison, with every other setting the same (`Store.begin` with
+    ``grows``), and merges only what the store lacks; the leaderboard has them all. A method both runs name keeps
+    its options: other ones are a CompareError. A store made with other settings is refused as before."""
+    if store is None or force or not store.has(COMPARE.name):
+        return methods, method_options
+    earlier = store.group_attrs(COMPARE.name).get("settings") or {}
+    known = {*default_methods(), *recipes}
+    old = [m for m in earlier.get("methods") or [] if m in known]
+    old_options = earlier.get("method_options") or {}
+    for method in [m for m in methods if m in old]:
+        if jsonable(method_options.get(method, {})) != old_options.get(method, {}):
+            raise CompareError(f"{store.path} compared {method!r} with options {old_options.get(method, {})}, this "
+                               f"run gives {method_options.get(method, {})}: give the same --option values to add "
+                               "methods to that comparison, or --force to compare afresh")
+    return [*old, *(m for m in methods if m not in old)], {**old_options, **method_options}
 
 
 def _check_outputs_of_pending(writer, methods: list[str], tasks: list[str], *, keep, plan_out, store,
@@ -951,7 +978,7 @@ def _compare_writer(store, settings: dict, experiment, records: dict, *, force: 
     held_provenance = {t: d.provenance() for t, (_, d) in records[0].items()}
     drawn = {str(seed): {t: {"fit": fit_data.indices, "held_out": held.indices}
                          for t, (fit_data, held) in by_task.items()} for seed, by_task in records.items()}
-    return UnitWriter(store, COMPARE.name, settings, dim=UNIT, force=force, on_unit=on_unit,
+    return UnitWriter(store, COMPARE.name, settings, dim=UNIT, force=force, on_unit=on_unit, grows=GROWING_SETTINGS,
                       root=experiment.root_attrs(command),
                       attrs=experiment.group_attrs(command, held_out=held_provenance, drawn_records=drawn))
 

@@ -672,6 +672,47 @@ def test_killed_compare_resumes_after_the_last_finished_method(compared, trained
     np.testing.assert_array_equal(again.loss.values, resumed.loss.values)
 
 
+def test_a_run_with_other_methods_adds_them_to_the_stores_comparison(compared, trained_kit, tmp_path, monkeypatch):
+    from submerge.diagnostics.store import Store, StoreError
+    from submerge.merge.compare import CompareError, compare
+
+    _, base, finetuned, data = trained_kit
+    path = tmp_path / "store.zarr"
+    compare(base, finetuned, data, methods=["ties", "task-arithmetic"], store=Store(path), **RUN)
+    calls, seen = _counting(monkeypatch), []
+
+    def kill_after_closed_form(label):
+        seen.append(label)
+        if label.endswith("|closed-form-layer"):
+            raise Killed(label)
+
+    with pytest.raises(Killed):  # the store's board grows: it is incomplete until the new methods are in
+        compare(base, finetuned, data, methods=["task-arithmetic", "closed-form-layer", "plan"], store=Store(path),
+                on_unit=kill_after_closed_form, **RUN)
+    assert seen == _units("closed-form-layer")  # the references and the methods it has are not run again
+    assert not Store(path).is_complete("compare")
+    seen.clear()
+    grown = compare(base, finetuned, data, methods=["plan"], store=Store(path), on_unit=seen.append, **RUN)
+    assert seen == _units("plan")
+    assert calls["written"] == ["closed-form-layer", "plan"]
+    assert Store(path).is_complete("compare")
+    assert Store(path).group_attrs("compare")["settings"]["methods"] == [
+        "ties", "task-arithmetic", "closed-form-layer", "plan"]
+    assert list(grown.method.values) == ["base", "finetuned:math", "finetuned:code", "ties", "task-arithmetic",
+                                         "closed-form-layer", "plan"]
+    full = compared[0]  # one run of all of them: the same numbers
+    rows = {str(method): row for method, row in zip(full.method.values, full.loss.values)}
+    np.testing.assert_allclose(grown.loss.values, [rows[str(m)] for m in grown.method.values], rtol=1e-6)
+    # any other setting changed is refused as before, naming it; a method it has keeps its options
+    with pytest.raises(StoreError, match="lambdas"):
+        compare(base, finetuned, data, methods=["weight-average"], store=Store(path), **{**RUN, "lambdas": (0.5,)})
+    with pytest.raises(CompareError, match="compared 'ties' with options {}, this run gives {'top_k': 0.5}"):
+        compare(base, finetuned, data, methods=["ties"], store=Store(path), method_options={"ties": {"top_k": 0.5}},
+                **RUN)
+    assert Store(path).is_complete("compare")
+    assert list(Store(path).dataset("compare").method.values) == list(grown.method.values)
+
+
 def test_compare_keep_leaves_loadable_checkpoints(compared, trained_kit, tmp_path):
     import transformers
     from safetensors.torch import load_file

@@ -632,3 +632,39 @@ def test_a_result_gathered_without_a_store_carries_its_settings():
     own = UnitWriter(None, "g", {"steps": 10}, dim="module")
     own.add(xr.Dataset({"x": ("module", [1.0])}, coords={"module": ["a"]}), "a")
     assert own.finish({}, result_attrs={"settings": "the driver's"}).attrs["settings"] == "the driver's"
+
+
+@pytest.mark.parametrize("new, grown", [
+    ({"methods": ["a", "b", "c"], "tuning": {"a": 1, "b": 2, "c": 3}, "lr": 1}, True),  # both extended
+    ({"methods": ["a", "b", "c"], "tuning": {"a": 1, "b": 2}, "lr": 1, "options": {"c": 5}}, True),  # a new dict
+    ({"methods": ["a", "b"], "tuning": {"a": 1, "b": 2}, "lr": 1}, False),  # the same: nothing grew
+    ({"methods": ["c", "a", "b"], "tuning": {"a": 1, "b": 2}, "lr": 1}, False),  # not at the end
+    ({"methods": ["a"], "tuning": {"a": 1, "b": 2}, "lr": 1}, False),  # shrunk
+    ({"methods": ["a", "b", "c"], "tuning": {"a": 1, "b": 9, "c": 3}, "lr": 1}, False),  # an entry changed
+    ({"methods": ["a", "b", "c"], "tuning": {"a": 1, "b": 2}, "lr": 2}, False),  # another setting changed
+    ({"methods": ["a", "b", "c"], "tuning": {"a": 1, "b": 2}}, False),  # another setting gone
+])
+def test_settings_grow_only_by_entries_added_to_the_growing_keys(new, grown):
+    from submerge.diagnostics.provenance import settings_grown
+
+    old = {"methods": ["a", "b"], "tuning": {"a": 1, "b": 2}, "lr": 1}
+    assert settings_grown(old, new, ("methods", "tuning", "options")) is grown
+    assert settings_grown(old, new, ()) is False
+
+
+def test_a_group_resumes_under_grown_settings_keeping_its_units_and_marked_incomplete(tmp_path):
+    store = Store(tmp_path / "s.zarr")
+    piece = xr.Dataset({"x": ("unit", [1.0])}, coords={"unit": ["a"]})
+    writer = UnitWriter(store, "g", {"methods": ["a"], "lr": 1}, dim="unit", grows=("methods",))
+    writer.add(piece, "a")
+    writer.finish({})
+    with pytest.raises(StoreError, match="lr: 1 → 2"):
+        UnitWriter(store, "g", {"methods": ["a", "b"], "lr": 2}, dim="unit", grows=("methods",))
+    with pytest.raises(StoreError, match="methods"):  # growing is asked for by the writer
+        UnitWriter(store, "g", {"methods": ["a", "b"], "lr": 1}, dim="unit")
+    assert store.is_complete("g")
+    writer = UnitWriter(store, "g", {"methods": ["a", "b"], "lr": 1}, dim="unit", grows=("methods",))
+    assert writer.done == {"a"} and not store.is_complete("g")
+    assert store.group_attrs("g")["settings"] == {"methods": ["a", "b"], "lr": 1}
+    writer.add(xr.Dataset({"x": ("unit", [2.0])}, coords={"unit": ["b"]}), "b")
+    assert list(writer.finish({}).x.values) == [1.0, 2.0] and store.is_complete("g")
