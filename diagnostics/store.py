@@ -621,9 +621,9 @@ class Store:
         fingerprints (``attrs["provenance"]``: models' and data files' hashes) differ, it is an error
         naming what changed unless `force`, which deletes the group first. `grows`: settings that may gain
         entries (a list extended at its end, a dict given new keys, everything else the same): the group then
-        resumes under the grown settings, marked incomplete, its units kept (compare's methods). `root` updates the store's
-        root attrs (kept from the first run otherwise); `attrs` (provenance) go on the group;
-        `expected` (the number of labels a complete run writes) lets `status` say how far it got.
+        resumes under the grown settings, marked incomplete, its units kept (compare's methods). `root` updates the
+        store's root attrs (kept from the first run otherwise); `attrs` (provenance) go on the group; `expected`
+        (the number of labels a complete run writes) lets `status` say how far it got.
         Takes the store's lock (released by `finish`, on error, or at exit).
         """
         settings, attrs = jsonable(settings), jsonable(attrs or {})

@@ -860,51 +860,100 @@ def compare(
     ``capture_budget``): `submerge.diagnostics.execution.RunSettings`, in this process and in float32. A `store`
     that holds a comparison with the same other settings gains the methods it lacks (`with_earlier_methods`).
     """
-    load, run_settings = driver_settings(load, run, options)
-    if not isinstance(run_settings.engine, LocalEngine) or run_settings.compute_dtype not in (None, "float32"):
+    load, settings = driver_settings(load, run, options)
+    if not isinstance(settings.engine, LocalEngine) or settings.compute_dtype not in (None, "float32"):
         raise CompareError("compare runs in this process and in float32: no Ray engine, no other compute dtype")
-    store, force, progress = run_settings.store, run_settings.force, run_settings.progress
-    command, on_unit = run_settings.command, run_settings.on_unit
-    tune = check_search(tune)
-    tune_by = check_tune_by(tune_by)
-    methods = check_methods(list(methods) if methods else default_methods(tuned=tune is not None))
-    plan_file, plan = plan, Plan.load(plan) if isinstance(plan, (str, Path)) else plan  # checked before any work
-    loaded_recipes = load_recipes(recipes, base_spec, methods)
-    methods += list(loaded_recipes)
-    method_options = check_method_options(method_options, methods, tuned=tune is not None, grids=grids)
-    methods, method_options = with_earlier_methods(store, methods, method_options, loaded_recipes, force=force)
-    skip = fit if skip is None else skip
-    _check_protocol(fit=fit, skip=skip, seeds=seeds, subsets=subsets, tune=tune, keep=keep, lm_eval=lm_eval,
-                    plan=plan, choose=choose)
-    if lm_eval is not None and lm_eval.samples is None:  # the local tasks score compare's held-out records
-        lm_eval = dataclasses.replace(lm_eval, samples=samples)
+    request = CompareRequest.checked(
+        base_spec, settings, methods=methods, fit=fit, skip=skip, samples=samples, lambdas=lambdas, subsets=subsets,
+        tune=tune, tune_by=tune_by, seeds=seeds, grids=grids, method_options=method_options, objective=objective,
+        plan=plan, choose=choose, evidence_options=evidence_options, plan_out=plan_out, keep=keep, recipes=recipes,
+        lm_eval=lm_eval)
     experiment = Experiment.load(base_spec, finetuned, data, samples=fit, max_tokens=max_tokens,
                                  batch_size=batch_size, vocab=vocab, **load.keywords())
-    tasks = experiment.tasks
-    _check_given_plan(plan, finetuned, experiment)
-    chosen_subsets = task_subsets(tasks, subsets)
-    records = {seed: {t: resampled(t, data[t], fit=fit, skip=skip, samples=samples, seed=seed) for t in tasks}
-               for seed in range(seeds)}
-    request = _request_settings(methods, lambdas=lambdas, choose=choose, subsets=subsets, tune=tune, tune_by=tune_by,
-                                seeds=seeds, objective=objective, grids=grids, method_options=method_options,
-                                recipes=loaded_recipes, plan_file=plan_file, evidence_options=evidence_options,
-                                lm_eval=lm_eval)
-    settings = {**experiment.settings, "fit": fit, "held_out_skip": skip, "held_out_samples": samples, **request}
-    _check_before_the_group(store, experiment, methods, plan=plan, choose=choose, evidence_options=evidence_options,
-                            lambdas=lambdas)
-    writer = _compare_writer(store, settings, experiment, records, force=force, on_unit=on_unit, command=command)
-    _check_outputs_of_pending(writer, methods, tasks, keep=keep, plan_out=plan_out, store=store, force=force)
-    run = _Run(experiment, finetuned, methods, loaded_recipes, writer, store=store, tune=tune, tune_by=tune_by,
-               lambdas=lambdas,
-               plan=plan, choose=choose, evidence_options=evidence_options, plan_out=plan_out, keep=keep,
-               base_spec=base_spec, allow_pickle=load.allow_pickle, vocab=vocab, progress=progress,
-               command=command, force=force, max_tokens=max_tokens, batch_size=batch_size, grids=grids,
-               objective=objective, method_options=method_options, capture_budget=run_settings.capture_budget)
-    scorer = None if lm_eval is None else _accuracy_scorer(experiment, lm_eval, data, skip, store=store, force=force,
-                                                           command=command, progress=progress,
-                                                           allow_pickle=load.allow_pickle)
-    scores = _run_all(run, scorer, finetuned, records, chosen_subsets, progress)
-    return _finish(writer, run, tasks, fit, skip, samples, store, scores)  # with the settings, as the group has them
+    _check_given_plan(request.plan, finetuned, experiment)
+    records = {seed: {t: resampled(t, data[t], fit=fit, skip=request.skip, samples=samples, seed=seed)
+                      for t in experiment.tasks} for seed in range(seeds)}
+    _check_before_the_group(settings.store, experiment, request)
+    writer = _compare_writer(settings, {**experiment.settings, **request.settings()}, experiment, records)
+    _check_outputs_of_pending(writer, request, experiment.tasks, settings)
+    run = _Run(experiment, finetuned, request, writer, load=load, settings=settings, base_spec=base_spec,
+               vocab=vocab, max_tokens=max_tokens, batch_size=batch_size)
+    scorer = None if request.lm_eval is None else _accuracy_scorer(
+        experiment, request.lm_eval, data, request.skip, store=settings.store, force=settings.force,
+        command=settings.command, progress=settings.progress, allow_pickle=load.allow_pickle)
+    scores = _run_all(run, scorer, finetuned, records, task_subsets(experiment.tasks, subsets), settings.progress)
+    return _finish(writer, run, experiment.tasks, fit, request.skip, samples, settings.store, scores)
+
+
+@dataclass(frozen=True)
+class CompareRequest:
+    """What one `compare` call asks for beyond the models and data, checked before any work (`checked`): the methods
+    (an earlier run's first, `with_earlier_methods`), users' recipes (label → `Recipe`), ``--option`` values, tuning,
+    protocol, the evidence step's options and the outputs. `settings()` is what the group's numbers depend on beyond
+    the experiment and the records (a resumed run must match)."""
+
+    methods: list[str]
+    recipes: dict
+    method_options: dict
+    fit: int
+    skip: int
+    samples: int
+    lambdas: tuple
+    subsets: str
+    tune: str | None
+    tune_by: str
+    seeds: int
+    grids: dict | None
+    objective: bool
+    plan: Plan | None
+    plan_file: str | Path | None
+    choose: str
+    evidence_options: dict | None
+    plan_out: str | Path | None
+    keep: str | Path | None
+    lm_eval: object
+
+    @classmethod
+    def checked(cls, base_spec: str, settings: RunSettings, *, methods, fit, skip, samples, lambdas, subsets, tune,
+                tune_by, seeds, grids, method_options, objective, plan, choose, evidence_options, plan_out, keep,
+                recipes, lm_eval) -> CompareRequest:
+        tune, tune_by = check_search(tune), check_tune_by(tune_by)
+        methods = check_methods(list(methods) if methods else default_methods(tuned=tune is not None))
+        plan_file, plan = plan, Plan.load(plan) if isinstance(plan, (str, Path)) else plan
+        loaded_recipes = load_recipes(recipes, base_spec, methods)
+        methods += list(loaded_recipes)
+        method_options = check_method_options(method_options, methods, tuned=tune is not None, grids=grids)
+        methods, method_options = with_earlier_methods(settings.store, methods, method_options, loaded_recipes,
+                                                       force=settings.force)
+        skip = fit if skip is None else skip
+        _check_protocol(fit=fit, skip=skip, seeds=seeds, subsets=subsets, tune=tune, keep=keep, lm_eval=lm_eval,
+                        plan=plan, choose=choose)
+        if lm_eval is not None and lm_eval.samples is None:  # the local tasks score compare's held-out records
+            lm_eval = dataclasses.replace(lm_eval, samples=samples)
+        if not all(math.isfinite(float(value)) for value in lambdas):
+            raise CompareError(f"--lambdas must be finite numbers, got {list(lambdas)}")
+        return cls(methods, loaded_recipes, method_options, fit, skip, samples, tuple(lambdas), subsets, tune,
+                   tune_by, seeds, grids, objective, plan, plan_file, choose, evidence_options, plan_out, keep, lm_eval)
+
+    def settings(self) -> dict:
+        methods, tuned, grids = self.methods, self.tune is not None, self.grids
+        return {"fit": self.fit, "held_out_skip": self.skip, "held_out_samples": self.samples,
+                "methods": methods, "lambdas": [float(v) for v in self.lambdas], "choose": self.choose,
+                "subsets": self.subsets, "tune": self.tune or "none",
+                **({"tune_by": self.tune_by} if tuned or TUNED in methods else {}),
+                "seeds": self.seeds, "objective": self.objective,
+                **({"grids": {m: {k: list(v) for k, v in g.items()} for m, g in grids.items()}} if grids else {}),
+                **({"method_options": self.method_options} if self.method_options else {}),
+                **({"tuning": {m: {"settings": settings_of(m, grids),
+                                   "lambdas": list(lambdas_of(m, self.lambdas, grids))}
+                               for m in methods if m not in self.recipes}} if tuned else {}),
+                "plan": str(self.plan_file) if isinstance(self.plan_file, (str, Path)) else None,
+                **({"plan_sha256": hashlib.sha256(Path(self.plan_file).read_bytes()).hexdigest()}  # an edited plan
+                   if isinstance(self.plan_file, (str, Path)) else {}),
+                "evidence": {k: (list(v) if isinstance(v, tuple) else v)
+                             for k, v in (self.evidence_options or {}).items()},
+                **({"recipes": {label: r.to_mergekit() for label, r in self.recipes.items()}} if self.recipes else {}),
+                **({"lm_eval": self.lm_eval.record()} if self.lm_eval is not None else {})}
 
 
 #: Settings of group ``compare`` that a later run may extend: it adds methods (`with_earlier_methods`).
@@ -931,26 +980,24 @@ def with_earlier_methods(store: Store | None, methods: list[str], method_options
     return [*old, *(m for m in methods if m not in old)], {**old_options, **method_options}
 
 
-def _check_outputs_of_pending(writer, methods: list[str], tasks: list[str], *, keep, plan_out, store,
-                              force: bool) -> None:
+def _check_outputs_of_pending(writer, request: CompareRequest, tasks: list[str], settings: RunSettings) -> None:
     """The outputs (--keep, --plan-out) of the full set's methods not yet in the store, checked before any work; a
     plan compared by an earlier run is not built again, so --plan-out is not written (a warning says so)."""
+    methods, plan_out = request.methods, request.plan_out
     full_pending = [m for m in methods if unit_label(subset_label(tasks), 0, m) not in writer.done]
-    _check_outputs(full_pending, keep, plan_out, store, force)
+    _check_outputs(full_pending, request.keep, plan_out, settings.store, settings.force)
     if plan_out is not None and PLAN in methods and PLAN not in full_pending:
         warnings.warn(f"'{PLAN}' was compared by an earlier run of this store, so no plan was built and {plan_out} "
                       f"is not written: run with --force to recompute, or write a plan with `diag plan`")
 
 
-def _check_before_the_group(store, experiment, methods: list[str], *, plan, choose: str, evidence_options,
-                            lambdas) -> None:
+def _check_before_the_group(store, experiment, request: CompareRequest) -> None:
     """What `compare` refuses before its group exists (a refused run leaves none): a store of other models, the
-    evidence step's options, λ values that are not finite."""
+    evidence step's options."""
+    methods, plan, choose = request.methods, request.plan, request.choose
     _refuse_other_models(store, experiment.inputs, methods, plan=plan, choose=choose)
     if _needs_evidence(methods, plan, choose):
-        check_evidence_options(experiment, evidence_options)
-    if not all(math.isfinite(float(value)) for value in lambdas):
-        raise CompareError(f"--lambdas must be finite numbers, got {list(lambdas)}")
+        check_evidence_options(experiment, request.evidence_options)
 
 
 def _check_given_plan(plan, finetuned: dict[str, str], experiment) -> None:
@@ -973,8 +1020,10 @@ def _fit_references(evaluator: _Evaluator, finetuned: dict[str, str], tasks: lis
     return {"base": base, "finetuned": own}
 
 
-def _compare_writer(store, settings: dict, experiment, records: dict, *, force: bool, on_unit, command) -> UnitWriter:
-    """The writer of group ``compare``, its attrs naming the held-out files and the records each seed drew."""
+def _compare_writer(run: RunSettings, settings: dict, experiment, records: dict) -> UnitWriter:
+    """The writer of group ``compare`` (`settings`), its attrs naming the held-out files and the records each seed
+    drew."""
+    store, force, on_unit, command = run.store, run.force, run.on_unit, run.command
     held_provenance = {t: d.provenance() for t, (_, d) in records[0].items()}
     drawn = {str(seed): {t: {"fit": fit_data.indices, "held_out": held.indices}
                          for t, (fit_data, held) in by_task.items()} for seed, by_task in records.items()}
@@ -996,25 +1045,6 @@ def _check_protocol(*, fit: int, skip: int, seeds: int, subsets: str, tune, keep
     if protocol and (plan is not None or choose == "thresholds"):
         raise CompareError("a given plan (--plan, --choose thresholds) merges the full set once: use --subsets full "
                            "and one seed")
-
-
-def _request_settings(methods: list[str], *, lambdas, choose, subsets, tune, tune_by, seeds, objective, grids,
-                      method_options, recipes: dict, plan_file, evidence_options, lm_eval) -> dict:
-    """What the group's numbers depend on beyond the experiment and the records (a resumed run must match)."""
-    return {"methods": methods, "lambdas": [float(v) for v in lambdas], "choose": choose,
-            "subsets": subsets, "tune": tune or "none",
-            **({"tune_by": tune_by} if tune is not None or TUNED in methods else {}),
-            "seeds": seeds, "objective": objective,
-            **({"grids": {m: {k: list(v) for k, v in g.items()} for m, g in grids.items()}} if grids else {}),
-            **({"method_options": method_options} if method_options else {}),
-            **({"tuning": {m: {"settings": settings_of(m, grids), "lambdas": list(lambdas_of(m, lambdas, grids))}
-                           for m in methods if m not in recipes}} if tune is not None else {}),
-            "plan": str(plan_file) if isinstance(plan_file, (str, Path)) else None,
-            **({"plan_sha256": hashlib.sha256(Path(plan_file).read_bytes()).hexdigest()}  # an edited plan
-               if isinstance(plan_file, (str, Path)) else {}),
-            "evidence": {k: (list(v) if isinstance(v, tuple) else v) for k, v in (evidence_options or {}).items()},
-            **({"recipes": {label: r.to_mergekit() for label, r in recipes.items()}} if recipes else {}),
-            **({"lm_eval": lm_eval.record()} if lm_eval is not None else {})}
 
 
 def _run_all(run: _Run, scorer, finetuned: dict[str, str], records: dict, subsets, progress: bool):
@@ -1117,17 +1147,17 @@ def indexed(dataset: xr.Dataset) -> xr.Dataset:
 class _Run:
     """One `compare` call: each seed's records, then each subset's methods, unit by unit into `writer`."""
 
-    def __init__(self, experiment, finetuned, methods, recipes, writer, *, store, tune, lambdas, plan, choose,
-                 evidence_options, plan_out, keep, base_spec, allow_pickle, vocab, progress, command, force,
-                 max_tokens, batch_size, tune_by, grids=None, objective=False, method_options=None,
-                 capture_budget=DEFAULT_CAPTURE_BUDGET):
-        self.experiment, self.finetuned, self.methods, self.recipes = experiment, finetuned, methods, recipes
-        self.writer, self.store, self.tune, self.lambdas, self.plan, self.choose = writer, store, tune, lambdas, plan, choose
-        self.evidence_options, self.plan_out, self.keep, self.base_spec = evidence_options, plan_out, keep, base_spec
-        self.allow_pickle, self.vocab, self.progress, self.command = allow_pickle, vocab, progress, command
-        self.force, self.max_tokens, self.batch_size, self.grids = force, max_tokens, batch_size, grids
-        self.objective, self.method_options, self.tune_by = objective, method_options or {}, tune_by
-        self.capture_budget = capture_budget
+    def __init__(self, experiment, finetuned, request: CompareRequest, writer, *, load: LoadSettings,
+                 settings: RunSettings, base_spec: str, vocab: str, max_tokens: int, batch_size: int):
+        self.experiment, self.finetuned, self.request, self.writer = experiment, finetuned, request, writer
+        self.methods, self.recipes, self.method_options = request.methods, request.recipes, request.method_options
+        self.tune, self.tune_by, self.lambdas = request.tune, request.tune_by, request.lambdas
+        self.grids, self.plan_out, self.keep = request.grids, request.plan_out, request.keep
+        self.plan, self.choose, self.evidence_options = request.plan, request.choose, request.evidence_options
+        self.objective, self.store, self.force = request.objective, settings.store, settings.force
+        self.progress, self.command = settings.progress, settings.command
+        self.capture_budget, self.allow_pickle = settings.capture_budget, load.allow_pickle
+        self.base_spec, self.vocab, self.max_tokens, self.batch_size = base_spec, vocab, max_tokens, batch_size
         self.notes: dict = {}
         self.references: dict[int, dict] = {}
         self.fit_references: dict[int, dict] = {}  # seed → {"base": {task: loss}, "finetuned": {task: loss}}
