@@ -636,13 +636,12 @@ class Store:
             self._begin_root(root, force)
             if self.has(group) and not force:
                 old = self.group_attrs(group)
-                grown = grows and settings_grown(old.get("settings"), settings, grows)
-                self._refuse_changes(group, {**old, "settings": settings} if grown else old, settings, identity)
-                if grown:
-                    old = {**old, "settings": settings, "complete": False}
-                    self._put_attrs(group, old)
-                if expected is not None and old.get("units_expected") != expected:
-                    self._put_attrs(group, {**old, "units_expected": expected})
+                grown = {"settings": settings, "complete": False} if grows and settings_grown(
+                    old.get("settings"), settings, grows) else {}
+                self._refuse_changes(group, {**old, **grown}, settings, identity)
+                updated = {**old, **grown, **({"units_expected": expected} if expected is not None else {})}
+                if updated != old:
+                    self._put_attrs(group, updated)
                 return self._repair(group, dim)
             self._delete(group)
             for parent in list(Path(group).parents)[:-1]:  # "alpha" of "alpha/layer"

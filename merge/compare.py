@@ -1150,13 +1150,7 @@ class _Run:
     def __init__(self, experiment, finetuned, request: CompareRequest, writer, *, load: LoadSettings,
                  settings: RunSettings, base_spec: str, vocab: str, max_tokens: int, batch_size: int):
         self.experiment, self.finetuned, self.request, self.writer = experiment, finetuned, request, writer
-        self.methods, self.recipes, self.method_options = request.methods, request.recipes, request.method_options
-        self.tune, self.tune_by, self.lambdas = request.tune, request.tune_by, request.lambdas
-        self.grids, self.plan_out, self.keep = request.grids, request.plan_out, request.keep
-        self.plan, self.choose, self.evidence_options = request.plan, request.choose, request.evidence_options
-        self.objective, self.store, self.force = request.objective, settings.store, settings.force
-        self.progress, self.command = settings.progress, settings.command
-        self.capture_budget, self.allow_pickle = settings.capture_budget, load.allow_pickle
+        self.settings, self.store, self.allow_pickle = settings, settings.store, load.allow_pickle
         self.base_spec, self.vocab, self.max_tokens, self.batch_size = base_spec, vocab, max_tokens, batch_size
         self.notes: dict = {}
         self.references: dict[int, dict] = {}
@@ -1171,7 +1165,7 @@ class _Run:
     def methods_of(self, subset) -> list[str]:
         """The methods merged on `subset` (users' recipes bind every fine-tune: on the full set only)."""
         full = list(subset) == self.experiment.tasks
-        return self.methods if full else [m for m in self.methods if m not in self.recipes]
+        return self.request.methods if full else [m for m in self.request.methods if m not in self.request.recipes]
 
     def tokenized(self, data: TaskData):
         return tokenize(data, self.experiment.base.tokenizer, max_tokens=self.max_tokens, batch_size=self.batch_size)
@@ -1197,7 +1191,9 @@ class _Run:
         everything = _Evaluator(experiment, held_out, allow_pickle=self.allow_pickle)
         self.references[seed] = _references(everything, self.writer, self.finetuned, tasks, seed, subsets)
         _warn_undefined_gain(self.references[seed], tasks)
-        if self.tune_by == "gain" and (self.tune is not None or TUNED in self.methods) and any(pending.values()):
+        request = self.request
+        tuned = request.tune is not None or TUNED in request.methods
+        if request.tune_by == "gain" and tuned and any(pending.values()):
             self.bar.update(self.job, description=f"Comparing · seed {seed} · base and fine-tunes on the fit records")
             key = f"fit_references {seed}"  # a resumed run reads them back (its models and records are checked)
             stored = self.store.group_attrs(COMPARE.name).get(key) if self.store is not None and self.writer.done else None
@@ -1212,14 +1208,15 @@ class _Run:
         full = list(subset) == self.experiment.tasks
         finetuned = {t: self.finetuned[t] for t in subset}
         part = restricted(experiment, subset)
-        recipes = {label: r for label, r in self.recipes.items() if label in pending} if full else {}
+        recipes = {label: r for label, r in self.request.recipes.items() if label in pending} if full else {}
         self.bar.update(self.job, description=f"Comparing · {name} · seed {seed} · fitting the data-driven merges")
-        merges, _ = prepare(part, finetuned, [m for m in pending if m != TUNED and m not in self.recipes],
-                                    plan=self.plan, choose=self.choose, store=self.store,
-                                    evidence_options=self.evidence_options, progress=self.progress,
-                                    command=self.command, force=self.force, record_evidence=full and seed == 0,
-                                    method_options=self.method_options, seconds=(seconds := {}),
-                                    capture_budget=self.capture_budget)
+        request, settings = self.request, self.settings
+        merges, _ = prepare(part, finetuned, [m for m in pending if m != TUNED and m not in request.recipes],
+                            plan=request.plan, choose=request.choose, store=self.store,
+                            evidence_options=request.evidence_options, progress=settings.progress,
+                            command=settings.command, force=settings.force, record_evidence=full and seed == 0,
+                            method_options=request.method_options, seconds=(seconds := {}),
+                            capture_budget=settings.capture_budget)
         if seconds:  # the data steps' wall time, outside every unit's `seconds`
             self.note({f"data_step_seconds {name}|{seed}": seconds})
         merges.update({label: _recipe_merge(label, recipe, self.base_spec, finetuned, self.allow_pickle)
@@ -1227,11 +1224,11 @@ class _Run:
         evaluator = _Evaluator(part, {t: held_out[t] for t in subset}, allow_pickle=self.allow_pickle)
         if seed in self.fit_references:
             references = self.fit_references[seed]
-            weights = criterion_weights(self.tune_by, [references["base"][t] for t in subset],
+            weights = criterion_weights(self.request.tune_by, [references["base"][t] for t in subset],
                                         [references["finetuned"][t] for t in subset], subset)
             evaluator.fit_weights = weights
             self.note({f"fit_weights {name}|{seed}": dict(zip(subset, map(float, weights)))})
-        if self.objective:
+        if self.request.objective:
             evaluator.held_experiment = dataclasses.replace(part, batches={t: held_out[t] for t in subset})
         pending = [m for m in pending if m in merges or m == TUNED]
         self.notes.update(_run_methods(pending, merges, evaluator, self.writer, self.references[seed],
@@ -1324,12 +1321,12 @@ def _scratch_directory() -> Path:
 def _run_methods(pending, merges, evaluator, writer, references, base_spec, finetuned, run, *, subset: str,
                  seed: int, all_tasks: list[str]) -> dict:
     """Write, load, evaluate and (unless kept) delete each pending method's merge, tuned on the fit records
-    unless ``run.tune`` is None; returns notes for attrs."""
+    unless ``run.request.tune`` is None; returns notes for attrs."""
 
     notes = {}
     scratch = _scratch_directory()
     evaluator.shared = scratch / "block-targets"  # the fine-tunes' block outputs, replayed once for every merge
-    keep = Path(run.keep) if run.keep is not None else None
+    keep = Path(run.request.keep) if run.request.keep is not None else None
     store, bar, job = run.store, run.bar, run.job
 
     def write(label: str, merge: Merge, kept: bool = True) -> Path:
@@ -1347,7 +1344,7 @@ def _run_methods(pending, merges, evaluator, writer, references, base_spec, fine
             bar.update(job, description=f"Comparing · {where}")
             start = time.perf_counter()
             if label == TUNED:
-                best, fit_loss = _tune_lambda(evaluator, write, run.lambdas)
+                best, fit_loss = _tune_lambda(evaluator, write, run.request.lambdas)
                 key = "lambda_search" if (subset, seed) == (subset_label(all_tasks), 0) else f"lambda_search {where}"
                 notes[key] = {f"{v:g}": loss for v, loss in fit_loss.items()}
                 writer.note({key: notes[key]})  # kept if the run is killed later
@@ -1357,14 +1354,15 @@ def _run_methods(pending, merges, evaluator, writer, references, base_spec, fine
                                                                 "options": {"scaling": best}})
             merge, tuned = merges[label], None
             kind = merge.kind or ("plan" if label == PLAN else "closed-form" if label in CLOSED_FORM else "strategy")
-            if run.tune is not None and label != TUNED and kind != "recipe":
-                losses, tuned = _tune(label, merge, evaluator, write, search=run.tune, lambdas=run.lambdas,
-                                      grids=run.grids, fixed=run.method_options.get(label),
+            if run.request.tune is not None and label != TUNED and kind != "recipe":
+                request = run.request
+                losses, tuned = _tune(label, merge, evaluator, write, search=request.tune, lambdas=request.lambdas,
+                                      grids=request.grids, fixed=request.method_options.get(label),
                                       on_candidate=lambda text, where=where: bar.update(
                                           job, description=f"Comparing · {where} · {text}"))
                 notes[f"search {unit_label(subset, seed, label)}"] = tuned.searched
                 writer.note({f"search {unit_label(subset, seed, label)}": tuned.searched})
-                detail, objective = f"tuned ({run.tune}): {tuned.label}; {merge.detail}", tuned.objective
+                detail, objective = f"tuned ({run.request.tune}): {tuned.label}; {merge.detail}", tuned.objective
             else:
                 directory = write(label, merge)
                 evaluator.load(str(directory))
@@ -1375,7 +1373,7 @@ def _run_methods(pending, merges, evaluator, writer, references, base_spec, fine
                 if keep is None:
                     shutil.rmtree(directory, ignore_errors=True)
                 detail = merge.detail
-            if label == PLAN and run.plan_out is not None and (subset, seed) == (subset_label(all_tasks), 0):
+            if label == PLAN and run.request.plan_out is not None and (subset, seed) == (subset_label(all_tasks), 0):
                 # checked by _check_outputs; tuned, the plan as tuned, so that diag merge of it writes this model
                 saved = merge.plan if tuned is None else _tuned_plan(merge, tuned)
                 if gram_ruled(saved):  # what `diag merge` needs to measure its RegMean rules' Grams again
@@ -1383,7 +1381,7 @@ def _run_methods(pending, merges, evaluator, writer, references, base_spec, fine
                         "data": {t: str(run.experiment.data[t].path) for t in run.experiment.tasks},
                         "samples": min(len(run.experiment.data[t].texts) for t in run.experiment.tasks),
                         "max_tokens": run.max_tokens}
-                saved.save(run.plan_out, force=True)
+                saved.save(run.request.plan_out, force=True)
             unit = unit_label(subset, seed, label)
             writer.add(_piece(unit, kind, detail, losses, references, list(evaluator.tasks),
                               time.perf_counter() - start, all_tasks=all_tasks, subset=subset, seed=seed,
