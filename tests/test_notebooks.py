@@ -8,7 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import nbformat
 import pytest
 
 from submerge.diagnostics.store import Store
@@ -16,6 +15,7 @@ from submerge.diagnostics.store import Store
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 NAMES = ["01_linearity", "02_interference", "03_choose_granularity_and_merge"]
 
+nbformat = pytest.importorskip("nbformat")  # the dev extra; a machine without it skips, as without nbclient
 nbclient = pytest.importorskip("nbclient")
 
 
