@@ -52,6 +52,11 @@ class TaskVectorReader:
         self.finetuned.release()
         self.base.release()
 
+    @property
+    def subtracts_base(self) -> bool:
+        """Whether τ is θ_t − θ0 of two checkpoints' tensors (a LoRA adapter's is scale·B·A: no base in it)."""
+        return not isinstance(self.finetuned, LoraReader)
+
     def reads_rows(self, checkpoint_name: str) -> bool:
         """Whether `get_rows` reads only the rows asked for (a full fine-tune of the base's shape; not LoRA)."""
         return (not isinstance(self.finetuned, LoraReader) and checkpoint_name in self.finetuned
@@ -69,8 +74,12 @@ class TaskVectorReader:
         self._check_finite(checkpoint_name, delta, f" in rows {rows.start}:{rows.stop}")
         return delta.to(dtype)
 
-    def get(self, checkpoint_name: str, dtype: torch.dtype = torch.float32, device="cpu") -> torch.Tensor:
-        """τ for one tensor, in `dtype` (float32 by default), checked for NaN/Inf."""
+    def get(self, checkpoint_name: str, dtype: torch.dtype = torch.float32, device="cpu",
+            base: torch.Tensor | None = None) -> torch.Tensor:
+        """τ for one tensor, in `dtype` (float32 by default), checked for NaN/Inf. ``base``: the base's tensor as
+        the caller holds it, read neither again nor from the base's file; the caller vouches that it is the
+        stored tensor (`ParameterSource` checks that once per tensor). The difference is taken in float32 either
+        way (a float16 or bfloat16 base is promoted exactly inside the kernel): τ is bitwise the same."""
         if isinstance(self.finetuned, LoraReader):
             delta = self.finetuned.task_vector(checkpoint_name, torch.float32, device)
         else:
@@ -79,7 +88,7 @@ class TaskVectorReader:
                     f"fine-tune '{self.name}' ({self.finetuned.path}) has no tensor '{checkpoint_name}'"
                 )
             tuned = self.finetuned.get(checkpoint_name, torch.float32, device)
-            base = self.base.get(checkpoint_name, torch.float32, device)
+            base = self.base.get(checkpoint_name, torch.float32, device) if base is None else base.to(device)
             if tuned.shape != base.shape:
                 tuned = self._fit_vocab(checkpoint_name, tuned, base)
             delta = tuned - base

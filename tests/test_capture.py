@@ -27,7 +27,7 @@ from submerge.diagnostics.capture import (
     split_heads,
 )
 from submerge.diagnostics.data import read_task_file, tokenize
-from submerge.diagnostics.modules import find_architecture, find_submodules, get_module
+from submerge.diagnostics.modules import find_architecture, find_submodules, get_module, module_parameter_names
 from submerge.merge.writer import writing_order
 
 TASK = "math"  # the toy fine-tunes' task (tests/conftest.py)
@@ -214,6 +214,50 @@ def test_variant_is_base_plus_scaled_task_vector(engine):
     for local, weight in base_parameters.items():
         torch.testing.assert_close(half[local], weight + 0.5 * deltas[local], rtol=0, atol=1e-7)
     assert engine.source.changed(path, TASK)
+
+
+def test_task_vectors_are_taken_against_the_loaded_base_each_read_from_its_file_once(engine, monkeypatch):
+    """τ against the base parameter the model holds is bitwise τ against the base's file, and the file is read
+    once per tensor (to check that the loaded parameter is the stored one), not once per task and unit."""
+    reader = engine.base.reader
+    reads: dict[str, int] = {}
+    get = type(reader).get
+
+    def counted(self, name, *args, **kwargs):
+        if self is reader:
+            reads[name] = reads.get(name, 0) + 1
+        return get(self, name, *args, **kwargs)
+
+    monkeypatch.setattr(type(reader), "get", counted)
+    source = ParameterSource(engine.base, engine.task_vectors)
+    path = engine.arch.layer_path(1)
+    names = module_parameter_names(engine.base.model, path)
+    for _ in range(3):  # three units of a layer, say, each reading τ again
+        deltas = source.deltas(path, TASK)
+        source.clear()
+    stored = [engine.base.checkpoint_name(names[local]) for local in deltas]
+    assert reads == dict.fromkeys(stored, 1)
+    assert all(source._as_stored[name] for name in stored)
+    for local, delta in deltas.items():  # the file's τ, bitwise
+        assert torch.equal(delta, engine.task_vectors[TASK].get(engine.base.checkpoint_name(names[local])))
+
+
+def test_a_loaded_base_parameter_that_is_not_the_stored_one_is_not_used(toy_kit):
+    """A base whose loaded parameter differs from its file (changed in memory here; a base loaded in another
+    dtype, in practice) has τ read against the file, as before."""
+    base, task_vectors = toy_kit("llama").load()
+    arch = find_architecture(base.model)
+    path = arch.mlp_path(0)
+    module = get_module(base.model, path)
+    local, parameter = next(iter(module.named_parameters()))
+    with torch.no_grad():
+        parameter.add_(1e-3)
+    name = base.checkpoint_name(module_parameter_names(base.model, path)[local])
+    source = ParameterSource(base, task_vectors)
+    delta = source.deltas(path, TASK)[local]
+    assert source._as_stored[name] is False
+    assert torch.equal(delta, task_vectors[TASK].get(name))
+    assert not torch.equal(delta, task_vectors[TASK].get(name, base=parameter.detach()))
 
 
 @pytest.mark.parametrize("coefficient", [0.0, 1.0])

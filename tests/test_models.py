@@ -220,6 +220,23 @@ def test_task_vector_is_finetuned_minus_base(llama_kit):
     assert task_vectors[TASK].get("model.norm.weight", torch.float64).dtype == torch.float64
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_task_vector_against_a_base_tensor_in_hand_is_bitwise_the_files(tmp_path, dtype):
+    """`TaskVectorReader.get(..., base=t)`: the base's stored tensor, held already, in place of its file; the
+    difference is taken in float32 either way (a half-precision base promoted exactly), so τ is bitwise the same."""
+    generator = torch.Generator().manual_seed(0)
+    base = {"w": torch.randn(64, 48, generator=generator).to(dtype)}
+    tuned = {"w": (base["w"].float() + 1e-3 * torch.randn(64, 48, generator=generator)).to(dtype)}
+    for name, tensors in (("base", base), ("tuned", tuned)):
+        (tmp_path / name).mkdir()
+        save_file(tensors, tmp_path / name / "model.safetensors")
+    reader = TaskVectorReader("t", open_checkpoint(str(tmp_path / "base")), open_checkpoint(str(tmp_path / "tuned")))
+    from_file = reader.get("w")
+    assert from_file.dtype == torch.float32 and bool(from_file.abs().max() > 0)
+    assert torch.equal(reader.get("w", base=base["w"]), from_file)
+    assert torch.equal(from_file, tuned["w"].float() - base["w"].float())
+
+
 def test_finetune_of_another_shape_lists_the_differing_tensors(toy_kit, tmp_path):
     from submerge.diagnostics import toy
 
