@@ -173,6 +173,46 @@ def test_linearity_holds_one_tasks_vectors_at_a_time_with_the_same_scores(two_ta
         np.testing.assert_array_equal(one[name].values, default[name].values)
 
 
+def test_a_gpu_keeps_the_task_vectors_its_free_memory_allows(monkeypatch):
+    """On a GPU the kept τ lives on the device: the budget is a quarter of its free memory where that is more than
+    the host's `TAU_KEPT_BYTES` (a 7B block's τ is 0.8 GB a task); on the CPU it is `TAU_KEPT_BYTES`."""
+    from submerge.diagnostics.linearity.sweep import TAU_KEPT_BYTES, tau_kept_bytes
+
+    gib = 1 << 30
+    assert tau_kept_bytes(torch.device("cpu")) == TAU_KEPT_BYTES
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (40 * gib, 141 * gib))
+    assert tau_kept_bytes(torch.device("cuda", 0)) == 10 * gib  # an H200 with a 7B base loaded: every task's τ
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2 * gib, 24 * gib))
+    assert tau_kept_bytes(torch.device("cuda", 0)) == TAU_KEPT_BYTES  # a full card: no less than on the host
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_linearity_on_a_gpu_with_room_keeps_every_tasks_vectors_with_the_same_scores(kit, monkeypatch):
+    """On CUDA the layer's units share every task's τ even where the host budget would keep one (lowered to
+    nothing here), and the scores are bitwise those of a run that keeps one."""
+    from submerge.diagnostics.capture import ParameterSource
+    from submerge.diagnostics.linearity import sweep
+
+    held: list[int] = []
+    deltas = ParameterSource.deltas
+
+    def counted(self, path, task, names=None):
+        out = deltas(self, path, task, names)
+        held.append(len({key[0] for key in self._cache}))
+        return out
+
+    monkeypatch.setattr(ParameterSource, "deltas", counted)
+    monkeypatch.setattr(sweep, "TAU_KEPT_BYTES", 0)
+    experiment = load(kit, kit.finetuned, dtype="float32", device="cuda")
+    roomy = nonlinearity(experiment, levels=("layer", "attn", "mlp"), steps=STEPS, progress=False, floor_samples=0)
+    assert max(held) == len(TASKS)
+    held.clear()
+    monkeypatch.setattr(sweep, "tau_kept_bytes", lambda device: 0)
+    one = nonlinearity(experiment, levels=("layer", "attn", "mlp"), steps=STEPS, progress=False, floor_samples=0)
+    assert max(held) == 1
+    np.testing.assert_array_equal(roomy.nonlinearity_score.values, one.nonlinearity_score.values)
+
+
 def test_linear_maps_score_zero_through_replay(two_tasks, every_level):
     experiment = two_tasks
     source = experiment.parameter_source()

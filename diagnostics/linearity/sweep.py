@@ -27,6 +27,19 @@ from submerge.diagnostics.replay import LayerMeasure, Unit, bytes_per_layer, mod
 from submerge.diagnostics.store import UnitWriter
 
 TAU_KEPT_BYTES = 1 << 30  # a one-task driver keeps as many tasks' τ of a block as fit here (`Sweep`'s tasks_kept)
+
+
+def tau_kept_bytes(device: torch.device) -> int:
+    """Bytes of one block's τ a one-task driver may keep (`Sweep`'s tasks_kept): `TAU_KEPT_BYTES` of host memory;
+    on a GPU, where the kept τ lives (`ParameterSource` reads it onto the execution device), a quarter of the
+    device's free memory where that is more (a 7B block's τ is 0.8 GB a task: on a GPU with room, every task's is
+    kept, and a layer's units share one read a task instead of reading it again unit by unit)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return max(TAU_KEPT_BYTES, free // 4)
+    return TAU_KEPT_BYTES
+
+
 PRECISION_NOTE = {
     "storage": "settings.dtype: the dtype the base is loaded and its recorded inputs are kept in",
     "compute": "settings.compute_dtype: τ, every θ0 + Σ c_t τ_t, the replayed module or block and its inputs are "
@@ -47,7 +60,7 @@ class Sweep:
     θ0 (`Recorded.output`, twice the recorded bytes), which `Unit.points` serves as the point a = 0.
     ``tasks_kept``: the task vectors of at most that many tasks are held at a time (`ParameterSource`; None: all
     of a layer's), for drivers whose variants each move one task (a layer's units then read τ again per unit);
-    more where more blocks' τ fit in `TAU_KEPT_BYTES`.
+    more where more tasks' τ of a block fit in `tau_kept_bytes`.
     """
 
     def __init__(self, experiment, levels: Sequence[str], group: str, settings: dict, run: RunSettings, *,
@@ -74,13 +87,14 @@ class Sweep:
                                  on_unit=run.on_unit)
 
     def _tasks_fitting(self) -> int:
-        """How many tasks' τ of one block (float32) fit in `TAU_KEPT_BYTES`: a layer's units share them instead of
-        reading them again unit by unit (SmolLM2-135M: every task's; a 7B block's τ is 0.8 GB a task: one)."""
+        """How many tasks' τ of one block (float32) fit in `tau_kept_bytes`: a layer's units share them instead of
+        reading them again unit by unit (SmolLM2-135M: every task's; a 7B block's τ is 0.8 GB a task: one on the
+        CPU, every task's on a GPU with room)."""
         arch = self.experiment.arch
         if arch.num_layers == 0:
             return 0
         block = self.experiment.base.model.get_submodule(arch.layer_path(0))
-        return TAU_KEPT_BYTES // max(1, 4 * sum(p.numel() for p in block.parameters()))
+        return tau_kept_bytes(self.source.device) // max(1, 4 * sum(p.numel() for p in block.parameters()))
 
     @property
     def compute_dtype(self) -> torch.dtype:
