@@ -59,7 +59,7 @@ class TaskVectorReader:
 
     def reads_rows(self, checkpoint_name: str) -> bool:
         """Whether `get_rows` reads only the rows asked for (a full fine-tune of the base's shape; not LoRA)."""
-        return (not isinstance(self.finetuned, LoraReader) and checkpoint_name in self.finetuned
+        return (self.subtracts_base and checkpoint_name in self.finetuned
                 and self.finetuned.shape(checkpoint_name) == self.base.shape(checkpoint_name))
 
     def get_rows(self, checkpoint_name: str, rows: slice, dtype: torch.dtype = torch.float32,

@@ -138,15 +138,9 @@ def every_level(two_tasks):
                         progress=False)
 
 
-def test_linearity_holds_one_tasks_vectors_at_a_time_with_the_same_scores(two_tasks, every_level, monkeypatch):
-    """`diag linearity` keeps the task vectors of one task at a time where a block's τ is large
-    (`ParameterSource(tasks_kept=1)`: a 7B block's τ is 0.8 GB a task, and the layer's units read it again per
-    task; here the budget `TAU_KEPT_BYTES` is lowered to nothing); its scores and noise floors are bitwise those of
-    a source that keeps every task's τ for the whole layer, which is what the default budget does for small
-    blocks."""
-    from submerge.diagnostics.capture import ParameterSource
-    from submerge.diagnostics.linearity import sweep
-
+@pytest.fixture
+def tasks_held(monkeypatch) -> list[int]:
+    """After every `ParameterSource.deltas` call, how many tasks' τ the source holds (appended to this list)."""
     held: list[int] = []
     deltas = ParameterSource.deltas
 
@@ -156,6 +150,19 @@ def test_linearity_holds_one_tasks_vectors_at_a_time_with_the_same_scores(two_ta
         return out
 
     monkeypatch.setattr(ParameterSource, "deltas", counted)
+    return held
+
+
+def test_linearity_holds_one_tasks_vectors_at_a_time_with_the_same_scores(two_tasks, every_level, tasks_held,
+                                                                          monkeypatch):
+    """`diag linearity` keeps the task vectors of one task at a time where a block's τ is large
+    (`ParameterSource(tasks_kept=1)`: a 7B block's τ is 0.8 GB a task, and the layer's units read it again per
+    task; here the budget `TAU_KEPT_BYTES` is lowered to nothing); its scores and noise floors are bitwise those of
+    a source that keeps every task's τ for the whole layer, which is what the default budget does for small
+    blocks."""
+    from submerge.diagnostics.linearity import sweep
+
+    held = tasks_held
     levels = ("model", "layer", "attn", "mlp", "head", "linear")
     default = nonlinearity(two_tasks, levels=levels, steps=STEPS, progress=False)
     assert max(held) == len(TASKS)  # the toy's blocks are small: every task's τ kept
@@ -187,21 +194,12 @@ def test_a_gpu_keeps_the_task_vectors_its_free_memory_allows(monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_linearity_on_a_gpu_with_room_keeps_every_tasks_vectors_with_the_same_scores(kit, monkeypatch):
+def test_linearity_on_a_gpu_with_room_keeps_every_tasks_vectors_with_the_same_scores(kit, tasks_held, monkeypatch):
     """On CUDA the layer's units share every task's τ even where the host budget would keep one (lowered to
     nothing here), and the scores are bitwise those of a run that keeps one."""
-    from submerge.diagnostics.capture import ParameterSource
     from submerge.diagnostics.linearity import sweep
 
-    held: list[int] = []
-    deltas = ParameterSource.deltas
-
-    def counted(self, path, task, names=None):
-        out = deltas(self, path, task, names)
-        held.append(len({key[0] for key in self._cache}))
-        return out
-
-    monkeypatch.setattr(ParameterSource, "deltas", counted)
+    held = tasks_held
     monkeypatch.setattr(sweep, "TAU_KEPT_BYTES", 0)
     experiment = load(kit, kit.finetuned, dtype="float32", device="cuda")
     roomy = nonlinearity(experiment, levels=("layer", "attn", "mlp"), steps=STEPS, progress=False, floor_samples=0)
