@@ -1133,7 +1133,35 @@ def _title(dataset: xr.Dataset) -> str:
         shown = "; ".join(f"{subset} " + ", ".join(f"{rho:.2f}" for rho in by_seed.values())
                           for subset, by_seed in correlation.items())
         title += f". Spearman ρ(Σ block Eq. 10, held-out loss) across merges: {shown}"
+    spent = time_spent(dataset)
+    if spent:
+        title += ". Time (units and data steps summed): " + "; ".join(
+            f"{subset} {_minutes(seconds)}" for subset, seconds in spent.items())
     return title
+
+
+def time_spent(dataset: xr.Dataset) -> dict[str, float]:
+    """{subset: seconds} of the runs that wrote the group: every unit's wall (references, and each method's tuning
+    and held-out evaluation; ``seconds``) and every data step's (RegMean's Grams, Fisher, AdaMerging, LoraHub, the
+    evidence step: attrs ``data_step_seconds <subset>|<seed>``), over all seeds; a board grown over several runs sums
+    them all. Empty for a dataset without units (one subset's board by method) or without times."""
+    if UNIT not in dataset.dims or "seconds" not in dataset or "subset" not in dataset.coords:
+        return {}
+    spent: dict[str, float] = {}
+    for subset, seconds in zip(strings(dataset.subset.values), dataset.seconds.values):
+        if np.isfinite(seconds):
+            spent[subset] = spent.get(subset, 0.0) + float(seconds)
+    for key, steps in dataset.attrs.items():
+        if key.startswith("data_step_seconds ") and isinstance(steps, dict):
+            subset = key.removeprefix("data_step_seconds ").rpartition("|")[0]
+            spent[subset] = spent.get(subset, 0.0) + sum(float(v) for v in steps.values())
+    return spent
+
+
+def _minutes(seconds: float) -> str:
+    """1234.5 → "20 min 34 s"; under a minute, "42 s"."""
+    whole = round(seconds)
+    return f"{whole // 60} min {whole % 60:02d} s" if whole >= 60 else f"{whole} s"
 
 
 def indexed(dataset: xr.Dataset) -> xr.Dataset:
@@ -1217,8 +1245,11 @@ class _Run:
                             command=settings.command, force=settings.force, record_evidence=full and seed == 0,
                             method_options=request.method_options, seconds=(seconds := {}),
                             capture_budget=settings.capture_budget)
-        if seconds:  # the data steps' wall time, outside every unit's `seconds`
-            self.note({f"data_step_seconds {name}|{seed}": seconds})
+        if seconds:  # the data steps' wall time, outside every unit's `seconds`; a grown board keeps earlier ones
+            key = f"data_step_seconds {name}|{seed}"
+            earlier = self.notes.get(key) or (self.store.group_attrs(self.writer.group).get(key, {})
+                                              if self.store is not None and self.store.has(self.writer.group) else {})
+            self.note({key: {**earlier, **seconds}})
         merges.update({label: _recipe_merge(label, recipe, self.base_spec, finetuned, self.allow_pickle)
                        for label, recipe in recipes.items()})
         evaluator = _Evaluator(part, {t: held_out[t] for t in subset}, allow_pickle=self.allow_pickle)
@@ -1474,6 +1505,8 @@ def _ranked(dataset: xr.Dataset, rank_by: str) -> pd.DataFrame:
         frame["± std"] = dataset.mean_gain_std.values
     if "hyperparameters" in dataset.coords and any(strings(dataset.hyperparameters.values)):
         frame["tuned"] = [_short(text) for text in strings(dataset.hyperparameters.values)]
+    if "seconds" in dataset and np.isfinite(dataset.seconds.values).any():
+        frame["seconds"] = dataset.seconds.values  # the unit's wall (tuning and held-out evaluation; mean over seeds)
     if "accuracy" in dataset:
         for benchmark in dataset.benchmark.values:
             frame[str(benchmark)] = dataset.accuracy.sel(benchmark=benchmark).values

@@ -906,6 +906,28 @@ def test_leaderboard_sorts_by_mean_gain_nan_last_and_the_figure_handles_it():
     assert compare_leaderboard(dataset.isel(method=slice(0, 0))) is None
 
 
+def test_the_leaderboard_says_what_each_method_and_the_whole_board_took():
+    """Each method's unit wall is a column of the leaderboard; the title sums, per subset, every unit's wall and
+    every data step's (attrs), over seeds: known sums by hand."""
+    from submerge.merge.compare import COMPARE, time_spent
+
+    methods = ["base", "ties", "plan", "base", "ties", "plan"]
+    dataset = xr.Dataset(
+        {"loss": (("unit", "task"), np.ones((6, 2))), "gain": (("unit", "task"), np.full((6, 2), 0.5)),
+         "mean_gain": (("unit",), np.array([0.0, 0.4, 0.6, 0.0, 0.5, 0.7])),
+         "seconds": (("unit",), np.array([10.0, 100.0, 200.0, 12.0, 110.0, math.nan]))},
+        coords={"unit": [f"full|{s}|{m}" for s, m in zip([0, 0, 0, 1, 1, 1], methods)], "task": ["a", "b"],
+                "method": ("unit", methods), "subset": ("unit", ["a+b"] * 6), "seed": ("unit", [0, 0, 0, 1, 1, 1]),
+                "kind": ("unit", ["base", "strategy", "plan"] * 2), "detail": ("unit", [""] * 6)},
+        attrs={"data_step_seconds a+b|0": {"evidence": 30.0, "fisher": 5.0},
+               "data_step_seconds a+b|1": {"evidence": 40.0}})
+    assert time_spent(dataset) == {"a+b": 10 + 100 + 200 + 12 + 110 + 30 + 5 + 40}
+    assert "Time (units and data steps summed): a+b 8 min 27 s" in COMPARE.table_title(dataset)
+    frame = COMPARE.summary(dataset)
+    assert frame.loc["ties", "seconds"] == 105.0 and frame.loc["base", "seconds"] == 11.0  # mean over seeds
+    assert time_spent(dataset.drop_vars("seconds")) == {}
+
+
 def test_compare_plan_steers_the_matrices_the_store_interference_marks(trained_kit, tmp_path):
     from submerge.diagnostics.checkpoints import open_checkpoint
     from submerge.diagnostics.interference import interference
@@ -1138,6 +1160,12 @@ def test_compare_fixes_a_methods_untuned_options_and_refuses_tuned_or_unknown_on
     assert settings["method_options"] == {"adamerging": {"steps": 1, "learning_rate": 0.02}, "ties": {"top_k": 0.3}}
     data_steps = store.group_attrs("compare")["data_step_seconds math+code|0"]  # outside the units' seconds
     assert set(data_steps) == {"adamerging"} and data_steps["adamerging"] > 0
+    # the board grown by a method with another data step keeps the first run's data-step times beside the new
+    compare(base, finetuned, data, methods=["ties", "adamerging", "fisher"], store=store, method_options=given,
+            **{**RUN, "tune": None})
+    grown = store.group_attrs("compare")["data_step_seconds math+code|0"]
+    assert grown["adamerging"] == data_steps["adamerging"] and grown["fisher"] > 0 and set(grown) == {
+        "adamerging", "fisher"}
 
     for values, message in [(["ties.top_k=0.3"], r"--option ties.top_k: compare tunes it"),
                             (["task-arithmetic.scaling=0.5"], r"--option task-arithmetic.scaling: compare tunes it"),
