@@ -250,7 +250,9 @@ def category(function) -> str:
         return "store writes"
     if any(part in path for part in ("/diagnostics/checkpoints.py", "/diagnostics/task_vectors.py", "/diagnostics/placement.py", "/safetensors/")) or (
             "/diagnostics/capture.py" in path and name in ("variant", "deltas", "base_parameters", "upcast_buffers",
-                                                           "changed", "clear", "upcast", "_placed", "_widened")):
+                                                           "changed", "clear", "upcast", "_placed", "_widened",
+                                                           "_pooled_variant", "_form", "_scratch", "_own_on_device",
+                                                           "_loaded_as_stored", "token_rows")):
         return "variant parameters"
     if "/diagnostics/capture.py" in path and name in ("record_inputs", "_partial_forward", "register", "keep",
                                                       "_call_backbone", "block_kwargs", "_skipped_blocks"):

@@ -49,7 +49,14 @@ from submerge.diagnostics.capture import (
 from submerge.diagnostics.checkpoints import checkpoint_spec, reopen_checkpoint
 from submerge.diagnostics.errors import EngineError, SubmergeError
 from submerge.diagnostics.modules import Submodule, find_architecture
-from submerge.diagnostics.placement import hold_threads, offload_to, offloads, pick_device, process_stats
+from submerge.diagnostics.placement import (
+    hold_threads,
+    offload_to,
+    offloads,
+    pick_device,
+    process_stats,
+    tasks_kept_on,
+)
 from submerge.diagnostics.replay import Unit, measure_layer, model_replayed, units_of
 from submerge.diagnostics.task_vectors import reopen_task_vectors, task_vector_specs
 
@@ -127,7 +134,9 @@ class BlockWorker:
                                 device=self.device, offload=job.get("offload", False))
         self.arch = find_architecture(self.base.model)
         self.source = ParameterSource(self.base, reopen_task_vectors(self.base.reader, job["task_vectors"]),
-                                      compute_dtype=job["compute_dtype"], tasks_kept=job.get("tasks_kept"))
+                                      compute_dtype=job["compute_dtype"],
+                                      tasks_kept=tasks_kept_on(self.device, self.base.model.get_submodule(
+                                          self.arch.layer_path(self.layers[0])), job.get("tasks_kept")))
         self.batches, self.modules = job["batches"], modules
         self.pending, self.incoming = incoming, None
         self.chunks = [[self.layers[0] + i for i in chunk]
@@ -204,7 +213,7 @@ class Pipeline:
         job = {"base": base,
                "task_vectors": task_vector_specs(experiment.task_vectors), "batches": experiment.batches,
                "device": engine.device, "threads": engine.threads,
-               "compute_dtype": sweep.source.compute_dtype, "tasks_kept": sweep.source.tasks_kept,
+               "compute_dtype": sweep.source.compute_dtype, "tasks_kept": sweep.tasks_kept,
                "layer_bytes": sweep.layer_bytes(),
                "capture_budget": sweep.capture_budget, "model_output": sweep.model_output,
                "num_layers": experiment.arch.num_layers, "offload": bool(experiment.inputs.get("offload"))}

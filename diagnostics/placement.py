@@ -127,3 +127,27 @@ def process_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+TAU_KEPT_BYTES = 1 << 30  # a one-task driver keeps as many tasks' τ of a block as fit here (`tasks_kept_on`)
+
+
+def tau_kept_bytes(device: torch.device) -> int:
+    """Bytes of one block's τ a one-task driver may keep (`tasks_kept_on`): `TAU_KEPT_BYTES` of host memory; on a
+    GPU, where the kept τ lives (`ParameterSource` reads it onto the execution device), a quarter of the
+    device's free memory where that is more (a 7B block's τ is 0.8 GB a task: on a GPU with room, every task's is
+    kept, and a layer's units share one read a task instead of reading it again unit by unit)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return max(TAU_KEPT_BYTES, free // 4)
+    return TAU_KEPT_BYTES
+
+
+def tasks_kept_on(device: torch.device, block: torch.nn.Module, at_least: int | None) -> int | None:
+    """How many tasks' τ of one block a source on `device` keeps (`ParameterSource.tasks_kept`): `at_least` (None:
+    all, unbounded), or more where more tasks' float32 τ of `block` fit in `tau_kept_bytes(device)` (SmolLM2-135M:
+    every task's; a 7B block's τ is 0.8 GB a task: one on the CPU, every task's on a GPU with room). The sweep asks
+    it for the driver's device, and each Ray worker again for its own (a CPU driver's workers may hold GPUs)."""
+    if at_least is None:
+        return None
+    return max(at_least, tau_kept_bytes(device) // max(1, 4 * sum(p.numel() for p in block.parameters())))

@@ -160,14 +160,14 @@ def test_linearity_holds_one_tasks_vectors_at_a_time_with_the_same_scores(two_ta
     task; here the budget `TAU_KEPT_BYTES` is lowered to nothing); its scores and noise floors are bitwise those of
     a source that keeps every task's τ for the whole layer, which is what the default budget does for small
     blocks."""
-    from submerge.diagnostics.linearity import sweep
+    from submerge.diagnostics import placement
 
     held = tasks_held
     levels = ("model", "layer", "attn", "mlp", "head", "linear")
     default = nonlinearity(two_tasks, levels=levels, steps=STEPS, progress=False)
     assert max(held) == len(TASKS)  # the toy's blocks are small: every task's τ kept
     held.clear()
-    monkeypatch.setattr(sweep, "TAU_KEPT_BYTES", 0)
+    monkeypatch.setattr(placement, "TAU_KEPT_BYTES", 0)
     one = nonlinearity(two_tasks, levels=levels, steps=STEPS, progress=False)
     assert held and max(held) == 1
     held.clear()
@@ -183,7 +183,7 @@ def test_linearity_holds_one_tasks_vectors_at_a_time_with_the_same_scores(two_ta
 def test_a_gpu_keeps_the_task_vectors_its_free_memory_allows(monkeypatch):
     """On a GPU the kept τ lives on the device: the budget is a quarter of its free memory where that is more than
     the host's `TAU_KEPT_BYTES` (a 7B block's τ is 0.8 GB a task); on the CPU it is `TAU_KEPT_BYTES`."""
-    from submerge.diagnostics.linearity.sweep import TAU_KEPT_BYTES, tau_kept_bytes
+    from submerge.diagnostics.placement import TAU_KEPT_BYTES, tau_kept_bytes
 
     gib = 1 << 30
     assert tau_kept_bytes(torch.device("cpu")) == TAU_KEPT_BYTES
@@ -193,19 +193,53 @@ def test_a_gpu_keeps_the_task_vectors_its_free_memory_allows(monkeypatch):
     assert tau_kept_bytes(torch.device("cuda", 0)) == TAU_KEPT_BYTES  # a full card: no less than on the host
 
 
+def test_each_ray_worker_keeps_the_task_vectors_its_own_device_allows(two_tasks, monkeypatch):
+    """A Ray worker asks `tasks_kept_on` for its own device, from the driver's minimum: a CPU driver that keeps one
+    task's τ hands its GPU workers the minimum, not its own count (the worker built in this process here)."""
+    from submerge.diagnostics import pipeline, placement
+    from submerge.diagnostics.execution import RunSettings
+    from submerge.diagnostics.linearity.sweep import Sweep
+
+    class InProcess:  # what `RayEngine.actor_class` gives, without Ray
+        def __init__(self, cls):
+            self.cls = cls
+
+        def remote(self, *args):
+            return self.cls(*args)
+
+    class Engine:
+        report, workers, device, threads = None, 1, "cpu", torch.get_num_threads()
+
+        def actor_class(self, cls):
+            return InProcess(cls)
+
+    monkeypatch.setattr(placement, "TAU_KEPT_BYTES", 0)  # the driver's device: room for none, so the minimum
+    sweep = Sweep(two_tasks, ("layer",), "linearity", {}, RunSettings(progress=False), tasks_kept=1)
+    assert sweep.tasks_kept == 1 and sweep.source.tasks_kept == 1
+    block = two_tasks.base.model.get_submodule(two_tasks.arch.layer_path(0))
+    block_bytes = 4 * sum(p.numel() for p in block.parameters())
+    monkeypatch.setattr(placement, "tau_kept_bytes", lambda device: 5 * block_bytes)  # the worker's: room for five
+    (worker,) = pipeline.Pipeline(sweep, Engine()).actors
+    assert worker.source.tasks_kept == 5
+    monkeypatch.setattr(placement, "tau_kept_bytes", lambda device: 0)
+    assert pipeline.Pipeline(sweep, Engine()).actors[0].source.tasks_kept == 1
+    unbounded = Sweep(two_tasks, ("layer",), "linearity", {}, RunSettings(progress=False))  # a driver keeping all
+    assert unbounded.source.tasks_kept is None and pipeline.Pipeline(unbounded, Engine()).actors[0].source.tasks_kept is None
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_linearity_on_a_gpu_with_room_keeps_every_tasks_vectors_with_the_same_scores(kit, tasks_held, monkeypatch):
     """On CUDA the layer's units share every task's τ even where the host budget would keep one (lowered to
     nothing here), and the scores are bitwise those of a run that keeps one."""
-    from submerge.diagnostics.linearity import sweep
+    from submerge.diagnostics import placement
 
     held = tasks_held
-    monkeypatch.setattr(sweep, "TAU_KEPT_BYTES", 0)
+    monkeypatch.setattr(placement, "TAU_KEPT_BYTES", 0)
     experiment = load(kit, kit.finetuned, dtype="float32", device="cuda")
     roomy = nonlinearity(experiment, levels=("layer", "attn", "mlp"), steps=STEPS, progress=False, floor_samples=0)
     assert max(held) == len(TASKS)
     held.clear()
-    monkeypatch.setattr(sweep, "tau_kept_bytes", lambda device: 0)
+    monkeypatch.setattr(placement, "tau_kept_bytes", lambda device: 0)
     one = nonlinearity(experiment, levels=("layer", "attn", "mlp"), steps=STEPS, progress=False, floor_samples=0)
     assert max(held) == 1
     np.testing.assert_array_equal(roomy.nonlinearity_score.values, one.nonlinearity_score.values)

@@ -21,24 +21,11 @@ import xarray as xr
 from submerge.diagnostics.capture import no_tf32
 from submerge.diagnostics.execution import LocalEngine, RunSettings
 from submerge.diagnostics.modules import Submodule
+from submerge.diagnostics.placement import tasks_kept_on
 from submerge.diagnostics.progress import progress_bar
 from submerge.diagnostics.provenance import run_attrs
 from submerge.diagnostics.replay import LayerMeasure, Unit, bytes_per_layer, modules_for, units_of
 from submerge.diagnostics.store import UnitWriter
-
-TAU_KEPT_BYTES = 1 << 30  # a one-task driver keeps as many tasks' τ of a block as fit here (`Sweep`'s tasks_kept)
-
-
-def tau_kept_bytes(device: torch.device) -> int:
-    """Bytes of one block's τ a one-task driver may keep (`Sweep`'s tasks_kept): `TAU_KEPT_BYTES` of host memory;
-    on a GPU, where the kept τ lives (`ParameterSource` reads it onto the execution device), a quarter of the
-    device's free memory where that is more (a 7B block's τ is 0.8 GB a task: on a GPU with room, every task's is
-    kept, and a layer's units share one read a task instead of reading it again unit by unit)."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return max(TAU_KEPT_BYTES, free // 4)
-    return TAU_KEPT_BYTES
-
 
 PRECISION_NOTE = {
     "storage": "settings.dtype: the dtype the base is loaded and its recorded inputs are kept in",
@@ -60,7 +47,7 @@ class Sweep:
     θ0 (`Recorded.output`, twice the recorded bytes), which `Unit.points` serves as the point a = 0.
     ``tasks_kept``: the task vectors of at most that many tasks are held at a time (`ParameterSource`; None: all
     of a layer's), for drivers whose variants each move one task (a layer's units then read τ again per unit);
-    more where more tasks' τ of a block fit in `tau_kept_bytes`.
+    more where more tasks' τ of a block fit (`submerge.diagnostics.placement.tasks_kept_on`).
     """
 
     def __init__(self, experiment, levels: Sequence[str], group: str, settings: dict, run: RunSettings, *,
@@ -74,7 +61,8 @@ class Sweep:
         self.experiment, self.run_settings = experiment, run
         self.tasks = experiment.tasks
         self.source = experiment.parameter_source(run.compute_dtype)
-        self.source.tasks_kept = tasks_kept if tasks_kept is None else max(tasks_kept, self._tasks_fitting())
+        self.tasks_kept = tasks_kept  # the driver's minimum; each engine's sources keep what fits on their device
+        self.source.tasks_kept = self._tasks_fitting(tasks_kept)
         compute = {"compute_dtype": str(self.source.compute_dtype).removeprefix("torch.")}
         self.modules = modules_for(experiment, levels, layers)
         self.capture_budget = run.capture_budget
@@ -86,15 +74,14 @@ class Sweep:
                                  force=run.force, root=root, attrs={**attrs, "precision": PRECISION_NOTE},
                                  on_unit=run.on_unit)
 
-    def _tasks_fitting(self) -> int:
-        """How many tasks' τ of one block (float32) fit in `tau_kept_bytes`: a layer's units share them instead of
-        reading them again unit by unit (SmolLM2-135M: every task's; a 7B block's τ is 0.8 GB a task: one on the
-        CPU, every task's on a GPU with room)."""
+    def _tasks_fitting(self, at_least: int | None) -> int | None:
+        """`tasks_kept_on` this process's device: a layer's units share the τ kept instead of reading it again
+        unit by unit."""
         arch = self.experiment.arch
-        if arch.num_layers == 0:
-            return 0
+        if at_least is None or arch.num_layers == 0:
+            return at_least
         block = self.experiment.base.model.get_submodule(arch.layer_path(0))
-        return tau_kept_bytes(self.source.device) // max(1, 4 * sum(p.numel() for p in block.parameters()))
+        return tasks_kept_on(self.source.device, block, at_least)
 
     @property
     def compute_dtype(self) -> torch.dtype:
