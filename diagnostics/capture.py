@@ -518,6 +518,12 @@ class ParameterSource:
         self._pool: dict[tuple[str, torch.dtype], torch.Tensor] = {}  # pooled variants' tensors (`variant`)
         self._scratches: dict[torch.dtype, torch.Tensor] = {}
         self._as_stored: dict[str, bool] = {}  # `_loaded_as_stored`, per checkpoint tensor
+        # pooled variants kept until `clear` (a layer's end), each tensor by parameter, dtype and coefficients, up to
+        # `variants_kept_bytes` (0: none): a layer's units and the model level's pass through its block form each
+        # point once instead of once per level (`_kept_variants`)
+        self.variants_kept_bytes = 0
+        self._kept: dict[tuple, torch.Tensor] = {}
+        self._kept_bytes = 0
 
     def _own_on_device(self, path: str, own: dict[str, torch.Tensor], local: str,
                        dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
@@ -616,9 +622,13 @@ class ParameterSource:
         if not active and all(own[local].dtype == compute[local] and own[local].device == self.device
                               for local in names):
             return None
-        deltas = {t: self.deltas(path, t, names) for t in active}
         if pooled:
-            return self._pooled_variant(path, own, names, compute, active, deltas, rows or {}) | self.upcast_buffers(path)
+            kept = {} if rows else self._kept_variants(path, names, compute, active)
+            missing = [local for local in names if local not in kept]
+            deltas = {t: self.deltas(path, t, missing) for t in active} if missing else {}
+            formed = self._pooled_variant(path, own, missing, compute, active, deltas, rows or {})
+            return kept | formed | self.upcast_buffers(path)
+        deltas = {t: self.deltas(path, t, names) for t in active}
         params = {}
         for local in names:
             value, fresh = self._own_on_device(path, own, local, compute[local])
@@ -633,21 +643,39 @@ class ParameterSource:
             params[local] = value
         return params | self.upcast_buffers(path)
 
+    def _kept_key(self, name: str, dtype: torch.dtype, active: dict) -> tuple:
+        return name, dtype, tuple(sorted(active.items()))
+
+    def _kept_variants(self, path: str, names: list[str], compute: dict, active: dict) -> dict[str, torch.Tensor]:
+        """The pooled variants of `names` (local) at `active` that a caller before formed and kept (`_kept`)."""
+        if not self._kept:
+            return {}
+        full_names = module_parameter_names(self.base.model, path)
+        found = {local: self._kept.get(self._kept_key(full_names[local], compute[local], active)) for local in names}
+        return {local: value for local, value in found.items() if value is not None}
+
     def _pooled_variant(self, path: str, own: dict, names: list[str], compute: dict, active: dict,
                         deltas: dict, rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """`variant`'s sums written into pooled tensors: θ0 + c_1 τ_1 (+ c_2 τ_2 …) with each product c·τ rounded
         in the compute dtype before it is added, as `variant` rounds them (float32: bitwise its values); for a
-        parameter in `rows`, only those rows (the others are left as they were)."""
+        parameter in `rows`, only those rows (the others are left as they were). A whole parameter goes into a tensor
+        of its own, kept until `clear`, while `variants_kept_bytes` allows (`_kept_variants` finds it again)."""
         full_names = module_parameter_names(self.base.model, path)
         params = {}
         for local in names:
             dtype, tensor = compute[local], own[local]
             if tensor.device != self.device:  # offloaded: its copy on the device, once per unit
                 tensor = self._own_on_device(path, own, local, dtype)[0]
-            key = (full_names[local], dtype)
-            value = self._pool.get(key)
-            if value is None or value.shape != tensor.shape:
-                value = self._pool[key] = torch.empty(tensor.shape, dtype=dtype, device=self.device)
+            size = tensor.numel() * torch.finfo(dtype).bits // 8
+            if local not in rows and self._kept_bytes + size <= self.variants_kept_bytes:
+                value = torch.empty(tensor.shape, dtype=dtype, device=self.device)
+                self._kept[self._kept_key(full_names[local], dtype, active)] = value
+                self._kept_bytes += size
+            else:
+                key = (full_names[local], dtype)
+                value = self._pool.get(key)
+                if value is None or value.shape != tensor.shape:
+                    value = self._pool[key] = torch.empty(tensor.shape, dtype=dtype, device=self.device)
             terms = [(deltas[task][local], coefficient) for task, coefficient in active.items()]
             if local in rows:
                 index = rows[local].to(self.device)
@@ -716,6 +744,8 @@ class ParameterSource:
         self._cache.clear()
         self._tasks_read.clear()
         self._placed.clear()
+        self._kept.clear()
+        self._kept_bytes = 0
         self.drop_pooled()
         for reader in self.task_vectors.values():
             reader.release()
@@ -737,6 +767,7 @@ def model_outputs(
     on_layer: Callable[[int], None] | None = None,
     layers: range | None = None,
     hidden: list[list[torch.Tensor]] | None = None,
+    clear: bool = True,
 ) -> list[list[torch.Tensor]]:
     """Final hidden states (after the final norm) or logits of every variant, block by block.
 
@@ -744,8 +775,10 @@ def model_outputs(
     (`source.dtype_for`). Only one block's parameters per variant exist at a time, never a second model.
 
     A pipeline stage (`submerge.diagnostics.pipeline`) runs only the blocks `layers`: `hidden` holds the
-    variants' streams entering the first of them (None: the embedding stage runs here); the final norm and
-    head run only when `layers` ends at the last block, else the streams leaving `layers` come back.
+    variants' streams entering the first of them (None: the embedding stage runs here, `embedded_streams`); the
+    final norm and head run only when `layers` ends at the last block, else the streams leaving `layers` come back
+    (`hidden` itself, its tensors replaced). ``clear=False``: the source is not cleared after each block (a caller
+    that runs other variants of the same block next, sharing its τ and kept variants, clears it after them).
     """
     model = source.base.model
     device = source.device
@@ -754,12 +787,8 @@ def model_outputs(
     # 1. what every block receives besides the stream (masks, positions: they do not depend on weights)
     block_inputs = block_kwargs(model, arch, layers, batches, device=device, compute=source.compute_dtype)
     # 2. the embedding stage per variant, 3. the blocks, 4. the final norm and, on request, the output head
-    if hidden is None:  # the embedding stage's τ read once for all variants
-        rows = token_rows(model, arch, batches)  # the same tokens and stage for every variant
-        stage = embedding_stage_names(model, arch)
-        hidden = [_embedded(source, arch, batches, variant, block_inputs[layer_paths[0]], stage, rows)
-                  for variant in variants]
-        source.clear()
+    if hidden is None:
+        hidden = embedded_streams(source, arch, batches, variants, block_inputs[layer_paths[0]])
     for i, path in zip(layers, layer_paths):
         block, compute = model.get_submodule(path), source.dtype_for(path)
         for v, variant in enumerate(variants):
@@ -767,12 +796,28 @@ def model_outputs(
             for b in range(len(batches)):
                 hidden[v][b] = run_block(block, params, block_inputs[path][b].upcast(compute), hidden[v][b])
         params = None  # the pooled tensors go with the pool: held here, they would outlive it into the next block
-        source.clear()
+        if clear:
+            source.clear()
         if on_layer:
             on_layer(i)
     del block_inputs
     if layers[-1] == arch.num_layers - 1:
         _final_stages(source, arch, hidden, variants, output)
+    return hidden
+
+
+def embedded_streams(source: ParameterSource, arch: Architecture, batches: list[TokenBatch], variants: list[Variant],
+                     first_inputs: list[Recorded] | None = None) -> list[list[torch.Tensor]]:
+    """Block 0's input stream of every variant per batch: the embedding stage, its τ read once for all variants
+    (`first_inputs`: block 0's `block_kwargs`, computed here when not given)."""
+    model = source.base.model
+    if first_inputs is None:
+        first_inputs = block_kwargs(model, arch, [0], batches, device=source.device,
+                                    compute=source.compute_dtype)[arch.layer_path(0)]
+    rows = token_rows(model, arch, batches)  # the same tokens and stage for every variant
+    stage = embedding_stage_names(model, arch)
+    hidden = [_embedded(source, arch, batches, variant, first_inputs, stage, rows) for variant in variants]
+    source.clear()
     return hidden
 
 

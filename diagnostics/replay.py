@@ -22,10 +22,12 @@ import numpy as np
 import torch
 from torch.func import functional_call
 
+from submerge.diagnostics import placement
 from submerge.diagnostics.capture import (
     CaptureState,
     Recorded,
     Variant,
+    embedded_streams,
     first_output,
     head_output,
     hooks,
@@ -610,9 +612,10 @@ def _attention_from_block(kept: dict[float, list], recorded: list[Recorded], coe
 
 def measure_layer(source, arch, modules: list[Submodule], recorded: dict,
                   measure: Callable[[Unit], dict] | LayerMeasure,
-                  describe: Callable[[str], None] = lambda text: None) -> dict:
+                  describe: Callable[[str], None] = lambda text: None, *, clear: bool = True) -> dict:
     """{module name: result} of one layer's `modules`: ``measure`` on each unit (a `LayerMeasure`: on the
-    layer's units together), replayed on `recorded`."""
+    layer's units together), replayed on `recorded`. ``clear=False``: the source keeps the layer's τ and kept
+    variants after a measure that succeeded (the model level's pass through the block takes them next)."""
     if isinstance(measure, LayerMeasure):
         describe(f"layer {modules[0].layer}")
         units = {path: block_unit(source, arch, path, served, recorded) for path, served in units_of(modules).items()}
@@ -626,9 +629,48 @@ def measure_layer(source, arch, modules: list[Submodule], recorded: dict,
             describe(served[0].name)
             results.update(measure(block_unit(source, arch, path, served, recorded, from_block)))
             source.drop_pooled()
-    finally:
+    except BaseException:
+        source.clear()
+        raise
+    if clear:
         source.clear()
     return results
+
+
+class ModelStreams:
+    """The model level's variants carried through the network beside a local sweep, block by block after each
+    layer's units: ``variants`` {task: [variant, ...]} (a driver's `Sweep`'s ``model_variants``). Each block's
+    variants are then formed once for the layer's units and the model level (`ParameterSource`'s kept variants,
+    where they fit), and its τ read once for both, where the model level would pass through every block again
+    after the sweep. Holds tasks × variants streams of the records' hidden states (SmolLM2-135M, 3 tasks × 10
+    points × 8 records × 128 tokens: 70 MB)."""
+
+    def __init__(self, source, arch, batches: dict, variants: dict[str, list[Variant]], output: str):
+        self.source, self.arch, self.batches, self.output = source, arch, batches, output
+        self.variants = variants
+        self.streams = {task: embedded_streams(source, arch, batches[task], list(task_variants))
+                        for task, task_variants in variants.items()}
+        self.done = -1  # the last block the streams have passed
+
+    def advance(self, layer: int) -> None:
+        """Every task's streams through block `layer` (the next one), then the source cleared. The tasks go in
+        reverse order: the last task a layer's units read may still be kept (one task's τ kept at 7B width)."""
+        if layer != self.done + 1:
+            raise RuntimeError(f"model streams at block {self.done} cannot pass block {layer}")
+        for task in reversed(list(self.variants)):
+            model_outputs(self.source, self.arch, self.batches[task], list(self.variants[task]), output=self.output,
+                          layers=range(layer, layer + 1), hidden=self.streams[task], clear=False)
+        self.source.clear()
+        self.done = layer
+
+    def take(self, task: str, variants: Sequence[Variant]) -> list[list[torch.Tensor]] | None:
+        """The final outputs of `variants` of `task` where the streams carried each of them through the whole
+        network (None otherwise: the caller replays them itself)."""
+        if self.done != self.arch.num_layers - 1 or task not in self.variants:
+            return None
+        known = [dict(variant) for variant in self.variants[task]]
+        found = [known.index(dict(variant)) if dict(variant) in known else None for variant in variants]
+        return None if None in found else [self.streams[task][i] for i in found]
 
 
 def bytes_per_layer(experiment, paths_per_layer: int, compute: torch.dtype) -> int:
@@ -647,12 +689,46 @@ class LocalLayers:
     def __init__(self, sweep):
         self.sweep, self.experiment, self.source = sweep, sweep.experiment, sweep.source
         self.model_base: dict[str, list[torch.Tensor]] = {}  # the model level's a = 0, kept by the last capture
+        self.model_streams: ModelStreams | None = None
 
     def layer_results(self, measure: Callable[[Unit], dict], describe) -> Iterator[tuple[list[Submodule], dict]]:
-        """(modules, {module name: result}) per layer still to do, in layer order, measured here."""
-        for layer_modules, recorded in self._layers(describe):
-            yield layer_modules, measure_layer(self.source, self.experiment.arch, layer_modules, recorded, measure,
-                                               describe)
+        """(modules, {module name: result}) per layer still to do, in layer order, measured here. Where the sweep
+        names its model level's variants and that level is still to do, they pass each block right after the
+        layer's units (`ModelStreams`), every block, also those whose units a resumed run has."""
+        variants = self._model_variants()
+        arch = self.experiment.arch
+        if variants:
+            describe("model level · embedding")
+            self.model_streams = ModelStreams(self.source, arch, self.experiment.batches, variants,
+                                              self.sweep.model_output)
+        streams = self.model_streams
+        for layer, layer_modules, recorded in self._layers(describe, every_layer=streams is not None):
+            results = (measure_layer(self.source, arch, layer_modules, recorded, measure, describe,
+                                     clear=streams is None) if layer_modules else None)
+            if streams is not None:
+                describe(f"model level · layer {layer}")
+                streams.advance(layer)
+            if layer_modules:
+                yield layer_modules, results
+
+    def _model_variants(self) -> dict[str, list[Variant]] | None:
+        """The sweep's ``model_variants`` where its model level is still to do and their streams fit in
+        `placement.VARIANTS_KEPT_BYTES`, less each task's base (a = 0) where the capture keeps it (`_final_path`).
+        (A 7B model, 3 tasks × 10 points × 8 records × 128 tokens in float32: 0.5 GB; beyond the budget the model
+        level runs after the sweep, one task's streams at a time, as before.)"""
+        sweep = self.sweep
+        wanted = getattr(sweep, "model_variants", None)
+        if not wanted or not any(m.level == "model" and sweep.label(m) not in sweep.writer.done
+                                 for m in sweep.modules):
+            return None
+        captured = self._final_path() is not None
+        variants = {task: [v for v in task_variants if not (captured and not any(c != 0 for c in v.values()))]
+                    for task, task_variants in wanted.items()}
+        hidden = self.experiment.base.model.config.get_text_config().hidden_size
+        element = torch.empty((), dtype=sweep.compute_dtype).element_size()
+        streams = sum(len(variants[task]) * sum(b.input_ids.numel() for b in self.experiment.batches[task])
+                      for task in variants) * hidden * element
+        return variants if streams <= placement.VARIANTS_KEPT_BYTES else None
 
     def _final_path(self) -> str | None:
         """The final norm, whose output on θ0 is the model level's point a = 0 when the capture can keep it (the
@@ -662,14 +738,17 @@ class LocalLayers:
                   and any(m.level == "model" and sweep.label(m) not in sweep.writer.done for m in sweep.modules))
         return arch.final_norm_path if wanted else None
 
-    def _layers(self, describe) -> Iterator[tuple[list[Submodule], dict]]:
-        """Per layer with modules not yet done: (those modules, recorded inputs by task and path)."""
+    def _layers(self, describe, every_layer: bool = False) -> Iterator[tuple[int, list[Submodule], dict | None]]:
+        """Per layer with modules not yet done: (its index, those modules, recorded inputs by task and path); with
+        `every_layer`, every layer, those with nothing to do as (index, [], None)."""
         experiment, by_layer, final = self.experiment, self.sweep.by_layer(), self._final_path()
         chunks = layer_chunks(experiment.arch.num_layers, self.sweep.layer_bytes(), self.sweep.capture_budget)
         states = {task: CaptureState() for task in experiment.tasks}  # each chunk starts where the last stopped
         for chunk in chunks:
             chunk_modules = [m for layer in chunk for m in by_layer.get(layer, [])]
             if not chunk_modules:
+                if every_layer:
+                    yield from ((layer, [], None) for layer in chunk)
                 continue
             describe(f"capturing layers {chunk[0]}–{chunk[-1]}")
             paths = list(units_of(chunk_modules))
@@ -682,7 +761,9 @@ class LocalLayers:
                 self.model_base = {task: [rec.output for rec in recorded[task].pop(final)] for task in recorded}
             for layer in chunk:
                 if layer in by_layer:
-                    yield by_layer[layer], recorded
+                    yield layer, by_layer[layer], recorded
+                elif every_layer:
+                    yield layer, [], None
             del recorded
 
     def model_unit(self, modules: list[Submodule]) -> Unit:
@@ -691,6 +772,9 @@ class LocalLayers:
         experiment, output = self.experiment, self.sweep.model_output
 
         def run(task, variants):
+            carried = self.model_streams.take(task, variants) if self.model_streams is not None else None
+            if carried is not None:
+                return model_replayed(carried, experiment.batches[task], self.source.device)
             return replay_model(self.source, experiment.arch, experiment.batches[task], variants, output=output)
 
         def line(task, coefficients):

@@ -237,3 +237,56 @@ def test_attention_line_takes_its_qkv_terms_from_the_block_line(toy_kit, archite
     own = replay_line(source, arch, attention, recorded[task][attention], task, coefficients)
     for got, want in zip(taken.outputs, own.outputs):
         assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_the_model_level_carried_beside_the_sweep_scores_bitwise_as_replayed_after_it(toy_kit, architecture,
+                                                                                    monkeypatch, tmp_path):
+    """`diag linearity` carries its model level's points through each block right after the layer's units
+    (`replay.ModelStreams`), and the layer's units and the model level form each point's block variant once
+    (`ParameterSource`'s kept variants): the scores and floors are bitwise those of the model level replayed after
+    the sweep with every variant formed anew, on every toy architecture, with fewer entries formed. A resumed run
+    (killed after its first layer: the model level and the other layers left) carries it through every block
+    again, to the same scores."""
+    from submerge.diagnostics import placement, replay
+    from submerge.diagnostics.capture import ParameterSource
+    from submerge.diagnostics.store import Store
+
+    experiment = toy_kit(architecture).experiment()
+    levels = ("model", "layer", "attn", "mlp")
+    formed = []
+    form = ParameterSource._form
+
+    def counted(self, value, base, terms):
+        formed.append(value.numel())
+        return form(self, value, base, terms)
+
+    monkeypatch.setattr(ParameterSource, "_form", counted)
+    replayed_after, replay_model = [], replay.replay_model
+    monkeypatch.setattr(replay, "replay_model", lambda *args, **kwargs: replayed_after.append(1) or replay_model(
+        *args, **kwargs))
+    carried = nonlinearity(experiment, levels=levels, steps=4, progress=False)
+    carried_formed = sum(formed)
+    assert not replayed_after  # every point of the model level came with the sweep (the floor's pass too)
+    formed.clear()
+    with monkeypatch.context() as before:
+        before.setattr(replay.LocalLayers, "_model_variants", lambda self: None)
+        before.setattr(placement, "VARIANTS_KEPT_BYTES", 0)
+        after = nonlinearity(experiment, levels=levels, steps=4, progress=False)
+    assert sum(formed) > carried_formed > 0 and replayed_after
+    for name in ("nonlinearity_score", "nonlinearity_floor"):
+        assert np.isfinite(carried[name].values).any()
+        np.testing.assert_array_equal(carried[name].values, after[name].values)
+
+    def killed_after_the_first_layer(label):
+        raise KeyboardInterrupt(label)
+
+    store = Store(tmp_path / "resumed.zarr")
+    with pytest.raises(KeyboardInterrupt):
+        nonlinearity(experiment, levels=levels, steps=4, progress=False, store=store,
+                     on_unit=killed_after_the_first_layer)
+    assert 0 < len(Store(tmp_path / "resumed.zarr").dataset("linearity").module) < carried.sizes["module"]
+    replayed_after.clear()
+    resumed = nonlinearity(experiment, levels=levels, steps=4, progress=False, store=store)
+    assert not replayed_after
+    np.testing.assert_array_equal(resumed.nonlinearity_score.values, carried.nonlinearity_score.values)

@@ -6,8 +6,10 @@ recorded on the base θ0; then, layer by layer, each *unit* (a replayed module p
 its heads) is handed to the driver's `measure`, which replays the variants it needs (`Unit.run`) and turns them
 into per-sample features (`Outputs`); a driver whose units need each other measures the whole layer at once
 (`LayerMeasure`). The layer's results become one store unit through `UnitWriter` (labelled by its modules, or by
-the layer: ``unit_dim="layer"``), so a killed run resumes after the last finished layer. The model level is one more unit whose replays run the whole network
-block by block. Where the layers are measured — this process, or a pipeline of Ray workers — is the run's engine
+the layer: ``unit_dim="layer"``), so a killed run resumes after the last finished layer. The model level is one more
+unit whose replays run the whole network block by block: after the layers, or, where the driver names its variants
+(``model_variants``) and the engine is local, carried through each block right after the layer's units, which then
+share the block's τ reads and formed variants with it. Where the layers are measured — this process, or a pipeline of Ray workers — is the run's engine
 (`submerge.diagnostics.execution`); the per-unit code is `submerge.diagnostics.replay`.
 """
 
@@ -21,7 +23,7 @@ import xarray as xr
 from submerge.diagnostics.capture import no_tf32
 from submerge.diagnostics.execution import LocalEngine, RunSettings
 from submerge.diagnostics.modules import Submodule
-from submerge.diagnostics.placement import tasks_kept_on
+from submerge.diagnostics.placement import tasks_kept_on, variants_kept_bytes
 from submerge.diagnostics.progress import progress_bar
 from submerge.diagnostics.provenance import run_attrs
 from submerge.diagnostics.replay import LayerMeasure, Unit, bytes_per_layer, modules_for, units_of
@@ -48,11 +50,15 @@ class Sweep:
     ``tasks_kept``: the task vectors of at most that many tasks are held at a time (`ParameterSource`; None: all
     of a layer's), for drivers whose variants each move one task (a layer's units then read τ again per unit);
     more where more tasks' τ of a block fit (`submerge.diagnostics.placement.tasks_kept_on`).
+    ``model_variants`` ({task: [variant, ...]}): what the model level's measure will ask for, task by task; a local
+    engine then carries them through each block right after the layer's units (`replay.ModelStreams`), and the
+    source keeps a layer's formed variants for both where they fit (`placement.variants_kept_bytes`).
     """
 
     def __init__(self, experiment, levels: Sequence[str], group: str, settings: dict, run: RunSettings, *,
                  model_output: str = "hidden", unit_dim: str = "module", layers: Sequence[int] | None = None,
-                 capture_outputs: bool = False, tasks_kept: int | None = None):
+                 capture_outputs: bool = False, tasks_kept: int | None = None,
+                 model_variants: dict[str, list] | None = None):
         if unit_dim not in ("module", "layer"):
             raise ValueError(f"unit_dim must be 'module' or 'layer', got {unit_dim!r}")
         if isinstance(run.engine, LocalEngine) and experiment.device.type == "meta":
@@ -68,6 +74,11 @@ class Sweep:
         self.capture_budget = run.capture_budget
         self.model_output, self.unit_dim = model_output, unit_dim
         self.capture_outputs = capture_outputs
+        self.model_variants = model_variants
+        if model_variants and self.experiment.arch.num_layers:
+            block = experiment.base.model.get_submodule(experiment.arch.layer_path(0))
+            points = sum(len(variants) for variants in model_variants.values())
+            self.source.variants_kept_bytes = variants_kept_bytes(points, block, self.compute_dtype)
         # the engine is provenance only: a run resumes across engines
         root, attrs = run_attrs(run.command, {**experiment.inputs, "engine": run.engine.provenance()})
         self.writer = UnitWriter(run.store, group, {**experiment.settings, **compute, **settings}, dim=unit_dim,
