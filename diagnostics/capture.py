@@ -666,7 +666,7 @@ class ParameterSource:
             dtype, tensor = compute[local], own[local]
             if tensor.device != self.device:  # offloaded: its copy on the device, once per unit
                 tensor = self._own_on_device(path, own, local, dtype)[0]
-            size = tensor.numel() * torch.finfo(dtype).bits // 8
+            size = tensor.numel() * dtype.itemsize
             if self.variants_kept_bytes and local not in rows and self._kept_bytes + size <= self.variants_kept_bytes:
                 value = torch.empty(tensor.shape, dtype=dtype, device=self.device)
                 self._kept[self._kept_key(full_names[local], dtype, active)] = value

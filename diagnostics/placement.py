@@ -158,8 +158,8 @@ VARIANTS_KEPT_BYTES = 1 << 30  # a layer's formed variants are kept for its unit
 
 def variants_kept_bytes(points: int, block: torch.nn.Module, dtype: torch.dtype) -> int:
     """`ParameterSource.variants_kept_bytes` for a sweep that forms `points` variants of each block (tasks × points
-    of a line) in `dtype`: all of them where they fit in `VARIANTS_KEPT_BYTES` (SmolLM2-135M, 3 tasks × 10
-    points, float32: 425 MB), else 0, none (a 7B block's variant is 0.8 GB: the pool's one buffer per parameter)."""
-    needed = points * sum(p.numel() for p in block.parameters()) * torch.empty((), dtype=dtype).element_size()
+    of a line) in `dtype`: all of them where they fit in `VARIANTS_KEPT_BYTES` (SmolLM2-135M, 3 tasks × 11
+    points, float32: 0.47 GB), else 0, none (a 7B block's variant is 0.8 GB: the pool's one buffer per parameter)."""
+    needed = points * sum(p.numel() for p in block.parameters()) * dtype.itemsize
     return needed if 0 < needed <= VARIANTS_KEPT_BYTES else 0
 

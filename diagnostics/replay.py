@@ -718,14 +718,13 @@ class LocalLayers:
         level runs after the sweep, one task's streams at a time, as before.)"""
         sweep = self.sweep
         wanted = getattr(sweep, "model_variants", None)
-        if not wanted or not any(m.level == "model" and sweep.label(m) not in sweep.writer.done
-                                 for m in sweep.modules):
+        if not wanted or not self._model_pending():
             return None
         captured = self._final_path() is not None
         variants = {task: [v for v in task_variants if not (captured and not any(c != 0 for c in v.values()))]
                     for task, task_variants in wanted.items()}
         hidden = self.experiment.base.model.config.get_text_config().hidden_size
-        element = torch.empty((), dtype=sweep.compute_dtype).element_size()
+        element = sweep.compute_dtype.itemsize
         streams = sum(len(variants[task]) * sum(b.input_ids.numel() for b in self.experiment.batches[task])
                       for task in variants) * hidden * element
         return variants if streams <= placement.VARIANTS_KEPT_BYTES else None
@@ -734,9 +733,13 @@ class LocalLayers:
         """The final norm, whose output on θ0 is the model level's point a = 0 when the capture can keep it (the
         sweep keeps outputs, measures the model level, on the final hidden states)."""
         sweep, arch = self.sweep, self.experiment.arch
-        wanted = (sweep.capture_outputs and sweep.model_output == "hidden"
-                  and any(m.level == "model" and sweep.label(m) not in sweep.writer.done for m in sweep.modules))
+        wanted = sweep.capture_outputs and sweep.model_output == "hidden" and self._model_pending()
         return arch.final_norm_path if wanted else None
+
+    def _model_pending(self) -> bool:
+        """Whether the sweep's model level is still to do."""
+        sweep = self.sweep
+        return any(m.level == "model" and sweep.label(m) not in sweep.writer.done for m in sweep.modules)
 
     def _layers(self, describe, every_layer: bool = False) -> Iterator[tuple[int, list[Submodule], dict | None]]:
         """Per layer with modules not yet done: (its index, those modules, recorded inputs by task and path); with

@@ -67,16 +67,18 @@ class Sweep:
         self.experiment, self.run_settings = experiment, run
         self.tasks = experiment.tasks
         self.source = experiment.parameter_source(run.compute_dtype)
+        arch = experiment.arch
+        block = experiment.base.model.get_submodule(arch.layer_path(0)) if arch.num_layers else None
         self.tasks_kept = tasks_kept  # the driver's minimum; each engine's sources keep what fits on their device
-        self.source.tasks_kept = self._tasks_fitting(tasks_kept)
+        # this process's device: a layer's units share the τ kept instead of reading it again unit by unit
+        self.source.tasks_kept = tasks_kept if block is None else tasks_kept_on(self.source.device, block, tasks_kept)
         compute = {"compute_dtype": str(self.source.compute_dtype).removeprefix("torch.")}
         self.modules = modules_for(experiment, levels, layers)
         self.capture_budget = run.capture_budget
         self.model_output, self.unit_dim = model_output, unit_dim
         self.capture_outputs = capture_outputs
         self.model_variants = model_variants
-        if model_variants and self.experiment.arch.num_layers:
-            block = experiment.base.model.get_submodule(experiment.arch.layer_path(0))
+        if model_variants and block is not None:
             points = sum(len(variants) for variants in model_variants.values())
             self.source.variants_kept_bytes = variants_kept_bytes(points, block, self.compute_dtype)
         # the engine is provenance only: a run resumes across engines
@@ -84,15 +86,6 @@ class Sweep:
         self.writer = UnitWriter(run.store, group, {**experiment.settings, **compute, **settings}, dim=unit_dim,
                                  force=run.force, root=root, attrs={**attrs, "precision": PRECISION_NOTE},
                                  on_unit=run.on_unit)
-
-    def _tasks_fitting(self, at_least: int | None) -> int | None:
-        """`tasks_kept_on` this process's device: a layer's units share the τ kept instead of reading it again
-        unit by unit."""
-        arch = self.experiment.arch
-        if at_least is None or arch.num_layers == 0:
-            return at_least
-        block = self.experiment.base.model.get_submodule(arch.layer_path(0))
-        return tasks_kept_on(self.source.device, block, at_least)
 
     @property
     def compute_dtype(self) -> torch.dtype:
