@@ -261,7 +261,7 @@ def category(function) -> str:
         return "variant parameters"
     if "/diagnostics/linearity/" in path or ("/diagnostics/capture.py" in path and name == "sample_features") or \
             ("/diagnostics/replay.py" in path and name in ("features", "per_sample", "sample_indices", "minus")) or \
-            "/diagnostics/evaluate.py" in path and name in ("_summed_token_loss",):
+            "/diagnostics/evaluate.py" in path and name in ("summed_token_loss",):
         return "features and metrics"
     if any(part in path for part in ("/torch/nn/", "/transformers/", "/torch/_functorch/", "/torch/func",
                                      "/torch/utils/hooks")) or "/diagnostics/capture.py" in path or \

@@ -186,3 +186,10 @@ def parse_named(values: list[str] | None, what: str) -> dict[str, str]:
             raise DataInputError(f"--{what}: name '{name}' given twice")
         named[name] = path
     return named
+
+
+def predicting(values: torch.Tensor, batch: TokenBatch) -> torch.Tensor:
+    """The rows of `values` (batch, position, …) at the positions that predict a real next token (position i
+    predicts token i + 1, real where the attention mask says so): (n, …), in the batch's row-major order."""
+    valid = batch.attention_mask[:, 1:].to(values.device).bool()
+    return values[:, :-1][valid]

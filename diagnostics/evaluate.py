@@ -29,7 +29,7 @@ from submerge.diagnostics import plot
 from submerge.diagnostics.base_model import BaseModel, LoadSettings, load_base_model
 from submerge.diagnostics.capture import ParameterSource, model_outputs, no_tf32, output_head_path, upcast
 from submerge.diagnostics.checkpoints import model_fingerprints, open_checkpoint
-from submerge.diagnostics.data import read_task_file, tokenize
+from submerge.diagnostics.data import predicting, read_task_file, tokenize
 from submerge.diagnostics.errors import ModelInputError
 from submerge.diagnostics.execution import LocalEngine, RunSettings, driver_settings
 from submerge.diagnostics.experiment import check_device, pick_compute_dtype
@@ -41,13 +41,30 @@ from submerge.diagnostics.store import UnitWriter
 from submerge.diagnostics.tables import long_frame, strings
 from submerge.diagnostics.task_vectors import TaskVectorReader
 
+LOSS_CHUNK_ENTRIES = 2**25  # logits entries (rows × vocabulary) formed at a time: 128 MiB in float32
+#: How a loss is computed, in the settings of the groups that store losses (eval, compare): a store whose losses
+#: were computed otherwise is not resumed or grown with these (before stop 46, cross-entropy over the vocabulary
+#: on a transposed view of every position's logits, 6e-5 relative below float64 on the demo base; now 5e-6).
+LOSS_RULE = "float32 cross-entropy per predicting position, contiguous logits rows, float64 sum"
 
-def _summed_token_loss(logits: torch.Tensor, batch, device) -> tuple[float, int]:
-    """Next-token cross-entropy summed over a batch's real tokens (nats), and their number."""
-    ids, mask = batch.input_ids.to(device), batch.attention_mask.to(device)
-    valid = mask[:, 1:].bool()
-    losses = torch.nn.functional.cross_entropy(logits[:, :-1].float().transpose(1, 2), ids[:, 1:], reduction="none")
-    return float(losses[valid].double().sum()), int(valid.sum())
+
+def summed_token_loss(rows: torch.Tensor, batch, logits_of: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                      *, vocabulary: int = 1, chunk_entries: int | None = None) -> tuple[float, int]:
+    """Next-token cross-entropy summed over a batch's real tokens (nats), and their number.
+
+    `rows`: the logits at the predicting positions (`predicting`), or, with `logits_of`, what it maps to them
+    (the final hidden states there): the output head then runs on those rows alone, not on the padding or the
+    last position, and its logits (`vocabulary` wide) are formed `chunk_entries` (default `LOSS_CHUNK_ENTRIES`) at
+    a time. Each token's loss is float32 cross-entropy on its contiguous row of logits, summed in float64."""
+    targets = batch.input_ids[:, 1:][batch.attention_mask[:, 1:].bool()].to(rows.device)  # the tokens predicted
+    whole = max(1, rows.shape[0])
+    step = whole if logits_of is None else max(1, (chunk_entries or LOSS_CHUNK_ENTRIES) // vocabulary)
+    total = 0.0
+    for start in range(0, rows.shape[0], step):
+        logits = rows[start:start + step] if logits_of is None else logits_of(rows[start:start + step])
+        total += float(torch.nn.functional.cross_entropy(logits.float(), targets[start:start + step],
+                                                         reduction="none").double().sum())
+    return total, int(targets.numel())
 
 
 @torch.no_grad()
@@ -58,7 +75,8 @@ def task_loss(model: torch.nn.Module, batches) -> tuple[float, int]:
     total, count = 0.0, 0
     for batch in batches:
         ids, mask = batch.input_ids.to(device), batch.attention_mask.to(device)
-        batch_total, batch_count = _summed_token_loss(model(input_ids=ids, attention_mask=mask).logits, batch, device)
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        batch_total, batch_count = summed_token_loss(predicting(logits, batch), batch)
         total, count = total + batch_total, count + batch_count
     return (total / count if count else math.nan), count
 
@@ -89,9 +107,9 @@ def checkpoint_source(base: BaseModel, spec: str | None, compute: torch.dtype, *
 @torch.no_grad()
 def streamed_losses(source: ParameterSource, arch, batches: dict, variant: dict) -> dict[str, tuple[float, int]]:
     """`task_loss` per task of θ0 + Σ c τ (`variant`), computed block by block (`model_outputs`) over the batches
-    of every task together (each block's weights are read once per model), the head batch by batch; TF32 off."""
+    of every task together (each block's weights are read once per model), the head batch by batch on the
+    positions that predict a real token only (`summed_token_loss`); TF32 off."""
     model = source.base.model
-    device = source.device
     tasks = [task for task in batches for _ in batches[task]]
     flat = [batch for task in batches for batch in batches[task]]
     totals = {task: [0.0, 0] for task in batches}
@@ -100,11 +118,15 @@ def streamed_losses(source: ParameterSource, arch, batches: dict, variant: dict)
         head_path = output_head_path(model)
         head = model.get_submodule(head_path)
         params = source.variant(head_path, variant)
+        vocabulary = getattr(head, "out_features", None) or model.config.get_text_config().vocab_size
+
+        def logits_of(x: torch.Tensor) -> torch.Tensor:
+            return functional_call(head, params, (x,), strict=False) if params else head(x)
+
         for b, (task, batch) in enumerate(zip(tasks, flat)):
-            x = upcast(hidden[b], source.dtype_for(head_path))
+            rows = predicting(upcast(hidden[b], source.dtype_for(head_path)), batch)
             hidden[b] = None
-            logits = functional_call(head, params, (x,), strict=False) if params else head(x)
-            batch_total, batch_count = _summed_token_loss(logits, batch, device)
+            batch_total, batch_count = summed_token_loss(rows, batch, logits_of, vocabulary=vocabulary)
             totals[task][0] += batch_total
             totals[task][1] += batch_count
     source.clear()
@@ -248,6 +270,7 @@ def evaluate(
     tasks = list(task_data)
     storage = str(next(base.model.parameters()).dtype).removeprefix("torch.")
     settings = {"skip": skip, "samples": samples, "max_tokens": max_tokens, "tasks": tasks, "dtype": storage,
+                "loss": LOSS_RULE,
                 "compute_dtype": compute_dtype}
     find_architecture(base.model)  # an architecture submerge cannot split fails here, before any work
     inputs = {

@@ -7,8 +7,9 @@ respect to whatever the parameters are built from (the "leaves": the weights the
 
 1. forward, stage by stage as `model_outputs` does (every batch through a block before the next; one block's
    parameters built at a time), keeping each block's input stream per batch;
-2. backward from the top: the final norm and the head are run with gradients on the last stream and the loss
-   is differentiated; then each block, from the last to the first, is run again on its kept input with
+2. backward from the top: the final norm and the head are run with gradients on the last stream's positions that
+   predict a real token (`data.predicting`: not the padding, not the last position) and the loss is
+   differentiated; then each block, from the last to the first, is run again on its kept input with
    gradients on, and autograd gives the gradient with respect to its input (passed down) and to the leaves
    its parameters were built from (handed to `Weights.gradients`, per batch); finally the embedding stage.
 
@@ -38,12 +39,13 @@ from submerge.diagnostics.capture import (
     run_block,
     upcast,
 )
-from submerge.diagnostics.data import TokenBatch
+from submerge.diagnostics.data import TokenBatch, predicting
 from submerge.diagnostics.modules import Architecture
 
 __all__ = ["Weights", "backward_by_blocks", "top_stage"]
 
-#: The loss of one batch: loss(batch index, logits (batch, seq, vocab) in the compute dtype, the batch) → a scalar.
+#: The loss of one batch: loss(batch index, logits (n, vocab) in the compute dtype at the n positions that predict a
+#: real token (`data.predicting`), the batch) → a scalar.
 Loss = Callable[[int, torch.Tensor, TokenBatch], torch.Tensor]
 
 
@@ -165,7 +167,7 @@ def _top_backward(source: ParameterSource, arch: Architecture, batches, weights:
     for b, batch in enumerate(batches):
         with torch.enable_grad():
             stream = last[b].detach().requires_grad_(True)
-            value = stream
+            value = predicting(stream, batch)  # the final norm and head run on the positions the loss reads only
             for path, module, params, _ in stages:
                 value = torch.func.functional_call(module, params, (upcast(value, source.dtype_for(path)),),
                                                    strict=False)

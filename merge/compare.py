@@ -82,7 +82,13 @@ from submerge.diagnostics.capture import DEFAULT_CAPTURE_BUDGET
 from submerge.diagnostics.checkpoints import open_checkpoint
 from submerge.diagnostics.data import TaskData, read_task_file, tokenize
 from submerge.diagnostics.errors import SubmergeError
-from submerge.diagnostics.evaluate import checkpoint_source, scaled_source, streamed_losses, summed_source
+from submerge.diagnostics.evaluate import (
+    LOSS_RULE,
+    checkpoint_source,
+    scaled_source,
+    streamed_losses,
+    summed_source,
+)
 from submerge.diagnostics.execution import LocalEngine, RunSettings, driver_settings
 from submerge.diagnostics.experiment import Experiment
 from submerge.diagnostics.groups import StoreGroup
@@ -941,7 +947,7 @@ class CompareRequest:
                 "methods": methods, "lambdas": [float(v) for v in self.lambdas], "choose": self.choose,
                 "subsets": self.subsets, "tune": self.tune or "none",
                 **({"tune_by": self.tune_by} if tuned or TUNED in methods else {}),
-                "seeds": self.seeds, "objective": self.objective,
+                "seeds": self.seeds, "objective": self.objective, "loss": LOSS_RULE,
                 **({"grids": {m: {k: list(v) for k, v in g.items()} for m, g in grids.items()}} if grids else {}),
                 **({"method_options": self.method_options} if self.method_options else {}),
                 **({"tuning": {m: {"settings": settings_of(m, grids),

@@ -46,31 +46,25 @@ __all__ = ["LEARNED_METHODS", "Coefficients", "FisherDiagonals", "LearnedMerge",
 # ------------------------------------------------------------------ objectives (pure)
 
 
-def _predicting(logits: torch.Tensor, batch: TokenBatch) -> torch.Tensor:
-    """The logits that predict a real next token (position i predicts token i + 1): (n, vocab)."""
-    valid = batch.attention_mask[:, 1:].to(logits.device).bool()
-    return logits[:, :-1][valid]
-
-
-def next_token_entropy(logits: torch.Tensor, batch: TokenBatch) -> torch.Tensor:
-    """Σ over the predicted real tokens of H(p) = −Σ_v p_v log p_v, p = softmax(logits) (nats, differentiable).
+def next_token_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Σ over the rows of H(p) = −Σ_v p_v log p_v, p = softmax(logits) (nats, differentiable); `logits` (n, vocab):
+    the positions that predict a real token (`data.predicting`).
 
     AdaMerging's objective H(f_θM(x)) (survey §AdaMerging) for a language model: the entropy of each next-token
     distribution where the paper takes the class distribution's.
     """
-    log_p = torch.log_softmax(_predicting(logits, batch), dim=-1)
+    log_p = torch.log_softmax(logits, dim=-1)
     return -(log_p.exp() * log_p).sum()
 
 
-def sampled_negative_log_likelihood(logits: torch.Tensor, batch: TokenBatch, generator: torch.Generator
-                                    ) -> torch.Tensor:
-    """−Σ_i log p(ŷ_i | x_<i) over the predicted real tokens, each ŷ_i drawn from the model's own p(· | x_<i).
+def sampled_negative_log_likelihood(logits: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """−Σ_i log p(ŷ_i | x_<i) over the rows of `logits` (n, vocab: the positions that predict a real token,
+    `data.predicting`), each ŷ_i drawn from the model's own p(· | x_<i).
 
     The labels of the expected Fisher E_{y∼p_θ}[(∇ log p_θ(y | x))²] (survey §Fisher Average), one draw per
     position from `generator` (on the CPU, so a seed gives the same labels on every device).
     """
-    predicting = _predicting(logits, batch)
-    log_p = torch.log_softmax(predicting, dim=-1)
+    log_p = torch.log_softmax(logits, dim=-1)
     with torch.no_grad():
         labels = torch.multinomial(log_p.detach().exp().cpu().float(), 1, generator=generator).to(log_p.device)
     return -log_p.gather(1, labels).sum()
@@ -254,7 +248,7 @@ def fisher_diagonals(experiment, *, seed: int = 0, progress: bool = True) -> Fis
             bar.update(job, description=f"Fisher diagonals · {task}")
             backward_by_blocks(source, experiment.arch, records, weights,
                                lambda b, logits, batch, draws=generator: sampled_negative_log_likelihood(
-                                   logits, batch, draws), on_stage=lambda path: bar.advance(job))
+                                   logits, draws), on_stage=lambda path: bar.advance(job))
     return store
 
 
@@ -331,7 +325,7 @@ def adamerging_coefficients(experiment, *, granularity: str = "layer", steps: in
         for _ in range(int(steps)):
             weights = _MergedWeights(source, tasks, raw, rows)
             entropy = backward_by_blocks(source, experiment.arch, batches, weights,
-                                         lambda b, logits, batch: next_token_entropy(logits, batch)
+                                         lambda b, logits, batch: next_token_entropy(logits)
                                          / max(1, tokens[owner[b]]))
             optimizer.zero_grad()
             raw.grad = weights.grad

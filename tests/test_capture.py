@@ -6,6 +6,7 @@ base model, the fine-tuned model instantiated whole, and its full forward.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -471,6 +472,56 @@ def test_capture_in_float32_gives_each_half_precision_weight_its_own_storage_bac
         pointer, values = before[name]
         assert parameter.dtype == torch.bfloat16 and parameter.data_ptr() == pointer, name
         assert torch.equal(parameter, values), name
+
+
+def test_summed_token_loss_known_answers_on_the_predicting_positions_in_chunks_of_any_size():
+    """Uniform logits cost log V per predicted token; the positions that predict a real token are counted (not the
+    padding, not the last position); a row-by-row hand sum of −log softmax agrees, and chunks of 1, 2 or 3 rows
+    (the threshold `LOSS_CHUNK_ENTRIES` lowered below one batch's rows) give the unchunked total."""
+    from submerge.diagnostics.data import TokenBatch
+    from submerge.diagnostics.evaluate import predicting, summed_token_loss
+
+    vocabulary = 7
+    ids = torch.tensor([[1, 2, 3, 4, 5], [6, 0, 2, 0, 0]])
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    batch = TokenBatch(ids, mask, [0, 1])
+    total, count = summed_token_loss(predicting(torch.zeros(2, 5, vocabulary), batch), batch)
+    assert count == 4 + 2 and total == pytest.approx(6 * math.log(vocabulary), rel=1e-6)  # float32 per token
+
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 5, 4, generator=generator)
+    head = torch.randn(vocabulary, 4, generator=generator)
+    by_hand = 0.0
+    for b in range(2):
+        for i in range(4):
+            if mask[b, i + 1]:
+                by_hand -= float(torch.log_softmax((hidden[b, i] @ head.T).double(), dim=-1)[ids[b, i + 1]])
+    rows = predicting(hidden, batch)
+    assert rows.shape == (6, 4)
+    whole, _ = summed_token_loss(rows, batch, lambda x: x @ head.T, vocabulary=vocabulary)
+    assert whole == pytest.approx(by_hand, rel=1e-6)
+    for per_chunk in (1, 2, 3):
+        chunked, counted = summed_token_loss(rows, batch, lambda x: x @ head.T, vocabulary=vocabulary,
+                                             chunk_entries=per_chunk * vocabulary)
+        assert counted == 6 and chunked == pytest.approx(whole, rel=1e-6), per_chunk
+
+
+def test_streamed_losses_are_the_same_with_the_head_in_small_chunks(toy_kit, monkeypatch):
+    """`streamed_losses` with the head's logits formed a few rows at a time (the chunk threshold lowered) equals
+    its losses with each batch's rows in one chunk."""
+    from submerge.diagnostics import evaluate
+
+    kit = toy_kit("llama")
+    base, _ = kit.load()
+    arch = find_architecture(base.model)
+    batches = {"a": tokenize(read_task_file(TASK, kit.data_path, samples=6), base.tokenizer, max_tokens=40,
+                             batch_size=4)}
+    whole, _ = evaluate.model_losses(base, arch, str(kit.finetuned_dir), ["a"], batches, torch.float32)
+    vocabulary = base.model.config.vocab_size
+    assert sum(int(b.attention_mask.sum()) for b in batches["a"]) > 3 * len(batches["a"])  # several chunks each
+    monkeypatch.setattr(evaluate, "LOSS_CHUNK_ENTRIES", 3 * vocabulary)
+    chunked, _ = evaluate.model_losses(base, arch, str(kit.finetuned_dir), ["a"], batches, torch.float32)
+    assert chunked[0] == pytest.approx(whole[0], rel=1e-6)
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma3", "gpt2"])

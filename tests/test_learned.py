@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 from torch.func import functional_call
 
 from submerge.diagnostics import capture, toy
+from submerge.diagnostics.data import predicting
 from submerge.diagnostics.evaluate import streamed_losses
 from submerge.diagnostics.experiment import Experiment
 from submerge.diagnostics.gradients import backward_by_blocks
@@ -111,7 +112,7 @@ def test_entropy_gradient_equals_autograd_through_the_whole_merged_model(kit, gr
     tokens = {t: sum(int(b.attention_mask[:, 1:].sum()) for b in experiment.batches[t]) for t in tasks}
     weights = _MergedWeights(experiment.parameter_source(), tasks, raw, rows)
     value = backward_by_blocks(experiment.parameter_source(), experiment.arch, batches, weights,
-                               lambda b, logits, batch: next_token_entropy(logits, batch) / tokens[owner[b]])
+                               lambda b, logits, batch: next_token_entropy(logits) / tokens[owner[b]])
 
     model = _whole(kit[1])  # a tied head and embedding are one parameter (named once)
     deltas = {t: {name: experiment.task_vectors[t].get(base.checkpoint_name(name), torch.float64)
@@ -120,7 +121,7 @@ def test_entropy_gradient_equals_autograd_through_the_whole_merged_model(kit, gr
     params = {name: p + sum(leaf.clamp(0, 1)[rows[base.checkpoint_name(name)], i] * deltas[t][name]
                             for i, t in enumerate(tasks))
               for name, p in model.named_parameters()}
-    total = sum(next_token_entropy(_logits(model, params, batch), batch) / tokens[owner[b]]
+    total = sum(next_token_entropy(predicting(_logits(model, params, batch), batch)) / tokens[owner[b]]
                 for b, batch in enumerate(batches))
     (expected,) = torch.autograd.grad(total, leaf)
     assert value == pytest.approx(float(total.detach()), rel=1e-10)
@@ -137,7 +138,7 @@ def _reference_fisher(kit, experiment, task, index, seed):
     squares, tokens = {}, 0
     for record in _records(experiment.batches[task]):
         params = {name: p.detach().clone().requires_grad_(True) for name, p in model.named_parameters()}
-        loss = sampled_negative_log_likelihood(_logits(model, params, record), record, generator)
+        loss = sampled_negative_log_likelihood(predicting(_logits(model, params, record), record), generator)
         grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
         for name, grad in zip(params, grads):
             if grad is not None:
@@ -201,7 +202,7 @@ def _entropy_at(experiment, value: float) -> float:
     tokens = sum(int(b.attention_mask[:, 1:].sum()) for b in experiment.batches[tasks[0]])
     return backward_by_blocks(experiment.parameter_source(), experiment.arch, experiment.batches[tasks[0]],
                               _MergedWeights(experiment.parameter_source(), tasks, raw, rows),
-                              lambda b, logits, batch: next_token_entropy(logits, batch) / tokens)
+                              lambda b, logits, batch: next_token_entropy(logits) / tokens)
 
 
 def test_adamerging_finds_the_entropy_minimum_on_a_grid(llama):
