@@ -95,6 +95,21 @@ def test_eval_refuses_a_merged_model_that_changed_under_its_path(kit, tmp_path):
     assert not np.array_equal(Store(store).dataset("eval").loss.sel(model="m").values, before)
 
 
+
+def test_eval_refuses_a_store_whose_losses_were_computed_by_another_rule(kit, tmp_path):
+    """A store written before the loss rule changed (stop 46: its group's settings have no `loss`) is not resumed
+    with losses computed by the new rule: refused, naming the setting; --force recomputes it."""
+    store = tmp_path / "eval.zarr"
+    evaluate = ["eval", *_models(kit), *_data(kit), "--skip", "8", "--samples", "2", "--max-tokens", "32", "--out",
+                store, *RUN]
+    assert _invoke(*evaluate).exit_code == 0
+    written = Store(store)
+    attrs = written.group_attrs("eval")
+    assert attrs["settings"]["loss"]
+    written._put_attrs("eval", {**attrs, "settings": {k: v for k, v in attrs["settings"].items() if k != "loss"}})
+    _refused(_invoke(*evaluate), "loss", "--force")
+    assert _invoke(*evaluate, "--force").exit_code == 0
+
 def test_eval_labels_are_unique_across_finetuned_and_merged(kit, tmp_path):
     result = _invoke("eval", *_models(kit), *_data(kit), "--merged", f"math={kit['same']}", "--out",
                      tmp_path / "e.zarr", *RUN)
