@@ -717,11 +717,11 @@ class LocalLayers:
         (A 7B model, 3 tasks × 10 points × 8 records × 128 tokens in float32: 0.5 GB; beyond the budget the model
         level runs after the sweep, one task's streams at a time, as before.)"""
         sweep = self.sweep
-        wanted = getattr(sweep, "model_variants", None)
+        wanted = sweep.model_variants
         if not wanted or not self._model_pending():
             return None
         captured = self._final_path() is not None
-        variants = {task: [v for v in task_variants if not (captured and not any(c != 0 for c in v.values()))]
+        variants = {task: [v for v in task_variants if not captured or any(c != 0 for c in v.values())]
                     for task, task_variants in wanted.items()}
         hidden = self.experiment.base.model.config.get_text_config().hidden_size
         element = sweep.compute_dtype.itemsize
