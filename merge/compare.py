@@ -80,7 +80,7 @@ from submerge.diagnostics import plot
 from submerge.diagnostics.base_model import LoadSettings
 from submerge.diagnostics.capture import DEFAULT_CAPTURE_BUDGET
 from submerge.diagnostics.checkpoints import open_checkpoint
-from submerge.diagnostics.data import TaskData, read_task_file, tokenize
+from submerge.diagnostics.data import TaskData, by_length, read_task_file, tokenize
 from submerge.diagnostics.errors import SubmergeError
 from submerge.diagnostics.evaluate import (
     LOSS_RULE,
@@ -1266,7 +1266,7 @@ class _Run:
             evaluator.fit_weights = weights
             self.note({f"fit_weights {name}|{seed}": dict(zip(subset, map(float, weights)))})
         if self.request.objective:
-            evaluator.held_experiment = dataclasses.replace(part, batches={t: held_out[t] for t in subset})
+            evaluator.held_experiment = dataclasses.replace(part, batches={t: by_length(held_out[t]) for t in subset})
         pending = [m for m in pending if m in merges or m == TUNED]
         self.notes.update(_run_methods(pending, merges, evaluator, self.writer, self.references[seed],
                                        self.base_spec, finetuned, self, subset=name, seed=seed,

@@ -548,3 +548,84 @@ def test_eval_streamed_block_by_block_is_the_whole_models_loss(toy_kit, name):
     assert abs(base_losses[0] - losses[0]) > 1e-4  # the fine-tune is a different model
     for n, p in base.model.named_parameters():
         assert p.data_ptr() == before[n][0] and torch.equal(p, before[n][1]), n
+
+
+def _padded(lengths: list[int], batch_size: int, first_index: int = 0) -> list:
+    """Right-padded batches of records whose tokens are (index × 1000 + position), in file order."""
+    from submerge.diagnostics.data import TokenBatch
+
+    batches = []
+    for start in range(0, len(lengths), batch_size):
+        part = lengths[start:start + batch_size]
+        ids = torch.zeros((len(part), max(part)), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, length in enumerate(part):
+            index = first_index + start + row
+            ids[row, :length] = index * 1000 + torch.arange(length)
+            mask[row, :length] = 1
+        batches.append(TokenBatch(ids, mask, list(range(first_index + start, first_index + start + len(part)))))
+    return batches
+
+
+def test_by_length_regroups_records_with_the_least_padding_known_answers():
+    """Known partitions: lengths 10, 100, 12, 98 in one batch pad to 400 positions; regrouped at overhead 64 they
+    are {10, 12} and {98, 100} (24 + 200 padded + 2 × 64 = 352, against 464 for one batch, 414 for three, 476 for
+    four); at overhead 200 one batch (400 + 200) beats two (224 + 400). With overhead 0 every record is alone."""
+    from submerge.diagnostics.data import by_length
+
+    batches = _padded([10, 100, 12, 98], batch_size=4)
+    two = by_length(batches, overhead=64)
+    assert [b.sample_index for b in two] == [[0, 2], [3, 1]]
+    assert [tuple(b.input_ids.shape) for b in two] == [(2, 12), (2, 100)]
+    one = by_length(batches, overhead=200)
+    assert [b.sample_index for b in one] == [[0, 2, 3, 1]] and one[0].input_ids.shape == (4, 100)
+    alone = by_length(batches, overhead=0)
+    assert [b.sample_index for b in alone] == [[0], [2], [3], [1]]
+    assert by_length([]) == []
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_by_length_keeps_every_record_whole_and_within_the_largest_batch(seed):
+    """Property: every record comes back once with the same real tokens and mask, right-padded; no batch is larger
+    (records × longest) than the largest given; at overhead 0 (least padding) the padded total never exceeds file
+    order's."""
+    from submerge.diagnostics.data import by_length
+
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 60, (int(torch.randint(1, 30, (1,), generator=generator)),), generator=generator)
+    batches = _padded(lengths.tolist(), batch_size=int(torch.randint(1, 9, (1,), generator=generator)))
+    for overhead in (0, 16, 64, 10_000):
+        regrouped = by_length(batches, overhead=overhead)
+        budget = max(b.input_ids.numel() for b in batches)
+        assert all(b.input_ids.numel() <= budget for b in regrouped)
+        if overhead == 0:
+            assert sum(b.input_ids.numel() for b in regrouped) <= sum(b.input_ids.numel() for b in batches)
+        seen = {}
+        for batch in regrouped:
+            for row, index in enumerate(batch.sample_index):
+                length = int(batch.attention_mask[row].sum())
+                assert batch.attention_mask[row, :length].all()  # right-padded
+                seen[index] = batch.input_ids[row, :length].tolist()
+        assert seen == {i: [i * 1000 + p for p in range(n)] for i, n in enumerate(lengths.tolist())}
+
+
+def test_streamed_losses_regrouped_by_length_equal_file_order_to_rounding(toy_kit, monkeypatch):
+    """The regrouping moves the losses by float rounding only: with `by_length` replaced by file order, the same
+    losses to 1e-6 relative, and the same token counts."""
+    from submerge.diagnostics import evaluate
+    from submerge.diagnostics.data import by_length
+
+    kit = toy_kit("llama")
+    base, _ = kit.load()
+    arch = find_architecture(base.model)
+    batches = {"a": tokenize(read_task_file(TASK, kit.data_path, samples=7), base.tokenizer, max_tokens=40,
+                             batch_size=4)}
+    lengths = [int(n) for b in batches["a"] for n in b.attention_mask.sum(1)]
+    assert len(set(lengths)) > 2  # records of several lengths: the regrouping differs from file order
+    assert [b.sample_index for b in by_length(batches["a"], overhead=0)] != [b.sample_index for b in batches["a"]]
+    monkeypatch.setattr(evaluate, "by_length", lambda given: by_length(given, overhead=0))
+    regrouped, counted = evaluate.model_losses(base, arch, str(kit.finetuned_dir), ["a"], batches, torch.float32)
+    monkeypatch.setattr(evaluate, "by_length", lambda given: given)
+    file_order, counted_before = evaluate.model_losses(base, arch, str(kit.finetuned_dir), ["a"], batches,
+                                                       torch.float32)
+    assert counted == counted_before and regrouped[0] == pytest.approx(file_order[0], rel=1e-6)
