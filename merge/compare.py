@@ -601,7 +601,7 @@ def _tune(method: str, merge: Merge, evaluator: _Evaluator, write: Callable, *, 
                 on_candidate(tuning_label(setting, value, scale_name))
                 return _fit_loss(evaluator, reader, value)
 
-            chosen, losses = search_function(search)(values, loss)
+            chosen, losses = search_function(search)(values, loss, start=None if best is None else best[2])
             searched.update({tuning_label(setting, v, scale_name): value for v, value in losses.items()})
             if best is None or losses[chosen] < best[0]:  # ties keep the earlier (the grid's first) setting
                 if best is not None:
@@ -667,7 +667,8 @@ def _tune_steering(plan: Plan, steering: PlanSteering, evaluator: _Evaluator, wr
             return searched[key]
 
         steer_scale, _ = search_function(search)(scales, lambda mu, at=plan_scale: loss(at, mu))
-        scale, losses = search_function(search)(lambdas, lambda value, mu=steer_scale: loss(value, mu))
+        scale, losses = search_function(search)(lambdas, lambda value, mu=steer_scale: loss(value, mu),
+                                                 start=plan_scale)
         if losses[scale] < best[0]:
             _remove(best[3])
             best = (losses[scale], {**fixed, "steer_scale": steer_scale, "steer_share": share}, scale, directories,

@@ -52,6 +52,25 @@ def test_line_search_finds_the_minimum_of_a_unimodal_loss_with_fewer_evaluations
     assert grid_search(LAMBDAS, lambda v: (v - minimum) ** 2)[0] == pytest.approx(minimum)
 
 
+@pytest.mark.parametrize("minimum", [0.1, 0.3, 0.6, 1.0])
+@pytest.mark.parametrize("start", [0.1, 0.5, 0.6, 1.0])
+def test_line_search_from_a_start_walks_downhill_to_the_same_minimum(minimum, start):
+    """Known counts: from a start d grid steps from the minimum of a unimodal loss, the descent evaluates the start,
+    its neighbours (one at an edge of the grid) and then one value per further step: 3 + max(d − 1, 0) + … in
+    all, 3 where the start is the minimum inside the grid; always the golden-section search's answer."""
+    loss, calls = _counted(lambda v: (v - minimum) ** 2 + 2.0)
+    best, losses = line_search(LAMBDAS, loss, start=start)
+    assert best == pytest.approx(minimum) and best == line_search(LAMBDAS, lambda v: (v - minimum) ** 2)[0]
+    assert len(calls) == len(set(calls))
+    here, target = LAMBDAS.index(start), LAMBDAS.index(minimum)
+    neighbours = sum(0 <= i < len(LAMBDAS) for i in (here - 1, here + 1))
+    beyond = 1 if 0 <= target + (1 if target > here else -1) < len(LAMBDAS) else 0  # the rise that stops it
+    expected = 1 + neighbours if here == target else 1 + neighbours + (abs(target - here) - 1) + beyond
+    assert len(calls) == expected
+    assert line_search(LAMBDAS, lambda v: (v - minimum) ** 2, start=0.55)[0] == pytest.approx(minimum)  # not a value
+    assert grid_search(LAMBDAS, loss, start=start)[0] == pytest.approx(minimum)
+
+
 def test_grid_search_every_value_ties_to_the_smaller_and_nan_never_wins():
     best, losses = grid_search([0.5, 0.2, 0.8], lambda v: {0.2: 1.0, 0.5: 1.0, 0.8: 3.0}[v])
     assert best == 0.2 and set(losses) == {0.2, 0.5, 0.8}

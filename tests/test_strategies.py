@@ -180,6 +180,22 @@ def test_keep_top_magnitude_counts_exactly():
         keep_top_magnitude(values, 20)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, f64])
+@pytest.mark.parametrize("seed", range(4))
+def test_kth_smallest_is_torch_kthvalue_ties_included(dtype, seed):
+    """The CPU selection (NumPy's introselect) returns `torch.kthvalue`'s value for every k, on values with many
+    ties (rounded) and without, in float32 and float64."""
+    from submerge.merge.strategies import _kth_smallest
+
+    generator = torch.Generator().manual_seed(seed)
+    values = torch.randn(257, generator=generator, dtype=dtype).abs()
+    if seed % 2:
+        values = (values * 4).round() / 4  # a handful of distinct values
+    for k in range(1, values.numel() + 1, 7):
+        found = _kth_smallest(values, k)
+        assert found.dtype == dtype and float(found) == float(torch.kthvalue(values, k).values), k
+
+
 # --------------------------------------------------------------------------------- DARE
 
 
