@@ -63,6 +63,10 @@ class Recorded:
         """The hidden state among these inputs: the first argument, or the keyword ``hidden_states`` (None: neither)."""
         return self.args[0] if self.args else self.kwargs.get("hidden_states")
 
+    def with_hidden(self, hidden: torch.Tensor) -> Recorded:
+        """These inputs with `hidden` as the hidden state (`block_kwargs`' inputs, given a recorded stream)."""
+        return Recorded(*_with_hidden(self, hidden), self.token_mask, self.sample_index, self.output)
+
     def upcast(self, dtype: torch.dtype) -> Recorded:
         """These inputs (and the kept output) with every floating tensor of lower precision than `dtype` in `dtype`
         (never rounded down)."""

@@ -504,13 +504,15 @@ class Unit:
 
 @dataclass
 class Layer:
-    """What a `LayerMeasure` gets: block `index`'s units (module path → `Unit`, in module order) and the
-    `ParameterSource` its variants are built from (its base, task vectors and compute dtype)."""
+    """What a `LayerMeasure` gets: block `index`'s units (module path → `Unit`, in module order), the
+    `ParameterSource` its variants are built from (its base, task vectors and compute dtype), and the recorded
+    inputs the units replay on ({task: {module path: [Recorded per batch]}}; None where not given)."""
 
     index: int
     units: dict[str, Unit]
     source: object
     arch: Architecture
+    recorded: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -620,7 +622,7 @@ def measure_layer(source, arch, modules: list[Submodule], recorded: dict,
         describe(f"layer {modules[0].layer}")
         units = {path: block_unit(source, arch, path, served, recorded) for path, served in units_of(modules).items()}
         try:
-            return measure.function(Layer(modules[0].layer, units, source, arch))
+            return measure.function(Layer(modules[0].layer, units, source, arch, recorded))
         finally:
             source.clear()
     results, from_block = {}, {}

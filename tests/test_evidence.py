@@ -115,8 +115,9 @@ def test_alpha_equals_diag_alpha_and_objectives_equal_block_objectives(hand_kit,
 
 
 def test_block_objectives_sharing_the_finetunes_replays_are_bitwise_the_same(hand_kit, tmp_path, monkeypatch):  # noqa: F811
-    """`shared`: the first merge's call replays the base and each fine-tune per block and keeps them; later merges
-    on the same records replay only their own merged block, with the objectives of a fresh call bit for bit."""
+    """`shared`: the first merge's call replays the base and each fine-tune per block and keeps them with the
+    block's input stream; later merges on the same records neither capture nor replay anything but their own
+    merged block, with the objectives of a fresh call bit for bit."""
     experiment = _hand_experiment(hand_kit, skip=0)
     evidence_result = evidence_plan(experiment, hand_kit[1], folds=2, progress=False)
     plans = [PlanDelta(evidence_result.single(g)) for g in ("layer", "attn-mlp", "layer")]
@@ -129,8 +130,19 @@ def test_block_objectives_sharing_the_finetunes_replays_are_bitwise_the_same(han
         return original(layer, tasks)
 
     monkeypatch.setattr(evidence_module, "_block_data", counted)
+    captures = Counter()
+    capture = replay_module.record_inputs
+
+    def counted_capture(*args, **kwargs):
+        captures["forward"] += 1
+        return capture(*args, **kwargs)
+
+    monkeypatch.setattr(replay_module, "record_inputs", counted_capture)
     shared = tmp_path / "shared"
-    kept = [evidence_module.block_objectives(experiment, delta, shared=shared) for delta in plans]
+    kept = []
+    for delta in plans:
+        kept.append(evidence_module.block_objectives(experiment, delta, shared=shared))
+        assert captures["forward"] == len(experiment.tasks)  # the first call's capture (one per task), no other
     assert kept == fresh and fresh[0] != fresh[1]  # bitwise, and the merges differ
     assert replays == {0: 1, 1: 1}  # once per block, for the first merge only
     assert sorted(p.name for p in shared.iterdir()) == ["layer-0.safetensors", "layer-1.safetensors"]
@@ -548,3 +560,30 @@ def test_folds_are_by_position_among_the_fit_records_not_by_file_index(hand_fit)
     merge = _merge(hand_fit, block_rules=("regmean",))
     options = {"candidates": ("layer", "attn-mlp", "regmean"), "folds": 2, "progress": False}
     assert_same(evidence(relabelled, merge, **options), evidence(hand_fit, merge, **options))
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", "gemma3", "gpt2"])
+def test_block_objectives_on_kept_inputs_are_bitwise_the_captured_ones_on_every_toy_architecture(
+        toy_kit, tmp_path, monkeypatch, name):
+    """Every causal toy architecture: the objectives of later merges, computed on the block inputs the first call
+    kept (each block's stream read back, its masks and positions rebuilt from the tokens), equal a fresh call's
+    bit for bit, and no forward of the base runs for them."""
+    from submerge.diagnostics import capture as capture_module
+
+    experiment = toy_kit(name).experiment()
+    merges = [lambda info, vectors, c=c: c * vectors[0] for c in (0.7, 0.3, 1.2)]
+    fresh = [evidence_module.block_objectives(experiment, delta) for delta in merges]
+    shared = tmp_path / "shared"
+    first = evidence_module.block_objectives(experiment, merges[0], shared=shared)
+    forwards = Counter()
+    for module in (replay_module, capture_module):
+        original = module.record_inputs
+
+        def counted(*args, original=original, **kwargs):
+            forwards["capture"] += 1
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(module, "record_inputs", counted)
+    later = [evidence_module.block_objectives(experiment, delta, shared=shared) for delta in merges[1:]]
+    assert [first, *later] == fresh and fresh[1] != fresh[2]
+    assert forwards["capture"] == 0

@@ -49,7 +49,7 @@ import xarray as xr
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from submerge.diagnostics.capture import DEFAULT_CAPTURE_BUDGET, hooks, linear_maps
+from submerge.diagnostics.capture import DEFAULT_CAPTURE_BUDGET, block_kwargs, hooks, linear_maps, no_tf32
 from submerge.diagnostics.errors import SubmergeError
 from submerge.diagnostics.execution import LocalEngine, RunSettings
 from submerge.diagnostics.groups import StoreGroup
@@ -61,8 +61,9 @@ from submerge.diagnostics.linearity.equations import (
     task_gram,
 )
 from submerge.diagnostics.linearity.sweep import Sweep
+from submerge.diagnostics.progress import progress_bar
 from submerge.diagnostics.modules import GRANULARITIES, module_parameter_names
-from submerge.diagnostics.replay import Given, Layer, LayerMeasure, Outputs
+from submerge.diagnostics.replay import Given, Layer, LayerMeasure, Outputs, measure_layer, modules_for
 from submerge.diagnostics.tensors import TensorInfo, TensorTable
 
 GROUP = "evidence"
@@ -492,18 +493,34 @@ def _targets_file(directory: str, layer: int) -> Path:
     return Path(directory) / f"layer-{layer}.safetensors"
 
 
-def _save_targets(data: _BlockData, path: Path) -> None:
+def _save_targets(data: _BlockData, path: Path, inputs: list[list[torch.Tensor]] | None = None) -> None:
     """What every merge's objective of one block shares: each task's own fine-tune's features, the record indices
-    and Eq. 33's denominators (not the Grams), bitwise, in one safetensors file (written whole, then renamed)."""
+    and Eq. 33's denominators (not the Grams), and with `inputs` (per task, per batch) the block's input stream on
+    θ0, bitwise, in one safetensors file (written whole, then renamed)."""
     tensors = {f"target.{a}.{s}": feature.detach().cpu().contiguous()
                for a, features in enumerate(data.targets) for s, feature in enumerate(features)}
+    tensors |= {f"input.{a}.{b}": hidden.detach().cpu().contiguous()
+                for a, streams in enumerate(inputs or []) for b, hidden in enumerate(streams)}
     tensors |= {f"indices.{a}": torch.from_numpy(np.asarray(index, dtype=np.int64))
                 for a, index in enumerate(data.indices)}
     tensors |= {f"denominators.{a}": torch.tensor(values, dtype=torch.float64)
                 for a, values in enumerate(data.denominators)}
     partial = path.with_name(path.name + ".partial")
-    save_file(tensors, str(partial), metadata={"tasks": str(len(data.targets))})
+    metadata = {"tasks": str(len(data.targets))}
+    if inputs is not None:
+        metadata["input_batches"] = ",".join(str(len(streams)) for streams in inputs)
+    save_file(tensors, str(partial), metadata=metadata)
     partial.replace(path)
+
+
+def _load_inputs(path: Path, device) -> list[list[torch.Tensor]] | None:
+    """The block input streams `_save_targets` kept (per task, per batch); None where the file has none."""
+    with safe_open(str(path), framework="pt") as file:
+        counts = file.metadata().get("input_batches")
+        if counts is None:
+            return None
+        return [[file.get_tensor(f"input.{a}.{b}").to(device) for b in range(int(count))]
+                for a, count in enumerate(counts.split(","))]
 
 
 def _load_targets(path: Path, device) -> _BlockData:
@@ -534,7 +551,10 @@ class _ObjectiveOfLayer:
         if path.exists():
             return _load_targets(path, layer.source.device)
         data = _block_data(layer, self.tasks)
-        _save_targets(data, path)
+        block_path = layer.arch.layer_path(layer.index)
+        inputs = ([[recorded.hidden for recorded in layer.recorded[task][block_path]] for task in self.tasks]
+                  if layer.recorded is not None else None)
+        _save_targets(data, path, inputs)
         return data
 
     def __call__(self, layer: Layer) -> dict:
@@ -556,13 +576,19 @@ def block_objectives(experiment, delta: TensorDelta, *, balance: bool = True, la
 
     `shared`: a directory (made if missing) where the first call keeps, per block, what every merge's objective on
     the same experiment shares (the fine-tunes' block outputs and Eq. 33's denominators: T + 1 of the T + 3 block
-    replays); later calls with the same directory and experiment read them back instead of replaying, with the
-    same result bit for bit. The caller owns the directory: one per experiment (records and fine-tunes), deleted
+    replays, and the block's input stream on θ0); later calls with the same directory and experiment read them back
+    instead of replaying and capturing (a local engine: no forward of the base at all), with the same result bit
+    for bit. The caller owns the directory: one per experiment (records and fine-tunes), deleted
     when done (`diag compare` keeps one per subset and seed in its scratch).
     """
     if shared is not None:
         Path(shared).mkdir(parents=True, exist_ok=True)
     run = RunSettings(progress=progress, capture_budget=capture_budget, engine=engine or LocalEngine())
+    measure = _ObjectiveOfLayer(list(experiment.tasks), balance, delta, None if shared is None else str(shared))
+    if shared is not None and isinstance(run.engine, LocalEngine):
+        kept = _objectives_on_kept_inputs(experiment, measure, run, layers)
+        if kept is not None:
+            return kept
     sweep = Sweep(experiment, ("layer",), "block_objectives", {"balance": balance}, run, unit_dim="layer",
                   layers=layers)
 
@@ -570,7 +596,39 @@ def block_objectives(experiment, delta: TensorDelta, *, balance: bool = True, la
         return xr.Dataset({"objective": (("layer",), np.array([results[modules[0].name]]))},
                           coords={"layer": np.array([modules[0].layer])})
 
-    measure = _ObjectiveOfLayer(list(experiment.tasks), balance, delta, None if shared is None else str(shared))
     sweep.run("Block objectives", LayerMeasure(measure), piece)
     result = sweep.writer.finish({})
     return {int(layer): float(value) for layer, value in zip(result.layer.values, result.objective.values)}
+
+
+def _objectives_on_kept_inputs(experiment, measure: _ObjectiveOfLayer, run: RunSettings,
+                               layers: Sequence[int] | None) -> dict[int, float] | None:
+    """`block_objectives` of a later merge, on the block inputs the first call kept in ``measure.shared``: each
+    block's stream read back, what the block receives besides it (masks, positions) rebuilt from the tokens
+    (`capture.block_kwargs`), the same replays on them as the sweep's; None where a block's file (or its inputs) is
+    missing, and the caller captures as before."""
+    arch = experiment.arch
+    chosen = list(range(arch.num_layers)) if layers is None else sorted(set(layers))
+    files = [_targets_file(measure.shared, layer) for layer in chosen]
+    if not all(path.exists() for path in files):
+        return None
+    source = experiment.parameter_source(run.compute_dtype)
+    modules = {m.layer: m for m in modules_for(experiment, ("layer",), chosen)}
+    kwargs = {task: block_kwargs(experiment.base.model, arch, chosen, experiment.batches[task],
+                                 device=experiment.device, compute=source.compute_dtype) for task in experiment.tasks}
+    results: dict[int, float] = {}
+    with no_tf32(), progress_bar(run.progress) as bar:
+        job = bar.add_task("Block objectives (kept inputs)", total=len(chosen))
+        for layer, path in zip(chosen, files):
+            inputs = _load_inputs(path, experiment.device)
+            block_path = arch.layer_path(layer)
+            if inputs is None or [len(streams) for streams in inputs] != [len(kwargs[t][block_path]) for t in kwargs]:
+                return None  # kept by an older run, or for other records: capture
+            recorded = {task: {block_path: [given.with_hidden(hidden)
+                                            for given, hidden in zip(kwargs[task][block_path], inputs[a])]}
+                        for a, task in enumerate(experiment.tasks)}
+            found = measure_layer(source, arch, [modules[layer]], recorded, LayerMeasure(measure))
+            results[layer] = float(found[f"layers.{layer}"])
+            del recorded, inputs
+            bar.advance(job)
+    return results
