@@ -59,7 +59,7 @@ def test_line_search_from_a_start_walks_downhill_to_the_same_minimum(minimum, st
     its neighbours (one at an edge of the grid) and then one value per further step: 3 + max(d − 1, 0) + … in
     all, 3 where the start is the minimum inside the grid; always the golden-section search's answer."""
     loss, calls = _counted(lambda v: (v - minimum) ** 2 + 2.0)
-    best, losses = line_search(LAMBDAS, loss, start=start)
+    best, _ = line_search(LAMBDAS, loss, start=start)
     assert best == pytest.approx(minimum) and best == line_search(LAMBDAS, lambda v: (v - minimum) ** 2)[0]
     assert len(calls) == len(set(calls))
     here, target = LAMBDAS.index(start), LAMBDAS.index(minimum)

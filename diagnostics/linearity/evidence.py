@@ -61,8 +61,8 @@ from submerge.diagnostics.linearity.equations import (
     task_gram,
 )
 from submerge.diagnostics.linearity.sweep import Sweep
-from submerge.diagnostics.progress import progress_bar
 from submerge.diagnostics.modules import GRANULARITIES, module_parameter_names
+from submerge.diagnostics.progress import progress_bar
 from submerge.diagnostics.replay import Given, Layer, LayerMeasure, Outputs, measure_layer, modules_for
 from submerge.diagnostics.tensors import TensorInfo, TensorTable
 
