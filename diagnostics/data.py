@@ -177,8 +177,9 @@ def tokenize(data: TaskData, tokenizer, *, max_tokens: int = 512, batch_size: in
 
 
 #: The fixed cost of one more batch through the blocks (Python, per-module calls, small kernels), in padded tokens:
-#: `by_length` splits a group of records only where that saves more padding than this. Measured on the demo base
-#: on 2 cores (`benchmarks/cost.py`'s batching check): see `by_length`.
+#: `by_length` splits a group of records only where that saves more padding than this. A judgement, not a fit: on
+#: the demo base (2 cores) one evaluation of the fit records took 10.2–11.5 s in file order and 8.8–10.2 s
+#: regrouped at 16, 64 or 256, differences among those within the machine's drift; 64 gives 8 batches there.
 BATCH_OVERHEAD_TOKENS = 64
 
 
