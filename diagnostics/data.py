@@ -192,13 +192,12 @@ def by_length(batches: list[TokenBatch], *, overhead: int = BATCH_OVERHEAD_TOKEN
     causal order keep padding out of them), so only float rounding of the products differs. The demo kit's fit
     records (8 per task, ≤ 256 tokens) pad to 4,104 positions in file order and to 3,100 regrouped; its held-out
     records 8,496 and 6,377."""
-    records = [(int(batch.attention_mask[row].sum()), batch.input_ids[row], batch.sample_index[row])
-               for batch in batches for row in range(batch.input_ids.shape[0])]
+    records = unpadded(batches)
     if not records:
         return []
     budget = max(batch.input_ids.numel() for batch in batches)
-    order = sorted(range(len(records)), key=lambda k: records[k][0])
-    lengths = [records[k][0] for k in order]
+    order = sorted(range(len(records)), key=lambda k: records[k].input_ids.shape[1])
+    lengths = [records[k].input_ids.shape[1] for k in order]
     # best[j]: the least cost of the first j records (sorted); a batch of records i..j-1 costs (j-i)·lengths[j-1]
     best, cut = [0] + [math.inf] * len(order), [0] * (len(order) + 1)
     for j in range(1, len(order) + 1):
@@ -218,11 +217,22 @@ def by_length(batches: list[TokenBatch], *, overhead: int = BATCH_OVERHEAD_TOKEN
         ids = torch.zeros((j - i, width), dtype=batches[0].input_ids.dtype)
         mask = torch.zeros((j - i, width), dtype=batches[0].attention_mask.dtype)
         for row, k in enumerate(order[i:j]):
-            length, tokens, _ = records[k]
-            ids[row, :length] = tokens[:length]
+            length = records[k].input_ids.shape[1]
+            ids[row, :length] = records[k].input_ids[0]
             mask[row, :length] = 1
-        regrouped.append(TokenBatch(ids, mask, [records[k][2] for k in order[i:j]]))
+        regrouped.append(TokenBatch(ids, mask, [records[k].sample_index[0] for k in order[i:j]]))
     return regrouped
+
+
+def unpadded(batches: list[TokenBatch]) -> list[TokenBatch]:
+    """Every record of right-padded `batches` as a batch of its own, cut to its real tokens, in order."""
+    records = []
+    for batch in batches:
+        for row in range(batch.input_ids.shape[0]):
+            length = int(batch.attention_mask[row].sum())
+            records.append(TokenBatch(batch.input_ids[row:row + 1, :length], batch.attention_mask[row:row + 1, :length],
+                                      [batch.sample_index[row]]))
+    return records
 
 
 def parse_named(values: list[str] | None, what: str) -> dict[str, str]:

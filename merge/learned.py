@@ -30,7 +30,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from submerge.diagnostics.capture import ParameterSource, embedding_stage_names
-from submerge.diagnostics.data import TokenBatch
+from submerge.diagnostics.data import TokenBatch, unpadded
 from submerge.diagnostics.evaluate import streamed_losses
 from submerge.diagnostics.gradients import Weights, backward_by_blocks, top_stage
 from submerge.diagnostics.modules import module_parameter_names
@@ -206,15 +206,9 @@ class _FinetuneWeights(Weights):
 
 
 def _records(batches: list[TokenBatch]) -> list[TokenBatch]:
-    """Every record of right-padded `batches` as a batch of its own, cut to its real tokens."""
-    records = []
-    for batch in batches:
-        for row in range(batch.input_ids.shape[0]):
-            length = int(batch.attention_mask[row].sum())
-            if length >= 2:  # at least one predicted token
-                records.append(TokenBatch(batch.input_ids[row:row + 1, :length],
-                                          batch.attention_mask[row:row + 1, :length], [batch.sample_index[row]]))
-    return records
+    """Every record of right-padded `batches` as a batch of its own, cut to its real tokens (`data.unpadded`), those
+    with at least one predicted token."""
+    return [record for record in unpadded(batches) if record.input_ids.shape[1] >= 2]
 
 
 def fisher_diagonals(experiment, *, seed: int = 0, progress: bool = True) -> FisherDiagonals:
