@@ -182,6 +182,11 @@ def tokenize(data: TaskData, tokenizer, *, max_tokens: int = 512, batch_size: in
 #: regrouped at 16, 64 or 256, differences among those within the machine's drift; 64 gives 8 batches there.
 BATCH_OVERHEAD_TOKENS = 64
 
+#: How a sweep batches its records, in the settings of the groups whose drivers regroup them (`Sweep(regroup=True)`:
+#: linearity, projection, alpha): a store made with the records in file order (before stop 48) sits a float rounding
+#: away and is not resumed with these.
+REGROUPED = "each task's records regrouped by length (data.by_length)"
+
 
 def by_length(batches: list[TokenBatch], *, overhead: int = BATCH_OVERHEAD_TOKENS) -> list[TokenBatch]:
     """The same records regrouped for a computation that sums over tokens (a loss, a Gram): sorted by length

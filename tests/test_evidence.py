@@ -395,7 +395,7 @@ def random_kit(tmp_path_factory):
 
 
 def _records_experiment(kit, positions: list[int], directory, batch_size: int = 3,
-                        dtype: str = "float32") -> Experiment:
+                        dtype: str = "float32", max_tokens: int = 32) -> Experiment:
     """The kit's experiment on its records at `positions` only (written to their own data files)."""
     import json
 
@@ -406,7 +406,7 @@ def _records_experiment(kit, positions: list[int], directory, batch_size: int = 
         subset[task] = directory / f"{task}-{'-'.join(map(str, positions))}.jsonl"
         subset[task].write_text("".join(json.dumps(lines[i]) + "\n" for i in positions))
     return Experiment.load(base, finetuned, {t: str(p) for t, p in subset.items()}, samples=len(positions),
-                           max_tokens=32, batch_size=batch_size, dtype=dtype, device="cpu")
+                           max_tokens=max_tokens, batch_size=batch_size, dtype=dtype, device="cpu")
 
 
 def test_a_regmean_candidate_is_regmean_fitted_on_the_other_folds_and_scored_on_its_own(random_kit, tmp_path):
@@ -556,10 +556,38 @@ def test_folds_are_by_position_among_the_fit_records_not_by_file_index(hand_fit)
 
     relabelled = dataclasses.replace(hand_fit, batches={
         task: [dataclasses.replace(batch, sample_index=[2 * i for i in batch.sample_index]) for batch in batches]
-        for task, batches in hand_fit.batches.items()})
+        for task, batches in hand_fit.batches.items()}, data={
+        task: dataclasses.replace(data, indices=[2 * i for i in data.indices]) for task, data in hand_fit.data.items()})
     merge = _merge(hand_fit, block_rules=("regmean",))
     options = {"candidates": ("layer", "attn-mlp", "regmean"), "folds": 2, "progress": False}
     assert_same(evidence(relabelled, merge, **options), evidence(hand_fit, merge, **options))
+
+
+def test_evidence_on_records_regrouped_by_length_keeps_its_folds_and_values(random_kit, tmp_path, monkeypatch):
+    """The evidence replays each task's fit records regrouped by length (`Experiment.regrouped`: sorted, cut where
+    padding is saved), but its folds stay those of the records as read (record i → fold i mod k): every fold
+    objective and α, RegMean's fitted per fold included, is the file order's to float64 rounding."""
+    import functools
+
+    from submerge.diagnostics import experiment as experiment_module
+    from submerge.diagnostics.data import REGROUPED, by_length
+
+    # toy records are short: without the per-batch overhead, regrouping splits them where padding is saved
+    monkeypatch.setattr(experiment_module, "by_length", functools.partial(by_length, overhead=0))
+    fit = _records_experiment(random_kit, list(range(8)), tmp_path, batch_size=8, dtype="float64", max_tokens=256)
+    regrouped = fit.regrouped()
+    assert all(len(regrouped.batches[task]) > 1 for task in fit.tasks)
+    assert any([i for b in regrouped.batches[task] for i in b.sample_index] != fit.data[task].indices
+               for task in fit.tasks)  # sorted by length: not the order read
+    merge = _merge(fit, block_rules=("regmean",))
+    options = {"candidates": ("layer", "attn-mlp", "regmean"), "folds": 3, "progress": False}
+    new = evidence(fit, merge, **options)
+    with monkeypatch.context() as patch:
+        patch.setattr(Experiment, "regrouped", lambda self: self)
+        old = evidence(fit, merge, **options)
+    assert new.attrs["settings"]["batches"] == REGROUPED and "batches" not in old.attrs["settings"]
+    for name in ("fold_objective", "alpha", "fold_alpha"):
+        np.testing.assert_allclose(new[name].values, old[name].values, rtol=1e-9, atol=1e-12, err_msg=name)
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", "gemma3", "gpt2"])

@@ -665,3 +665,48 @@ def test_a_base_without_weights_needs_ray(kit):
     assert experiment.device.type == "meta"
     with pytest.raises(ValueError, match="without weights"):
         nonlinearity(experiment, levels=("layer",), progress=False)
+
+
+def test_drivers_on_records_regrouped_by_length_give_what_file_order_gives(kit, tmp_path, monkeypatch):
+    """Linearity, the Projection Distance and α run on each task's records regrouped by length (fewer padded
+    positions, the same records): per sample and module the values of the same drivers on the records in file
+    order, to float64 rounding, and their groups say so in their settings. A store made in file order (before
+    the regrouping) is not resumed with regrouped values: the setting is named."""
+    import functools
+
+    from submerge.diagnostics import experiment as experiment_module
+    from submerge.diagnostics.data import REGROUPED, by_length
+    from submerge.diagnostics.store import StoreError
+
+    # the toy records are short: without the per-batch overhead, regrouping splits them where padding is saved
+    monkeypatch.setattr(experiment_module, "by_length", functools.partial(by_length, overhead=0))
+    experiment = load(kit, kit.finetuned, samples=6, batch_size=6)
+    regrouped = experiment.regrouped()
+    padded = {name: sum(b.input_ids.numel() for task in e.batches for b in e.batches[task])
+              for name, e in (("file", experiment), ("regrouped", regrouped))}
+    assert padded["regrouped"] < padded["file"]  # the data's lengths vary: regrouping drops padding
+    assert len(regrouped.batches["math"]) > len(experiment.batches["math"])
+    assert regrouped.regrouped() is regrouped and regrouped.settings["batches"] == REGROUPED
+    assert sorted(i for b in regrouped.batches["math"] for i in b.sample_index) == experiment.data["math"].indices
+
+    def run_all(**options):
+        return (nonlinearity(experiment, levels=("model", "layer", "attn", "mlp", "head"), steps=4, progress=False,
+                             **options),
+                projection(experiment, levels=("model", "layer", "mlp"), alphas=(0.5, 1.0), progress=False),
+                alpha(experiment, granularity="attn-mlp", progress=False))
+
+    new = run_all()
+    with monkeypatch.context() as patch:
+        patch.setattr(Experiment, "regrouped", lambda self: self)
+        old = run_all(store=Store(tmp_path / "file_order.zarr"))
+    for after, before in zip(new, old):
+        assert after.attrs["settings"]["batches"] == REGROUPED and "batches" not in before.attrs["settings"]
+        for name, variable in before.data_vars.items():
+            if variable.dtype.kind == "f":
+                np.testing.assert_allclose(after[name].values, variable.values, rtol=1e-9, atol=1e-12,
+                                           err_msg=name)
+            else:
+                np.testing.assert_array_equal(after[name].values, variable.values, err_msg=name)
+    with pytest.raises(StoreError, match="batches"):
+        nonlinearity(experiment, levels=("model", "layer", "attn", "mlp", "head"), steps=4, progress=False,
+                     store=Store(tmp_path / "file_order.zarr"))

@@ -86,7 +86,7 @@ def alpha(
     uniform = np.full(len(tasks), 1.0 / len(tasks))
     sweep = Sweep(experiment, GRANULARITIES[granularity], f"{ALPHA.name}/{granularity}",
                   {"granularity": granularity, "balance": balance, "max_condition": max_condition},
-                  run)
+                  run, regroup=True)
 
     def measure(unit: Unit) -> dict:
         replays = {task: unit.run(task, [{}] + [{t: 1.0} for t in tasks]) for task in tasks}

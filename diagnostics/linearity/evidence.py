@@ -2,8 +2,9 @@
 as the plan would merge it (seed 002 Eq. 10–14; balanced Eq. 33–34) — a driver on the shared sweep, store group
 ``evidence``. `submerge.merge.plan.choose_by_evidence` reads it to choose each block's granularity.
 
-The fit records of each task are split into k folds by record position (record i → fold i mod k). For each block j
-(one store unit per layer, so a killed run resumes after the last finished block):
+The fit records of each task are split into k folds by record position as read (record i → fold i mod k; the
+replays run on the records regrouped by length, `Experiment.regrouped`, which moves sums by float rounding only).
+For each block j (one store unit per layer, so a killed run resumes after the last finished block):
 
 1. per-sample Grams G(x) (Eq. 14) of every unit the candidates need — the block, its attention and MLP, its heads —
    from replays of the base and of each fine-tune on inputs recorded on the base;
@@ -129,11 +130,14 @@ def parts_of(candidates: Sequence[str], num_heads: int) -> list[str]:
     return list(dict.fromkeys([BLOCK] + [part_of(u) for u in units]))
 
 
-def fold_of_records(count: int, folds: int) -> np.ndarray:
-    """The fold of each of a task's `count` fit records, in their order: the i-th is in fold i mod `folds`. By
-    position, not by the record's index in its file: resampled records (`diag compare --seeds`) are any positions
-    of the file, and their indices mod k can leave a fold empty."""
-    return np.arange(count) % folds
+def fold_of_records(order: Sequence[int], indices: Sequence[int], folds: int) -> np.ndarray:
+    """The fold of each record of `indices` (record indices, in the order a replay gives them), where `order` lists
+    the task's fit records as they were read: the i-th record read is in fold i mod `folds`. By position, not by the
+    record's index in its file: resampled records (`diag compare --seeds`) are any positions of the file, and
+    their indices mod k can leave a fold empty; not by the replay's order either, which regrouping by length
+    changes (`Experiment.regrouped`)."""
+    position = {int(index): i for i, index in enumerate(order)}
+    return np.array([position[int(index)] for index in indices], dtype=np.int64) % folds
 
 
 def fold_alphas(grams_by_task, folds_by_task, fold: int, *, balance: bool = True) -> np.ndarray:
@@ -345,12 +349,13 @@ class _EvidenceOfLayer:
     folds: int
     balance: bool
     merge: CandidateMerge
+    order: list[list[int]]  # per task: its fit records' indices as read (what the folds are cut by)
 
     def __call__(self, layer: Layer) -> dict:
         j, tasks, folds = layer.index, self.tasks, self.folds
         data = _block_data(layer, tasks)
         layer.source.clear(release_pages=False)  # the block's τ its replays kept: the merges read it tensor by tensor
-        folds_by_task = [fold_of_records(len(index), folds) for index in data.indices]
+        folds_by_task = [fold_of_records(order, index, folds) for order, index in zip(self.order, data.indices)]
         fold_alpha = np.array([[fold_alphas(data.grams[unit_of(j, p)], folds_by_task, k, balance=self.balance)
                                 for k in range(folds)] for p in self.parts])  # (part, fold, task)
         alpha = np.array([fold_alphas(data.grams[unit_of(j, p)], folds_by_task, -1, balance=self.balance)
@@ -436,8 +441,9 @@ def evidence(
     tasks, heads = experiment.tasks, experiment.arch.num_heads
     parts = parts_of(candidates, heads)
     settings = {"candidates": list(candidates), "folds": folds, "balance": balance, "merge": merge.settings}
-    sweep = Sweep(experiment, _levels(candidates), GROUP, settings, run, unit_dim="layer")
-    scorer = _EvidenceOfLayer(list(tasks), list(candidates), parts, folds, balance, merge)
+    sweep = Sweep(experiment, _levels(candidates), GROUP, settings, run, unit_dim="layer", regroup=True)
+    scorer = _EvidenceOfLayer(list(tasks), list(candidates), parts, folds, balance, merge,
+                              [list(experiment.data[task].indices) for task in tasks])
 
     def piece(modules, results) -> xr.Dataset:
         layer = modules[0].layer

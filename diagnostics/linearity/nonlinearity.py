@@ -69,7 +69,7 @@ def nonlinearity(
     coefficients = [k / steps for k in range(steps + 1)]
     sweep = Sweep(experiment, levels, LINEARITY.name, settings, run,  # every point moves one task: τ of one held
                   model_output=model_output, capture_outputs=not plain_replay, tasks_kept=1,
-                  model_variants={task: [{task: a} for a in coefficients] for task in tasks})
+                  model_variants={task: [{task: a} for a in coefficients] for task in tasks}, regroup=True)
     positions = np.arange(experiment.settings["skip"], experiment.settings["skip"] + experiment.max_samples)
     position_of = {int(index): j for j, index in enumerate(positions)}
     reference = _reference(experiment, sweep, floor_samples, levels=levels, steps=steps, model_output=model_output)

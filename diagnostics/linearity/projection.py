@@ -110,7 +110,7 @@ def projection(
     subsets, combos, combo_alpha = _combos(tasks, alphas)
     sweep = Sweep(experiment, levels, PROJECTION.name, {"levels": list(levels), "floor_samples": floor_samples,
                                                      "alphas": None if alphas is None else list(alphas)},
-                  run)
+                  run, regroup=True)
     floors = _floors(experiment, sweep, floor_samples, levels=levels, alphas=alphas)
 
     def measure(unit: Unit) -> dict:
