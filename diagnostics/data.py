@@ -182,10 +182,19 @@ def tokenize(data: TaskData, tokenizer, *, max_tokens: int = 512, batch_size: in
 #: regrouped at 16, 64 or 256, differences among those within the machine's drift; 64 gives 8 batches there.
 BATCH_OVERHEAD_TOKENS = 64
 
-#: How a sweep batches its records, in the settings of the groups whose drivers regroup them (`Sweep(regroup=True)`:
-#: linearity, projection, alpha): a store made with the records in file order (before stop 48) sits a float rounding
-#: away and is not resumed with these.
-REGROUPED = "each task's records regrouped by length (data.by_length)"
+#: The same for the sweeps' replays and the Grams' forwards (`Experiment.regrouped`): a linearity run replays every
+#: batch at each point of each level, so a batch costs it more than it costs a loss. Measured on the demo kit's full
+#: fine-tunes (`diag linearity`, 16 records × ≤ 256 tokens per task, one run each on a quiet 2-core machine): file
+#: order (6 batches, 8,272 positions) 420.4 s; regrouped at 64 (10 batches, 6,343) 387.4 s; at 256 (8 batches,
+#: 6,542) 351.7 s, where the base forward over the same batches took 12.1–12.4 s and 10.2–11.1 s.
+REPLAY_BATCH_OVERHEAD_TOKENS = 256
+
+
+def regrouped_rule(overhead: int) -> str:
+    """How a sweep batches its records, in the settings of the groups whose drivers regroup them (`Sweep`'s
+    ``regroup``: linearity, projection, alpha, evidence): a store made with the records in file order (before stop
+    48), or cut otherwise, sits a float rounding away and is not resumed with these."""
+    return f"each task's records regrouped by length (data.by_length, {overhead} tokens a batch)"
 
 
 def by_length(batches: list[TokenBatch], *, overhead: int = BATCH_OVERHEAD_TOKENS) -> list[TokenBatch]:

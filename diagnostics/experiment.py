@@ -15,7 +15,15 @@ import torch
 
 from submerge.diagnostics.base_model import BaseModel, load_base_model
 from submerge.diagnostics.capture import GramsByLayer, ParameterSource
-from submerge.diagnostics.data import REGROUPED, TaskData, TokenBatch, by_length, read_task_file, tokenize
+from submerge.diagnostics.data import (
+    REPLAY_BATCH_OVERHEAD_TOKENS,
+    TaskData,
+    TokenBatch,
+    by_length,
+    read_task_file,
+    regrouped_rule,
+    tokenize,
+)
 from submerge.diagnostics.errors import DataInputError, ModelInputError
 from submerge.diagnostics.modules import Architecture, find_architecture
 from submerge.diagnostics.placement import execution_device, offloads, pick_device
@@ -114,21 +122,26 @@ class Experiment:
                                   f"stored in {storage}: load it with compute_dtype='{str(dtype)[6:]}'")
         return ParameterSource(self.base, self.task_vectors, compute_dtype=dtype)
 
-    def regrouped(self) -> Experiment:
+    def regrouped(self, overhead: int | None = None) -> Experiment:
         """This experiment with each task's records regrouped by length (`data.by_length`: sorted, unpadded, cut
-        into the batches with the least padding), for computations that are per record or sum over tokens; its
-        settings say so (``batches``: `data.REGROUPED`)."""
-        if self.settings.get("batches") == REGROUPED:
+        into the batches with the least padded positions plus `overhead` a batch; default
+        `data.REPLAY_BATCH_OVERHEAD_TOKENS`), for computations that are per record or sum over tokens; its settings
+        say so (``batches``: `data.regrouped_rule`)."""
+        overhead = REPLAY_BATCH_OVERHEAD_TOKENS if overhead is None else overhead
+        rule = regrouped_rule(overhead)
+        if self.settings.get("batches") == rule:
             return self
-        return dataclasses.replace(self, batches={task: by_length(batches) for task, batches in self.batches.items()},
-                                   settings={**self.settings, "batches": REGROUPED})
+        return dataclasses.replace(self, batches={task: by_length(batches, overhead=overhead)
+                                                  for task, batches in self.batches.items()},
+                                   settings={**self.settings, "batches": rule})
 
     def input_grams(self, tasks=None) -> GramsByLayer:
         """RegMean's input Grams of every linear map inside the blocks on these records, per task of `tasks` (default
         all), computed block by block on the base as they are asked for (`GramsByLayer`, keyed by checkpoint name).
         A Gram sums over tokens, so the records are regrouped by length first (`data.by_length`)."""
         chosen = self.tasks if tasks is None else list(tasks)
-        return GramsByLayer(self.base.model, self.arch, {t: by_length(self.batches[t]) for t in chosen},
+        return GramsByLayer(self.base.model, self.arch,
+                            {t: by_length(self.batches[t], overhead=REPLAY_BATCH_OVERHEAD_TOKENS) for t in chosen},
                             checkpoint_names=self.base.checkpoint_names, device=self.device)
 
     @classmethod

@@ -567,15 +567,13 @@ def test_evidence_on_records_regrouped_by_length_keeps_its_folds_and_values(rand
     """The evidence replays each task's fit records regrouped by length (`Experiment.regrouped`: sorted, cut where
     padding is saved), but its folds stay those of the records as read (record i → fold i mod k): every fold
     objective and α, RegMean's fitted per fold included, is the file order's to float64 rounding."""
-    import functools
-
-    from submerge.diagnostics import experiment as experiment_module
-    from submerge.diagnostics.data import REGROUPED, by_length
+    from submerge.diagnostics import data as data_module
+    from submerge.diagnostics.data import regrouped_rule
 
     # toy records are short: without the per-batch overhead, regrouping splits them where padding is saved
-    monkeypatch.setattr(experiment_module, "by_length", functools.partial(by_length, overhead=0))
+    monkeypatch.setattr(data_module, "BATCH_OVERHEAD_TOKENS", 0)
     fit = _records_experiment(random_kit, list(range(8)), tmp_path, batch_size=8, dtype="float64", max_tokens=256)
-    regrouped = fit.regrouped()
+    regrouped = fit.regrouped(0)
     assert all(len(regrouped.batches[task]) > 1 for task in fit.tasks)
     assert any([i for b in regrouped.batches[task] for i in b.sample_index] != fit.data[task].indices
                for task in fit.tasks)  # sorted by length: not the order read
@@ -583,9 +581,9 @@ def test_evidence_on_records_regrouped_by_length_keeps_its_folds_and_values(rand
     options = {"candidates": ("layer", "attn-mlp", "regmean"), "folds": 3, "progress": False}
     new = evidence(fit, merge, **options)
     with monkeypatch.context() as patch:
-        patch.setattr(Experiment, "regrouped", lambda self: self)
+        patch.setattr(Experiment, "regrouped", lambda self, overhead=None: self)
         old = evidence(fit, merge, **options)
-    assert new.attrs["settings"]["batches"] == REGROUPED and "batches" not in old.attrs["settings"]
+    assert new.attrs["settings"]["batches"] == regrouped_rule(0) and "batches" not in old.attrs["settings"]
     for name in ("fold_objective", "alpha", "fold_alpha"):
         np.testing.assert_allclose(new[name].values, old[name].values, rtol=1e-9, atol=1e-12, err_msg=name)
 

@@ -672,21 +672,19 @@ def test_drivers_on_records_regrouped_by_length_give_what_file_order_gives(kit, 
     positions, the same records): per sample and module the values of the same drivers on the records in file
     order, to float64 rounding, and their groups say so in their settings. A store made in file order (before
     the regrouping) is not resumed with regrouped values: the setting is named."""
-    import functools
-
     from submerge.diagnostics import experiment as experiment_module
-    from submerge.diagnostics.data import REGROUPED, by_length
+    from submerge.diagnostics.data import regrouped_rule
     from submerge.diagnostics.store import StoreError
 
     # the toy records are short: without the per-batch overhead, regrouping splits them where padding is saved
-    monkeypatch.setattr(experiment_module, "by_length", functools.partial(by_length, overhead=0))
+    monkeypatch.setattr(experiment_module, "REPLAY_BATCH_OVERHEAD_TOKENS", 0)
     experiment = load(kit, kit.finetuned, samples=6, batch_size=6)
     regrouped = experiment.regrouped()
     padded = {name: sum(b.input_ids.numel() for task in e.batches for b in e.batches[task])
               for name, e in (("file", experiment), ("regrouped", regrouped))}
     assert padded["regrouped"] < padded["file"]  # the data's lengths vary: regrouping drops padding
     assert len(regrouped.batches["math"]) > len(experiment.batches["math"])
-    assert regrouped.regrouped() is regrouped and regrouped.settings["batches"] == REGROUPED
+    assert regrouped.regrouped() is regrouped and regrouped.settings["batches"] == regrouped_rule(0)
     assert sorted(i for b in regrouped.batches["math"] for i in b.sample_index) == experiment.data["math"].indices
 
     def run_all(**options):
@@ -697,10 +695,10 @@ def test_drivers_on_records_regrouped_by_length_give_what_file_order_gives(kit, 
 
     new = run_all()
     with monkeypatch.context() as patch:
-        patch.setattr(Experiment, "regrouped", lambda self: self)
+        patch.setattr(Experiment, "regrouped", lambda self, overhead=None: self)
         old = run_all(store=Store(tmp_path / "file_order.zarr"))
     for after, before in zip(new, old):
-        assert after.attrs["settings"]["batches"] == REGROUPED and "batches" not in before.attrs["settings"]
+        assert after.attrs["settings"]["batches"] == regrouped_rule(0) and "batches" not in before.attrs["settings"]
         for name, variable in before.data_vars.items():
             if variable.dtype.kind == "f":
                 np.testing.assert_allclose(after[name].values, variable.values, rtol=1e-9, atol=1e-12,

@@ -55,19 +55,20 @@ class Sweep:
     source keeps a layer's formed variants for both where they fit (`placement.variants_kept_bytes`).
     ``regroup``: the sweep runs on each task's records regrouped by length (`Experiment.regrouped`: less padding,
     the same records), for drivers whose results are per record (keyed by its index) or sums over records; the
-    group's settings then say so. Off for drivers that split records by their position (the evidence step's folds).
+    group's settings then say so. True: at `data.REPLAY_BATCH_OVERHEAD_TOKENS` a batch; a number: at that many.
     """
 
     def __init__(self, experiment, levels: Sequence[str], group: str, settings: dict, run: RunSettings, *,
                  model_output: str = "hidden", unit_dim: str = "module", layers: Sequence[int] | None = None,
                  capture_outputs: bool = False, tasks_kept: int | None = None,
-                 model_variants: dict[str, list] | None = None, regroup: bool = False):
+                 model_variants: dict[str, list] | None = None, regroup: bool | int = False):
         if unit_dim not in ("module", "layer"):
             raise ValueError(f"unit_dim must be 'module' or 'layer', got {unit_dim!r}")
         if isinstance(run.engine, LocalEngine) and experiment.device.type == "meta":
             raise ValueError("this experiment's base was loaded without weights (weights=False): only Ray workers, "
                              "which read their own blocks, can measure it; run it with a RayEngine")
-        experiment = experiment.regrouped() if regroup else experiment
+        if regroup is not False:
+            experiment = experiment.regrouped(None if regroup is True else int(regroup))
         self.experiment, self.run_settings = experiment, run
         self.tasks = experiment.tasks
         self.source = experiment.parameter_source(run.compute_dtype)
