@@ -138,10 +138,10 @@ class Experiment:
     def input_grams(self, tasks=None) -> GramsByLayer:
         """RegMean's input Grams of every linear map inside the blocks on these records, per task of `tasks` (default
         all), computed block by block on the base as they are asked for (`GramsByLayer`, keyed by checkpoint name).
-        A Gram sums over tokens, so the records are regrouped by length first (`data.by_length`)."""
+        A Gram sums over tokens, so the records are regrouped by length first (`regrouped`)."""
         chosen = self.tasks if tasks is None else list(tasks)
-        return GramsByLayer(self.base.model, self.arch,
-                            {t: by_length(self.batches[t], overhead=REPLAY_BATCH_OVERHEAD_TOKENS) for t in chosen},
+        batches = self.regrouped().batches
+        return GramsByLayer(self.base.model, self.arch, {t: batches[t] for t in chosen},
                             checkpoint_names=self.base.checkpoint_names, device=self.device)
 
     @classmethod

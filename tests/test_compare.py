@@ -718,7 +718,6 @@ def test_compare_keep_leaves_loadable_checkpoints(compared, trained_kit, tmp_pat
     from safetensors.torch import load_file
 
     from submerge.diagnostics.capture import input_gram_matrices
-    from submerge.diagnostics.data import REPLAY_BATCH_OVERHEAD_TOKENS, by_length
     from submerge.merge.compare import compare
     from submerge.merge.rules import regmean_rule
     from submerge.merge.writer import write_merge
@@ -737,8 +736,7 @@ def test_compare_keep_leaves_loadable_checkpoints(compared, trained_kit, tmp_pat
     # RegMean's Grams, computed block by block during the write, are those of one pass on the fit records (regrouped
     # by length, as every Gram of the fit records is: a sum over tokens)
     fit = _experiment(trained_kit, skip=0)
-    whole = {t: input_gram_matrices(fit.base.model, fit.arch,
-                                 by_length(fit.batches[t], overhead=REPLAY_BATCH_OVERHEAD_TOKENS)) for t in fit.tasks}
+    whole = {t: input_gram_matrices(fit.base.model, fit.arch, fit.regrouped().batches[t]) for t in fit.tasks}
     linear = set(whole[fit.tasks[0]])
     one_pass = write_merge(base, finetuned, tmp_path / "regmean-one-pass", regmean_rule({}, linear), progress=False,
                            gram_matrices=lambda name: [whole[t][name] for t in fit.tasks] if name in linear else None)

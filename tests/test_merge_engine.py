@@ -530,12 +530,10 @@ def test_regmean_merge_streams_grams_block_by_block(kit, tmp_path, monkeypatch):
     """`diag merge --method regmean` (run_merge's data step) holds one block's Grams at a time and computes each
     block once, in order; its checkpoint is bitwise the one from all Grams computed in one pass."""
     import submerge.diagnostics.capture
-    from submerge.diagnostics.data import REPLAY_BATCH_OVERHEAD_TOKENS, by_length
 
     fit = kit.experiment()
     # a Gram sums over tokens: the merge takes the records regrouped by length, the file order's Grams to rounding
-    whole = {t: input_gram_matrices(fit.base.model, fit.arch,
-                                 by_length(fit.batches[t], overhead=REPLAY_BATCH_OVERHEAD_TOKENS)) for t in TASKS}
+    whole = {t: input_gram_matrices(fit.base.model, fit.arch, fit.regrouped().batches[t]) for t in TASKS}
     for t in TASKS:
         in_file_order = input_gram_matrices(fit.base.model, fit.arch, fit.batches[t])
         for key, gram in whole[t].items():
