@@ -134,9 +134,10 @@ def gram_matrix(tall: torch.Tensor) -> torch.Tensor:
 
 _POTRF = {torch.float32: scipy.linalg.lapack.spotrf, torch.float64: scipy.linalg.lapack.dpotrf}
 _POTRS = {torch.float32: scipy.linalg.lapack.spotrs, torch.float64: scipy.linalg.lapack.dpotrs}
+_POCON = {torch.float32: scipy.linalg.lapack.spocon, torch.float64: scipy.linalg.lapack.dpocon}
 
 
-def solve_symmetric_right(rows: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
+def solve_symmetric_right(rows: torch.Tensor, matrix: torch.Tensor, *, min_rcond: float = 0.0) -> torch.Tensor:
     """B A⁻¹ for a symmetric positive semi-definite (n, n) A and an (m, n) B; both are overwritten.
 
     Cholesky (LAPACK ``potrf`` / ``potrs``) where A is positive definite, in place on the CPU: A's C-ordered rows
@@ -146,21 +147,34 @@ def solve_symmetric_right(rows: torch.Tensor, matrix: torch.Tensor) -> torch.Ten
     triangle (in C order) is read and overwritten, so where A is singular (a feature no input ever had) A is rebuilt
     from the triangle left alone and B A⁺ (the pseudo-inverse) is returned. Elsewhere (another device or dtype, or a
     layout that would need a copy) the same through torch. Results agree with a general LU solve to rounding.
+
+    ``min_rcond`` > 0: also B A⁺ where A is positive definite but ill-conditioned, its reciprocal condition number
+    in the 1-norm (LAPACK ``pocon``'s estimate from the Cholesky factor, O(n²)) below `min_rcond`: there the
+    pseudo-inverse, which drops the directions of eigenvalues below n · eps · λ_max, differs from the inverse by
+    more than rounding (two equal task matrices give such an A once rounded). Above it every eigenvalue is far
+    above that cut (λ_min / λ_max ≥ rcond / n up to the estimate's factor), so A⁺ = A⁻¹ and Cholesky gives B A⁺ to
+    rounding. Off the in-place path with `min_rcond` set, B A⁺ through torch.
     """
-    potrf, potrs = _POTRF.get(matrix.dtype), _POTRS.get(matrix.dtype)
+    potrf, potrs, pocon = _POTRF.get(matrix.dtype), _POTRS.get(matrix.dtype), _POCON.get(matrix.dtype)
     in_place = (matrix.device.type == "cpu" and rows.device.type == "cpu" and potrf is not None
                 and rows.dtype == matrix.dtype and matrix.is_contiguous() and rows.is_contiguous()
                 and not matrix.requires_grad and not rows.requires_grad)
     if not in_place:
         factor, info = torch.linalg.cholesky_ex(matrix)
-        if int(info) == 0:
+        if int(info) == 0 and min_rcond <= 0:
             return torch.cholesky_solve(rows.mT, factor).mT
         return rows @ torch.linalg.pinv(matrix, hermitian=True)
     diagonal = matrix.diagonal().clone()  # potrf overwrites it: kept to rebuild A if A is singular
+    norm = float(matrix.abs().sum(dim=0).max()) if min_rcond > 0 and matrix.numel() else 0.0  # ‖A‖₁, before potrf
     columns = matrix.numpy().T  # Fortran-ordered (n, n), the same memory: A itself, A being symmetric
     factor, info = potrf(columns, lower=1, clean=0, overwrite_a=1)
     if info < 0:
         raise ValueError(f"LAPACK potrf: argument {-info} is invalid")
+    if info == 0 and min_rcond > 0 and matrix.numel():
+        rcond, info = pocon(factor, norm, uplo="L")
+        if info != 0:
+            raise ValueError(f"LAPACK pocon: argument {-info} is invalid")
+        info = 0 if rcond >= min_rcond else 1  # ill-conditioned: as if singular, the pseudo-inverse below
     if info == 0:
         solution, info = potrs(factor, rows.numpy().T, lower=1, overwrite_b=1)
         if info != 0:

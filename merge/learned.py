@@ -30,6 +30,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from submerge.diagnostics.capture import ParameterSource, embedding_stage_names
+from submerge.diagnostics import data as data_module
 from submerge.diagnostics.data import TokenBatch, unpadded
 from submerge.diagnostics.evaluate import streamed_losses
 from submerge.diagnostics.gradients import Weights, backward_by_blocks, top_stage
@@ -298,7 +299,9 @@ def adamerging_coefficients(experiment, *, granularity: str = "layer", steps: in
     and parameter tensor — the authors' layer-wise AdaMerging, whose "layers" are the model's parameter
     tensors). The language-model analogue of the paper's classification entropy is the next-token entropy
     (`next_token_entropy`). Each step is a forward and a backward of the merged model over the fit records,
-    block by block (`backward_by_blocks`): one block of θ(λ) built at a time from θ0 and the task vectors.
+    block by block (`backward_by_blocks`): one block of θ(λ) built at a time from θ0 and the task vectors. The
+    objective sums over tokens, so the records are regrouped by length as the losses are (`data.by_length` at
+    `data.BATCH_OVERHEAD_TOKENS`: less padding, no batch larger than the largest given; only rounding moves).
     """
     if granularity not in ("task", "layer"):
         raise ValueError(f"adamerging granularity must be 'task' or 'layer', got {granularity!r}")
@@ -309,9 +312,10 @@ def adamerging_coefficients(experiment, *, granularity: str = "layer", steps: in
     raw = torch.full((max(rows.values(), default=0) + 1, len(tasks)), float(initial), dtype=torch.float32,
                      device=experiment.device, requires_grad=True)
     optimizer = torch.optim.Adam([raw], lr=float(learning_rate))
-    batches = [batch for task in tasks for batch in experiment.batches[task]]
-    owner = [task for task in tasks for _ in experiment.batches[task]]
-    tokens = {task: sum(int(b.attention_mask[:, 1:].sum()) for b in experiment.batches[task]) for task in tasks}
+    regrouped = experiment.regrouped(data_module.BATCH_OVERHEAD_TOKENS).batches  # the constant read at call time
+    batches = [batch for task in tasks for batch in regrouped[task]]
+    owner = [task for task in tasks for _ in regrouped[task]]
+    tokens = {task: sum(int(b.attention_mask[:, 1:].sum()) for b in regrouped[task]) for task in tasks}
     source = experiment.parameter_source()
     history = []
     with progress_bar(progress) as bar:
@@ -328,7 +332,8 @@ def adamerging_coefficients(experiment, *, granularity: str = "layer", steps: in
             bar.update(job, advance=1, description=f"AdaMerging · entropy {entropy:.4f}")
     learned = raw.detach().clamp(0.0, 1.0).cpu().double().numpy()
     record = {"granularity": granularity, "steps": int(steps), "learning_rate": float(learning_rate),
-              "initial": float(initial), "entropy": {"first": history[0] if history else None,
+              "initial": float(initial), "batches": data_module.regrouped_rule(data_module.BATCH_OVERHEAD_TOKENS),
+              "entropy": {"first": history[0] if history else None,
                                                      "last": history[-1] if history else None}}
     if granularity == "task":
         shared = {task: float(learned[0, i]) for i, task in enumerate(tasks)}

@@ -1088,6 +1088,12 @@ def star(task_vectors: Sequence[torch.Tensor], *, energy_fraction: float = 0.4, 
     return _as_output(total / len(task_vectors) * float(scaling), task_vectors[0])
 
 
+#: SFTM solves its system by Cholesky where G's reciprocal condition number (LAPACK's 1-norm estimate) is at least
+#: this, by the pseudo-inverse below it: well above the pseudo-inverse's own cut (eigenvalues below r · eps · λ_max,
+#: 4e-13 at r = 1,728), so the two agree to rounding wherever Cholesky is taken.
+SFTM_MIN_RCOND = 1e-6
+
+
 class SftmSystem(NamedTuple):
     """SFTM's linear system (seed 001 Eq. 4) and its solution, rows/columns ordered (task, k)."""
 
@@ -1104,9 +1110,12 @@ def sftm_system(task_matrices: Sequence[torch.Tensor]) -> SftmSystem:
     Σ_{(i,k),(i',k')} = σ_{i'}^{(k')}, U_{(i,k),(i',k')} = u_i^{(k)ᵀ} u_{i'}^{(k')},
     V_{(i,k),(i',k')} = v_{i'}^{(k')ᵀ} v_i^{(k)}; one equation per singular triplet of every
     task matrix, r_i = numerical rank of M_i. Since Σ ∘ U ∘ V = G diag(σ) with G = U ∘ V
-    symmetric positive semi-definite, the solver solves G β = σ with the (Hermitian)
-    pseudo-inverse and sets α = β / σ: the exact solution when the system is regular, the
-    minimum-norm β when it is singular (e.g. two identical task matrices).
+    symmetric positive semi-definite, the solver solves G β = σ and sets α = β / σ: the exact
+    solution when the system is regular, the minimum-norm β (the Hermitian pseudo-inverse)
+    when it is singular (e.g. two identical task matrices). Where G is well conditioned
+    (reciprocal condition number ≥ `SFTM_MIN_RCOND`) the pseudo-inverse is the inverse, and
+    β comes from a Cholesky solve (`solve_symmetric_right`) instead of an eigendecomposition:
+    the same β to rounding, in about 1/15 of the time for the r = 1,728 systems of SmolLM2's matrices.
     """
     _check_task_vectors(task_matrices, matrix=True)
     shape = tuple(task_matrices[0].shape)
@@ -1119,7 +1128,7 @@ def sftm_system(task_matrices: Sequence[torch.Tensor]) -> SftmSystem:
     if singular_values.numel() == 0:
         alpha = singular_values.clone()
     else:
-        weighted = torch.linalg.pinv(gram, hermitian=True) @ singular_values
+        weighted = solve_symmetric_right(singular_values[None].clone(), gram, min_rcond=SFTM_MIN_RCOND)[0]
         alpha = weighted / singular_values
     return SftmSystem(coefficient_matrix, singular_values, alpha, left, right)
 

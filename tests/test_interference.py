@@ -952,6 +952,40 @@ def test_solve_symmetric_right_solves_in_place_and_falls_back_to_the_pseudo_inve
     assert float(solved[:, 3].abs().max()) < tolerance
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_solve_symmetric_right_takes_the_pseudo_inverse_below_min_rcond(dtype):
+    """With ``min_rcond``: a positive definite A whose smallest eigenvalue is below the pseudo-inverse's cut
+    (Cholesky succeeds, yet A⁻¹ and A⁺ differ by orders of magnitude) gives B A⁺, with A rebuilt as it was; a
+    well-conditioned A still gives B A⁻¹ by Cholesky, in place."""
+    from submerge.diagnostics.spectral import solve_symmetric_right
+
+    generator = torch.Generator().manual_seed(12)
+    basis, _ = torch.linalg.qr(torch.randn(30, 30, generator=generator, dtype=F64))
+    rows = torch.randn(4, 30, generator=generator, dtype=F64)
+    tiny = 1e-6 if dtype == torch.float32 else 2e-15  # below 30 · eps · λ_max, above the rounding of forming A
+    values = torch.cat([torch.linspace(1.0, 2.0, 29, dtype=F64), torch.tensor([tiny], dtype=F64)])
+    ill = (basis * values) @ basis.mT
+    ill = ((ill + ill.mT) / 2).to(dtype)
+    assert int(torch.linalg.cholesky_ex(ill)[1]) == 0  # positive definite at this dtype: potrf alone would solve it
+    a, b = ill.clone(), rows.to(dtype, copy=True)
+    solved = solve_symmetric_right(b, a, min_rcond=1e-3)
+    assert torch.equal(a, ill)  # rebuilt as it was
+    pseudo = rows.to(dtype) @ torch.linalg.pinv(ill, hermitian=True)
+    truncated = rows @ ((basis[:, :29] / values[:29]) @ basis[:, :29].mT)  # A⁺: the tiny direction dropped
+    tolerance = 1e-4 if dtype == torch.float32 else 1e-10
+    for expected in (pseudo.to(F64), truncated):
+        torch.testing.assert_close(solved.to(F64), expected, rtol=tolerance, atol=tolerance * float(expected.abs().max()))
+    inverse = rows @ torch.linalg.inv(ill.to(F64))
+    assert float((inverse - truncated).abs().max()) > 1e3 * float(truncated.abs().max())  # the two really differ
+    well = (basis * torch.linspace(1.0, 2.0, 30, dtype=F64)) @ basis.mT
+    well = (well + well.mT) / 2
+    a, b = well.to(dtype, copy=True), rows.to(dtype, copy=True)
+    solved = solve_symmetric_right(b, a, min_rcond=1e-3)
+    assert solved.data_ptr() == b.data_ptr()  # Cholesky, in place
+    expected = rows @ torch.linalg.inv(well)
+    torch.testing.assert_close(solved.to(F64), expected, rtol=tolerance, atol=tolerance * float(expected.abs().max()))
+
+
 def test_interference_driver_routes_and_store(tiny_checkpoints, tmp_path):
     """exact_svd=True reproduces task_matrix_interference's exact route bitwise per matrix; the default is the Gram
     route within its bound; the store records the route and refuses to resume in the other one."""

@@ -231,6 +231,35 @@ def test_adamerging_layer_wise_has_one_weight_per_tensor_and_task(llama):
         adamerging_coefficients(experiment, granularity="block", steps=1, progress=False)
 
 
+def test_adamerging_on_records_regrouped_by_length_learns_what_file_order_learns(llama, monkeypatch):
+    """The objective sums over tokens (per task, over its token count), so regrouping the records by length (fewer
+    padded positions) moves only rounding: the same entropies and weights in float64 whether every record is cut
+    into batches of its own length (overhead 0) or the batches are kept as large as allowed (a huge overhead), and
+    the two runs really batch differently."""
+    from submerge.diagnostics import data as data_module
+
+    experiment = _experiment(llama, samples=5, compute="float64")
+    seen, original = [], learned.backward_by_blocks
+    monkeypatch.setattr(learned, "backward_by_blocks",
+                        lambda source, arch, batches, *rest, **options: seen.append(
+                            [tuple(b.input_ids.shape) for b in batches]) or original(source, arch, batches, *rest,
+                                                                                       **options))
+    found = {}
+    for overhead in (0, 10**6):
+        monkeypatch.setattr(data_module, "BATCH_OVERHEAD_TOKENS", overhead)
+        found[overhead] = adamerging_coefficients(experiment, steps=2, learning_rate=0.01, progress=False)
+    assert seen[0] != seen[-1]  # other batches
+    assert sum(h * w for h, w in seen[-1]) <= sum(b.input_ids.numel() for t in experiment.tasks
+                                                   for b in experiment.batches[t])  # no more padding than as read
+    for key in ("first", "last"):
+        assert found[0].record["entropy"][key] == pytest.approx(found[10**6].record["entropy"][key], rel=1e-12)
+    for name, weights in found[0].per_tensor.items():
+        for task, weight in weights.items():
+            # λ is a float32 leaf: an Adam step whose gradient moved by rounding lands within an ulp or two (3e-8)
+            assert weight == pytest.approx(found[10**6].per_tensor[name][task], abs=1e-7), (name, task)
+    assert "regrouped" in found[0].record["batches"]
+
+
 def test_lorahub_finds_the_objective_minimum_on_a_grid(llama, unreleased):
     experiment = _experiment(llama, tasks=("code",), compute="float32")
     source = experiment.parameter_source()

@@ -440,6 +440,23 @@ def test_sftm_orthogonal_tasks_add_up():
     torch.testing.assert_close(sftm([tasks[0], tasks[0]], top_k=1.0), tasks[0], atol=1e-12, rtol=0)
 
 
+def test_sftm_solves_by_cholesky_to_the_pseudo_inverses_solution_at_a_real_matrix_size():
+    """SmolLM2's 576 × 576 attention matrices give an r = 1,728 system: the Cholesky solve (well conditioned)
+    gives the pseudo-inverse's α to rounding, and a pair of identical tasks still falls back to the minimum-norm
+    solution (its system rounded to positive definite)."""
+    import submerge.merge.strategies as strategies
+
+    tasks = [keep_top_magnitude(task, 0.3) for task in _random_tasks(3, (576, 576), seed=13)]
+    system = sftm_system(tasks)
+    assert system.singular_values.numel() == 1728
+    gram = system.coefficient_matrix / system.singular_values.unsqueeze(0)
+    by_pinv = (torch.linalg.pinv(gram, hermitian=True) @ system.singular_values) / system.singular_values
+    torch.testing.assert_close(system.alpha, by_pinv, rtol=1e-9, atol=1e-9)
+    twice = [tasks[0], tasks[0].clone()]
+    torch.testing.assert_close(sftm(twice, top_k=1.0), tasks[0].to(f64), atol=1e-10, rtol=0)
+    assert strategies.SFTM_MIN_RCOND > 1728 * torch.finfo(f64).eps * 1e3
+
+
 def test_sftm_trims_before_solving():
     tasks = _random_tasks(2, (6, 6), seed=11)
     trimmed = [keep_top_magnitude(task, 0.3) for task in tasks]
