@@ -29,8 +29,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from submerge.diagnostics.capture import ParameterSource, embedding_stage_names
 from submerge.diagnostics import data as data_module
+from submerge.diagnostics.capture import ParameterSource, embedding_stage_names
 from submerge.diagnostics.data import TokenBatch, unpadded
 from submerge.diagnostics.evaluate import streamed_losses
 from submerge.diagnostics.gradients import Weights, backward_by_blocks, top_stage

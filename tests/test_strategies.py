@@ -444,7 +444,7 @@ def test_sftm_solves_by_cholesky_to_the_pseudo_inverses_solution_at_a_real_matri
     """SmolLM2's 576 × 576 attention matrices give an r = 1,728 system: the Cholesky solve (well conditioned)
     gives the pseudo-inverse's α to rounding, and a pair of identical tasks still falls back to the minimum-norm
     solution (its system rounded to positive definite)."""
-    import submerge.merge.strategies as strategies
+    from submerge.merge import strategies
 
     tasks = [keep_top_magnitude(task, 0.3) for task in _random_tasks(3, (576, 576), seed=13)]
     system = sftm_system(tasks)
