@@ -442,8 +442,9 @@ def test_sftm_orthogonal_tasks_add_up():
 
 def test_sftm_solves_by_cholesky_to_the_pseudo_inverses_solution_at_a_real_matrix_size():
     """SmolLM2's 576 × 576 attention matrices give an r = 1,728 system: the Cholesky solve (well conditioned)
-    gives the pseudo-inverse's α to rounding, and a pair of identical tasks still falls back to the minimum-norm
-    solution (its system rounded to positive definite)."""
+    gives the pseudo-inverse's α to rounding, and a pair of identical tasks (a singular system: Cholesky stops)
+    still gets the minimum-norm solution. The ill-conditioned but positive definite case is
+    `test_interference.py::test_solve_symmetric_right_takes_the_pseudo_inverse_below_min_rcond`."""
     from submerge.merge import strategies
 
     tasks = [keep_top_magnitude(task, 0.3) for task in _random_tasks(3, (576, 576), seed=13)]
