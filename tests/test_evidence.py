@@ -495,6 +495,31 @@ def test_regmean_fold_grams_are_the_other_folds_grams_shared_by_maps_fed_the_sam
             q[len(tasks)]
 
 
+def test_regmean_fold_grams_are_kept_for_the_blocks_folds_only_below_the_threshold(random_kit, tmp_path, monkeypatch):
+    """Both sides of `FOLD_GRAMS_KEPT_BYTES`: below it each fold's Gram G_f (per task and group of maps) is computed
+    once and kept for the block's other folds; above it (a 7B block) folds − 1 times, kept nowhere; the evidence is
+    bit for bit the same."""
+    folds, records = 3, 7
+    fit = _records_experiment(random_kit, list(range(records)), tmp_path)
+    calls, real = [], evidence_module.FoldGrams._fold_gram
+    monkeypatch.setattr(evidence_module.FoldGrams, "_fold_gram",
+                        lambda self, task, fold: calls.append((task, self.lead, fold)) or real(self, task, fold))
+    results, counts = {}, {}
+    for threshold in (1 << 30, 0):
+        monkeypatch.setattr(evidence_module, "FOLD_GRAMS_KEPT_BYTES", threshold)
+        calls.clear()
+        results[threshold] = evidence(fit, _merge(fit, block_rules=("regmean",)), candidates=("layer", "regmean"),
+                                      folds=folds, progress=False)
+        counts[threshold] = len(calls)
+    layers, tasks = fit.arch.num_layers, len(fit.tasks)
+    assert len({lead for _, lead, _ in calls}) == 4 * layers  # groups fed one tensor: q/k/v, o, gate/up, down
+    assert counts[1 << 30] == tasks * 4 * layers * folds  # each G_f of a group once
+    # not kept: each of the 7 maps' RegMean indexes its group's Grams, each the sum of the other folds' G_f
+    assert counts[0] == tasks * 7 * layers * folds * (folds - 1)
+    for name in ("fold_objective", "alpha", "fold_alpha"):
+        np.testing.assert_array_equal(results[1 << 30][name].values, results[0][name].values)
+
+
 def test_the_regmean_inputs_replay_lets_the_base_blocks_pooled_parameters_go(random_kit, tmp_path, monkeypatch):
     """`map_inputs` replays the base block, which forms θ0 in the compute dtype in the source's pool (a float16 7B
     block: 0.8 GB in float32); the candidates' merges that follow never use it, so it is let go on return."""

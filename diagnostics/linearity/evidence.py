@@ -198,6 +198,7 @@ class MapInputs:
     inputs: list[dict[str, list[torch.Tensor]]]  # per task: leader's key → per batch, the maps' input
     masks: list[list[torch.Tensor]]  # per task: per batch (batch, seq) real tokens
     folds: list[torch.Tensor]  # per task: the fold of each record by position among the fit records
+    fold_grams: dict | bool | None = None  # (task, leader, fold) → G_f, where they all fit (`FoldGrams`); False: not
 
 
 @torch.no_grad()
@@ -246,6 +247,11 @@ def map_inputs(layer: Layer, tasks: list[str], folds_by_task: list[np.ndarray]) 
     return result
 
 
+#: The per-fold Grams of a block's maps (every task, group and fold) are kept for the block's folds where they all
+#: fit in this many bytes (SmolLM2-135M, 3 tasks × 4 folds: 161 MB in float32; a 7B block: 8.2 GB, so not there).
+FOLD_GRAMS_KEPT_BYTES = 1 << 30
+
+
 @dataclass(eq=False)
 class FoldGrams(Sequence):
     """Per task, RegMean's input Gram of one group of maps fed the same tensor (`MapInputs.names`, led by `lead`) on
@@ -253,7 +259,10 @@ class FoldGrams(Sequence):
     kept: RegMean takes them in task order and lets each go, so one in × in Gram exists at a time (a 7B
     down-projection's is 0.5 GB in float32, T of them 1.4 GB). Gram t is Σ_{f ≠ fold} G_f in fold order, each
     G_f = Σ x xᵀ over the real tokens of fold f's records of task t, batch by batch, in the compute dtype (the sum
-    over every fold is the Gram on all the records, up to rounding)."""
+    over every fold is the Gram on all the records, up to rounding). Where every G_f of the block (tasks × groups ×
+    folds) fits in `FOLD_GRAMS_KEPT_BYTES`, each is computed once and kept for the block's other folds and the
+    group's other maps (`MapInputs.fold_grams`) instead of folds − 1 times for each map of the group that indexes
+    it (q, k and v each do): the same sums, bit for bit."""
 
     inputs: MapInputs
     lead: str
@@ -268,22 +277,42 @@ class FoldGrams(Sequence):
         task = operator.index(task)  # a position, not a slice
         if not -len(self) <= task < len(self):
             raise IndexError(f"task {task} of {len(self)}")
-        per_batch, masks = self.inputs.inputs[task][self.lead], self.inputs.masks[task]
-        fold_by_record = self.inputs.folds[task]
-        width = per_batch[0].shape[-1]
+        kept = self._kept()
         total = None
         for f in range(self.folds):
             if f == self.fold:
                 continue
-            first, gram = 0, per_batch[0].new_zeros(width, width)  # first: the batch's first record's position
-            for x, mask in zip(per_batch, masks):
-                rows = (fold_by_record[first:first + mask.shape[0]] == f).nonzero().flatten()
-                first += mask.shape[0]
-                if len(rows):
-                    tokens = x[rows][mask[rows].to(x.device)]
-                    gram += tokens.T @ tokens
-            total = gram if total is None else total.add_(gram)
+            if kept is None:
+                gram = self._fold_gram(task, f)
+            else:
+                key = (task % len(self), self.lead, f)
+                gram = kept[key] if key in kept else kept.setdefault(key, self._fold_gram(task, f))
+            total = gram.clone() if total is None and kept is not None else gram if total is None else total.add_(gram)
         return total
+
+    def _fold_gram(self, task: int, fold: int) -> torch.Tensor:
+        """G_f = Σ x xᵀ over the real tokens of fold `fold`'s records of task `task`, batch by batch."""
+        per_batch, masks = self.inputs.inputs[task][self.lead], self.inputs.masks[task]
+        fold_by_record = self.inputs.folds[task]
+        width = per_batch[0].shape[-1]
+        first, gram = 0, per_batch[0].new_zeros(width, width)  # first: the batch's first record's position
+        for x, mask in zip(per_batch, masks):
+            rows = (fold_by_record[first:first + mask.shape[0]] == fold).nonzero().flatten()
+            first += mask.shape[0]
+            if len(rows):
+                tokens = x[rows][mask[rows].to(x.device)]
+                gram += tokens.T @ tokens
+        return gram
+
+    def _kept(self) -> dict | None:
+        """The block's kept per-fold Grams, decided on first use: all of them fit in `FOLD_GRAMS_KEPT_BYTES`."""
+        inputs = self.inputs
+        if inputs.fold_grams is None:
+            element = next(iter(inputs.inputs[0].values()))[0].element_size() if inputs.inputs else 4
+            widths = sum(per_batch[0].shape[-1] ** 2 for per_batch in inputs.inputs[0].values()) if inputs.inputs else 0
+            needed = len(inputs.inputs) * widths * element * self.folds
+            inputs.fold_grams = {} if needed <= FOLD_GRAMS_KEPT_BYTES else False
+        return inputs.fold_grams if inputs.fold_grams is not False else None
 
 
 def training_grams(inputs: MapInputs, folds: int, fold: int) -> dict[str, FoldGrams]:
