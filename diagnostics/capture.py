@@ -57,6 +57,7 @@ class Recorded:
     token_mask: torch.Tensor  # (batch, seq) bool, real tokens
     sample_index: list[int]
     output: torch.Tensor | None = None  # the module's output on θ0, when the capture kept it (``outputs=True``)
+    maps: dict[str, torch.Tensor] | None = None  # outputs on θ0 of linear maps inside it, by local name (the capture's)
 
     @property
     def hidden(self) -> torch.Tensor | None:
@@ -65,13 +66,13 @@ class Recorded:
 
     def with_hidden(self, hidden: torch.Tensor) -> Recorded:
         """These inputs with `hidden` as the hidden state (`block_kwargs`' inputs, given a recorded stream)."""
-        return Recorded(*_with_hidden(self, hidden), self.token_mask, self.sample_index, self.output)
+        return Recorded(*_with_hidden(self, hidden), self.token_mask, self.sample_index, self.output, self.maps)
 
     def upcast(self, dtype: torch.dtype) -> Recorded:
         """These inputs (and the kept output) with every floating tensor of lower precision than `dtype` in `dtype`
         (never rounded down)."""
         return Recorded(upcast(self.args, dtype), upcast(self.kwargs, dtype), self.token_mask, self.sample_index,
-                        upcast(self.output, dtype))
+                        upcast(self.output, dtype), upcast(self.maps, dtype))
 
 
 def upcast(value, dtype: torch.dtype | None, device: torch.device | None = None):
@@ -298,6 +299,7 @@ def record_inputs(
     state: CaptureState | None = None,
     compute: torch.dtype | None = None,
     outputs: bool = False,
+    maps: dict[str, Iterable[str]] | None = None,
 ) -> dict[str, list[Recorded]]:
     """Record the inputs of the modules at `paths` on every batch (one partial forward per batch).
 
@@ -306,22 +308,32 @@ def record_inputs(
     With `compute` (e.g. float32 for a bfloat16 base), the forward runs in that dtype stage by stage and the
     inputs are recorded in it. With `outputs`, each module's output on θ0 is kept too (`Recorded.output`: the
     point a = 0 of a replayed line, so it is never replayed; a joined path such as BERT's ``intermediate+output``
-    has no single module whose output to keep and gets none).
+    has no single module whose output to keep and gets none), and so are the outputs of the linear maps inside it
+    that the forward calls once, that `maps` (path → local names) names (`Recorded.maps`: the term W0·z0 + b0 of
+    a line's shared map is the base's own map output, never computed again). A map both a module and the block
+    holding it name is one tensor, kept once.
     """
     paths = list(dict.fromkeys(paths))
     recorded: dict[str, list[Recorded]] = {path: [] for path in paths}
     layers = [_layer_of(arch, p) for p in paths]
+    wanted = {path: list(names) for path, names in (maps or {}).items() if outputs and path in recorded}
 
     def register(handles, b, batch, mask):
         for path in paths:
             def hook(module, args, kwargs, path=path):
-                recorded[path].append(Recorded(tuple(args), _clean_kwargs(kwargs), mask, batch.sample_index))
+                recorded[path].append(Recorded(tuple(args), _clean_kwargs(kwargs), mask, batch.sample_index,
+                                               maps={} if path in wanted else None))
             handles.append(model.get_submodule(input_module_path(path)).register_forward_pre_hook(
                 hook, with_kwargs=True))
             if outputs and "+" not in path:
                 def keep(module, args, output, path=path):
                     recorded[path][-1].output = first_output(output)
                 handles.append(model.get_submodule(path).register_forward_hook(keep))
+            for name in wanted.get(path, ()):
+                def keep_map(module, args, output, path=path, name=name):
+                    kept = recorded[path][-1].maps
+                    kept[name] = None if name in kept else first_output(output)  # called twice: not a line's map
+                handles.append(model.get_submodule(f"{path}.{name}").register_forward_hook(keep_map))
 
     _partial_forward(model, arch, batches, device, max(layers, default=-1), min(layers, default=-1), register, state,
                      compute)

@@ -261,7 +261,9 @@ def _line_terms(source, module, path: str, task: str, shared: SharedMap, recorde
                 zero = {n: torch.zeros_like(v) for n, v in norm_delta.items()}
                 d = functional_call(norm, norm_delta, (x,), strict=False) - functional_call(norm, zero, (x,),
                                                                                               strict=False)
-        p0, p1 = apply(own, z0), apply(delta, z0)
+        p0, p1 = _captured_term(rec, shared.name, compute), apply(delta, z0)
+        if p0 is None:
+            p0 = apply(own, z0)
         if handed is not None:
             child = child_inputs[b].hidden
             same = isinstance(child, torch.Tensor) and child.dtype == z0.dtype and torch.equal(child, z0)
@@ -273,6 +275,14 @@ def _line_terms(source, module, path: str, task: str, shared: SharedMap, recorde
     if handed:
         found.extend(handed)
     return terms
+
+
+def _captured_term(rec: Recorded, name: str, compute: torch.dtype) -> torch.Tensor | None:
+    """P0 = W0·z0 + b0 of the shared map `name` on this batch where the capture kept the map's output on θ0
+    (`Recorded.maps`; the capture ran the base in the compute dtype, so this is the product the line would compute,
+    bit for bit); None where it did not."""
+    value = rec.output if name == "" else rec.maps.get(name) if rec.maps else None  # "": the module is the map
+    return value if isinstance(value, torch.Tensor) and value.dtype == compute else None
 
 
 def _at(terms: tuple, a: float, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -675,6 +685,38 @@ class ModelStreams:
         return None if None in found else [self.streams[task][i] for i in found]
 
 
+def linear_maps_in(model: torch.nn.Module, path: str) -> list[str]:
+    """Local names of the linear maps inside the module at `path` (none for a joined path or a linear module: its
+    own output is `Recorded.output`), whose outputs on θ0 a line's capture keeps (`record_inputs`' ``maps``)."""
+    if "+" in path:
+        return []
+    module = get_module(model, path)
+    return [name for name, sub in module.named_modules() if name and is_linear(sub)]
+
+
+def keep_shared_map_outputs(model: torch.nn.Module, recorded: dict, compute: torch.dtype) -> None:
+    """Drop from each `Recorded.maps` of `recorded` ({task: {path: [Recorded]}}) the outputs of maps that are not
+    the module's `shared_maps` (or were called twice): only those are a line's P0."""
+    for by_path in recorded.values():
+        for path, records in by_path.items():
+            if not records or records[0].maps is None:
+                continue
+            shared = {m.name for m in shared_maps(get_module(model, path), records[0].upcast(compute))}
+            for rec in records:
+                rec.maps = {name: value for name, value in rec.maps.items() if name in shared and value is not None}
+
+
+def map_output_bytes(experiment, modules: Sequence[Submodule], compute: torch.dtype) -> int:
+    """An upper bound of the bytes of one layer's kept map outputs (`linear_maps_in`) over all tasks: every
+    linear map of each unit path among `modules`, as wide as its weight's larger side."""
+    model = experiment.base.model
+    element = torch.finfo(torch.promote_types(next(model.parameters()).dtype, compute)).bits // 8
+    width = sum(max(model.get_submodule(f"{path}.{name}").weight.shape)
+                for path in units_of(modules) for name in linear_maps_in(model, path))
+    padded = sum(sum(b.input_ids.numel() for b in batches) for batches in experiment.batches.values())
+    return padded * width * element
+
+
 def bytes_per_layer(experiment, paths_per_layer: int, compute: torch.dtype) -> int:
     """Bytes of one layer's recorded inputs (kept in the storage dtype promoted to `compute`)."""
     hidden = experiment.base.model.config.get_text_config().hidden_size
@@ -758,10 +800,14 @@ class LocalLayers:
             describe(f"capturing layers {chunk[0]}–{chunk[-1]}")
             paths = list(units_of(chunk_modules))
             last = final is not None and chunk[-1] == experiment.arch.num_layers - 1  # the forward runs to its end
+            maps = {path: linear_maps_in(experiment.base.model, path) for path in paths} if self.sweep.capture_outputs else None
             recorded = {task: record_inputs(experiment.base.model, experiment.arch, paths + [final] * last,
                                             experiment.batches[task], device=experiment.device, state=states[task],
-                                            compute=self.source.compute_dtype, outputs=self.sweep.capture_outputs)
+                                            compute=self.source.compute_dtype, outputs=self.sweep.capture_outputs,
+                                            maps=maps)
                         for task in experiment.tasks}
+            if maps:
+                keep_shared_map_outputs(experiment.base.model, recorded, self.source.compute_dtype)
             if last:
                 self.model_base = {task: [rec.output for rec in recorded[task].pop(final)] for task in recorded}
             for layer in chunk:

@@ -290,3 +290,28 @@ def test_the_model_level_carried_beside_the_sweep_scores_bitwise_as_replayed_aft
     resumed = nonlinearity(experiment, levels=levels, steps=4, progress=False, store=store)
     assert not replayed_after
     np.testing.assert_array_equal(resumed.nonlinearity_score.values, carried.nonlinearity_score.values)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_a_shared_maps_first_term_is_the_captured_map_output(toy_kit, monkeypatch, architecture, dtype):
+    """P0 = W0·z0 + b0 of every shared map (q/k/v of a block or an attention, gate/up of an MLP, a linear module)
+    is the base's own map output the capture kept (`Recorded.maps`, `Recorded.output`): the scores of every level
+    are bitwise those of a run whose capture keeps no map outputs (which computes P0 again), in fewer products."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from submerge.diagnostics import replay as replay_module
+
+    experiment = toy_kit(architecture).experiment(dtype=dtype)
+    results, flops = {}, {}
+    for kept in (True, False):
+        if not kept:
+            monkeypatch.setattr(replay_module, "linear_maps_in", lambda model, path: [])
+            monkeypatch.setattr(replay_module, "_captured_term", lambda rec, name, compute: None)
+        with FlopCounterMode(display=False) as counter:
+            results[kept] = nonlinearity(experiment, levels=LEVELS, steps=4, floor_samples=0, progress=False)
+        flops[kept] = counter.get_total_flops()
+    scores = results[True].nonlinearity_score.values
+    assert np.isfinite(scores).sum() > 0
+    np.testing.assert_array_equal(scores, results[False].nonlinearity_score.values)
+    assert flops[True] < flops[False], flops

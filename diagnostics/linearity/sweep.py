@@ -26,7 +26,14 @@ from submerge.diagnostics.modules import Submodule
 from submerge.diagnostics.placement import tasks_kept_on, variants_kept_bytes
 from submerge.diagnostics.progress import progress_bar
 from submerge.diagnostics.provenance import run_attrs
-from submerge.diagnostics.replay import LayerMeasure, Unit, bytes_per_layer, modules_for, units_of
+from submerge.diagnostics.replay import (
+    LayerMeasure,
+    Unit,
+    bytes_per_layer,
+    map_output_bytes,
+    modules_for,
+    units_of,
+)
 from submerge.diagnostics.store import UnitWriter
 
 PRECISION_NOTE = {
@@ -144,4 +151,9 @@ class Sweep:
         paths_per_layer = max((len(units_of([m for m in self.modules if m.layer == layer]))
                                for layer in {m.layer for m in self.modules if m.level != "model"}), default=1)
         kept = 2 if self.capture_outputs else 1  # inputs, and outputs where the capture keeps them
-        return bytes_per_layer(self.experiment, paths_per_layer, self.source.compute_dtype) * len(self.tasks) * kept
+        total = bytes_per_layer(self.experiment, paths_per_layer, self.source.compute_dtype) * len(self.tasks) * kept
+        if self.capture_outputs:  # and the outputs of the linear maps inside (`record_inputs`' maps)
+            layers = {m.layer for m in self.modules if m.level != "model"}
+            total += max((map_output_bytes(self.experiment, [m for m in self.modules if m.layer == layer],
+                                           self.source.compute_dtype) for layer in layers), default=0)
+        return total
