@@ -707,12 +707,21 @@ def keep_shared_map_outputs(model: torch.nn.Module, recorded: dict, compute: tor
 
 
 def map_output_bytes(experiment, modules: Sequence[Submodule], compute: torch.dtype) -> int:
-    """An upper bound of the bytes of one layer's kept map outputs (`linear_maps_in`) over all tasks: every
-    linear map of each unit path among `modules`, as wide as its weight's larger side."""
+    """An upper bound of the bytes of one layer's kept map outputs (`keep_shared_map_outputs`) over all tasks: the
+    outputs of the distinct linear maps inside the unit paths of `modules` whose input is as wide as the hidden
+    state (a shared map's input is the module's input or its norm's output; o_proj's counts too, though it is not
+    one), each kept once however many units hold it."""
     model = experiment.base.model
+    hidden = model.config.get_text_config().hidden_size
     element = torch.finfo(torch.promote_types(next(model.parameters()).dtype, compute)).bits // 8
-    width = sum(max(model.get_submodule(f"{path}.{name}").weight.shape)
-                for path in units_of(modules) for name in linear_maps_in(model, path))
+    maps = {f"{path}.{name}" for path in units_of(modules) for name in linear_maps_in(model, path)}
+    width = 0
+    for full in maps:
+        linear = model.get_submodule(full)
+        outputs, inputs = linear.weight.shape  # (out, in); transformers' Conv1D stores (in, out)
+        if type(linear).__name__ == "Conv1D":
+            outputs, inputs = inputs, outputs
+        width += outputs if inputs == hidden else 0
     padded = sum(sum(b.input_ids.numel() for b in batches) for batches in experiment.batches.values())
     return padded * width * element
 
@@ -800,7 +809,8 @@ class LocalLayers:
             describe(f"capturing layers {chunk[0]}–{chunk[-1]}")
             paths = list(units_of(chunk_modules))
             last = final is not None and chunk[-1] == experiment.arch.num_layers - 1  # the forward runs to its end
-            maps = {path: linear_maps_in(experiment.base.model, path) for path in paths} if self.sweep.capture_outputs else None
+            maps = ({path: linear_maps_in(experiment.base.model, path) for path in paths}
+                    if self.sweep.keeps_map_outputs() else None)
             recorded = {task: record_inputs(experiment.base.model, experiment.arch, paths + [final] * last,
                                             experiment.batches[task], device=experiment.device, state=states[task],
                                             compute=self.source.compute_dtype, outputs=self.sweep.capture_outputs,

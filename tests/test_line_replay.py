@@ -305,7 +305,7 @@ def test_a_shared_maps_first_term_is_the_captured_map_output(toy_kit, monkeypatc
     experiment = toy_kit(architecture).experiment(dtype=dtype)
     results, flops = {}, {}
     for kept in (True, False):
-        if not kept:
+        if not kept:  # the capture keeps no map outputs (P0 computed by the line), nor does the module's output serve
             monkeypatch.setattr(replay_module, "linear_maps_in", lambda model, path: [])
             monkeypatch.setattr(replay_module, "_captured_term", lambda rec, name, compute: None)
         with FlopCounterMode(display=False) as counter:
@@ -315,3 +315,34 @@ def test_a_shared_maps_first_term_is_the_captured_map_output(toy_kit, monkeypatc
     assert np.isfinite(scores).sum() > 0
     np.testing.assert_array_equal(scores, results[False].nonlinearity_score.values)
     assert flops[True] < flops[False], flops
+
+
+@pytest.mark.parametrize("architecture", ["llama", "gpt2"])
+def test_map_outputs_are_kept_only_where_a_layers_capture_fits_the_budget(toy_kit, monkeypatch, architecture):
+    """Both sides of the capture budget for the map outputs (`Sweep.keeps_map_outputs`): with a budget below one
+    layer's inputs, outputs and map outputs the capture keeps none (and captures layer by layer), above it it keeps
+    them; the scores are bit for bit the same, in more products without them."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from submerge.diagnostics import replay as replay_module
+    from submerge.diagnostics.linearity import sweep as sweep_module
+
+    experiment = toy_kit(architecture).experiment()
+    kept_maps, real = [], sweep_module.Sweep.keeps_map_outputs
+    monkeypatch.setattr(sweep_module.Sweep, "keeps_map_outputs", lambda self: kept_maps.append(real(self)) or
+                        kept_maps[-1])
+    maps_seen, keep = [], replay_module.keep_shared_map_outputs
+    monkeypatch.setattr(replay_module, "keep_shared_map_outputs",
+                        lambda model, recorded, compute: maps_seen.append(1) or keep(model, recorded, compute))
+    results, flops = {}, {}
+    for budget in (1 << 30, 1):
+        kept_maps.clear()
+        maps_seen.clear()
+        with FlopCounterMode(display=False) as counter:
+            results[budget] = nonlinearity(experiment, levels=LEVELS, steps=4, floor_samples=0, progress=False,
+                                           capture_budget=budget)
+        flops[budget] = counter.get_total_flops()
+        assert kept_maps and all(kept_maps) == (budget > 1)
+        assert bool(maps_seen) == (budget > 1)
+    np.testing.assert_array_equal(results[1 << 30].nonlinearity_score.values, results[1].nonlinearity_score.values)
+    assert flops[1 << 30] < flops[1]

@@ -152,8 +152,23 @@ class Sweep:
                                for layer in {m.layer for m in self.modules if m.level != "model"}), default=1)
         kept = 2 if self.capture_outputs else 1  # inputs, and outputs where the capture keeps them
         total = bytes_per_layer(self.experiment, paths_per_layer, self.source.compute_dtype) * len(self.tasks) * kept
-        if self.capture_outputs:  # and the outputs of the linear maps inside (`record_inputs`' maps)
-            layers = {m.layer for m in self.modules if m.level != "model"}
-            total += max((map_output_bytes(self.experiment, [m for m in self.modules if m.layer == layer],
-                                           self.source.compute_dtype) for layer in layers), default=0)
-        return total
+        return total + self._map_bytes() if self.keeps_map_outputs() else total
+
+    def keeps_map_outputs(self) -> bool:
+        """Whether the capture also keeps the outputs of the shared linear maps inside each unit (their P0 on θ0:
+        `replay.keep_shared_map_outputs`): where it keeps outputs, and one layer's inputs, outputs and those map
+        outputs fit in the capture budget together (SmolLM2-135M, 3 tasks × 30 records × ≤ 512 tokens: 0.50 GB of
+        0.54). Beyond it (a Llama-2-7B block at 3 × 8 × 128: 0.30 GB of inputs and outputs, 0.47 GB of map outputs)
+        the line computes P0 itself, as before: the same values, bit for bit."""
+        if not self.capture_outputs:
+            return False
+        paths_per_layer = max((len(units_of([m for m in self.modules if m.layer == layer]))
+                               for layer in {m.layer for m in self.modules if m.level != "model"}), default=1)
+        plain = bytes_per_layer(self.experiment, paths_per_layer, self.source.compute_dtype) * len(self.tasks) * 2
+        return plain + self._map_bytes() <= self.capture_budget
+
+    def _map_bytes(self) -> int:
+        """The most bytes one layer's kept map outputs take (`replay.map_output_bytes`)."""
+        layers = {m.layer for m in self.modules if m.level != "model"}
+        return max((map_output_bytes(self.experiment, [m for m in self.modules if m.layer == layer],
+                                     self.source.compute_dtype) for layer in layers), default=0)
