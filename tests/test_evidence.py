@@ -537,22 +537,40 @@ def test_the_regmean_inputs_replay_lets_the_base_blocks_pooled_parameters_go(ran
 
 
 def test_the_candidates_merges_read_the_blocks_task_vectors_tensor_by_tensor(random_kit, tmp_path, monkeypatch):
-    """Each candidate's merge of a block (`merged_block`) starts with no τ kept by the source and keeps none: it reads
-    the T tasks' τ of one tensor at a time (a 7B block's τ of three tasks is 2.4 GB in float32); the scores are those
-    of the τ kept (`test_a_regmean_candidate_is_regmean_fitted_on_the_other_folds_and_scored_on_its_own`)."""
+    """Both sides of `placement.TAU_KEPT_BYTES`. Above it (a 7B block's τ of three tasks is 2.4 GB in float32) each
+    candidate's merge of a block (`merged_block`) starts with no τ kept by the source and keeps none: it reads the T
+    tasks' τ of one tensor at a time. Below it the first merge of a block reads the block's τ and keeps it for the
+    block's other merges, which read none; the sweep lets it go after the block. The evidence is bit for bit the
+    same; the scores are those of the τ kept
+    (`test_a_regmean_candidate_is_regmean_fitted_on_the_other_folds_and_scored_on_its_own`)."""
+    from submerge.diagnostics import placement
+
     fit = _records_experiment(random_kit, list(range(6)), tmp_path)
     real, kept = evidence_module.merged_block, []
 
     def watched(source, path, delta, table, tasks):
         before = len(source._cache)
         params = real(source, path, delta, table, tasks)
-        kept.append((before, len(source._cache)))
+        kept.append((path, before, len(source._cache)))
         return params
 
     monkeypatch.setattr(evidence_module, "merged_block", watched)
-    evidence(fit, _merge(fit, block_rules=("regmean", "ties")), candidates=("layer", "regmean", "ties"), folds=2,
-             progress=False)
-    assert len(kept) == 2 * (2 + 2 + 1) and all(counts == (0, 0) for counts in kept), kept
+    results = {}
+    for threshold in (0, placement.TAU_KEPT_BYTES):
+        monkeypatch.setattr(placement, "TAU_KEPT_BYTES", threshold)
+        kept.clear()
+        results[threshold] = evidence(fit, _merge(fit, block_rules=("regmean", "ties")),
+                                      candidates=("layer", "regmean", "ties"), folds=2, progress=False)
+        assert len(kept) == 2 * (2 + 2 + 1), kept
+        if threshold == 0:
+            assert all(before == after == 0 for _, before, after in kept), kept
+        else:
+            for path in {p for p, _, _ in kept}:
+                counts = [(before, after) for p, before, after in kept if p == path]
+                assert counts[0][0] == 0 and counts[0][1] > 0  # the block's first merge reads and keeps τ
+                assert all(before == after == counts[0][1] for before, after in counts[1:])  # the others read none
+    for name in ("fold_objective", "alpha", "fold_alpha"):
+        np.testing.assert_array_equal(results[0][name].values, results[placement.TAU_KEPT_BYTES][name].values)
 
 
 def test_regmean_recovers_each_fine_tune_where_their_inputs_are_disjoint(hand_fit):

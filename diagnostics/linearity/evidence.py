@@ -51,6 +51,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from submerge.diagnostics import data as data_module
+from submerge.diagnostics import placement
 from submerge.diagnostics.capture import DEFAULT_CAPTURE_BUDGET, block_kwargs, hooks, linear_maps, no_tf32
 from submerge.diagnostics.errors import SubmergeError
 from submerge.diagnostics.execution import LocalEngine, RunSettings
@@ -170,14 +171,17 @@ def fold_objective(merged, targets, denominators, folds_by_task, fold: int, bala
 
 def merged_block(source, path: str, delta: TensorDelta, table: TensorTable, tasks: list[str]) -> dict:
     """Block `path`'s parameters θ0 + δ (local names) in the compute dtype, never rounded back to storage, plus
-    the block's floating buffers upcast (as `ParameterSource.variant` gives them). τ is read tensor by tensor and let
-    go (``keep=False``): the T tasks' τ of one tensor at a time, not of the whole block (2.4 GB at 7B, T = 3)."""
+    the block's floating buffers upcast (as `ParameterSource.variant` gives them). τ is read tensor by tensor; where
+    the T tasks' τ of the whole block fit in `placement.tau_kept_bytes` (SmolLM2-135M: 42 MB) the source keeps them
+    for the block's other candidates and folds (the sweep clears it after the block), else each is let go
+    (``keep=False``): one tensor's τ of the T tasks at a time, not the block's (2.4 GB at 7B, T = 3)."""
     params = source.upcast_buffers(path)
     base = source.base_parameters(path)
+    keep = len(tasks) * 4 * sum(weight.numel() for weight in base.values()) <= placement.tau_kept_bytes(source.device)
     for local, full in module_parameter_names(source.base.model, path).items():
         weight = base[local]
         info = table.get(source.base.checkpoint_name(full), tuple(weight.shape))
-        merged = delta(info, [source.deltas(path, t, [local], keep=False)[local] for t in tasks])
+        merged = delta(info, [source.deltas(path, t, [local], keep=keep)[local] for t in tasks])
         compute = torch.promote_types(weight.dtype, source.compute_dtype)
         params[local] = weight.to(device=source.device, dtype=compute) + merged.to(compute)
     return params
