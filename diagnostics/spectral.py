@@ -160,9 +160,10 @@ def solve_symmetric_right(rows: torch.Tensor, matrix: torch.Tensor, *, min_rcond
                 and rows.dtype == matrix.dtype and matrix.is_contiguous() and rows.is_contiguous()
                 and not matrix.requires_grad and not rows.requires_grad)
     if not in_place:
-        factor, info = torch.linalg.cholesky_ex(matrix)
-        if int(info) == 0 and min_rcond <= 0:
-            return torch.cholesky_solve(rows.mT, factor).mT
+        if min_rcond <= 0:
+            factor, info = torch.linalg.cholesky_ex(matrix)
+            if int(info) == 0:
+                return torch.cholesky_solve(rows.mT, factor).mT
         return rows @ torch.linalg.pinv(matrix, hermitian=True)
     diagonal = matrix.diagonal().clone()  # potrf overwrites it: kept to rebuild A if A is singular
     norm = float(matrix.abs().sum(dim=0).max()) if min_rcond > 0 and matrix.numel() else 0.0  # ‖A‖₁, before potrf

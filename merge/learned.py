@@ -312,7 +312,8 @@ def adamerging_coefficients(experiment, *, granularity: str = "layer", steps: in
     raw = torch.full((max(rows.values(), default=0) + 1, len(tasks)), float(initial), dtype=torch.float32,
                      device=experiment.device, requires_grad=True)
     optimizer = torch.optim.Adam([raw], lr=float(learning_rate))
-    regrouped = experiment.regrouped(data_module.BATCH_OVERHEAD_TOKENS).batches  # the constant read at call time
+    regrouped_experiment = experiment.regrouped(data_module.BATCH_OVERHEAD_TOKENS)  # the constant read at call time
+    regrouped = regrouped_experiment.batches
     batches = [batch for task in tasks for batch in regrouped[task]]
     owner = [task for task in tasks for _ in regrouped[task]]
     tokens = {task: sum(int(b.attention_mask[:, 1:].sum()) for b in regrouped[task]) for task in tasks}
@@ -332,9 +333,8 @@ def adamerging_coefficients(experiment, *, granularity: str = "layer", steps: in
             bar.update(job, advance=1, description=f"AdaMerging · entropy {entropy:.4f}")
     learned = raw.detach().clamp(0.0, 1.0).cpu().double().numpy()
     record = {"granularity": granularity, "steps": int(steps), "learning_rate": float(learning_rate),
-              "initial": float(initial), "batches": data_module.regrouped_rule(data_module.BATCH_OVERHEAD_TOKENS),
-              "entropy": {"first": history[0] if history else None,
-                                                     "last": history[-1] if history else None}}
+              "initial": float(initial), "batches": regrouped_experiment.settings["batches"],
+              "entropy": {"first": history[0] if history else None, "last": history[-1] if history else None}}
     if granularity == "task":
         shared = {task: float(learned[0, i]) for i, task in enumerate(tasks)}
         return Coefficients(tasks, shared=shared, record={**record, "coefficients": shared})

@@ -64,7 +64,7 @@ from submerge.diagnostics.linearity.equations import (
     task_gram,
 )
 from submerge.diagnostics.linearity.sweep import Sweep
-from submerge.diagnostics.modules import GRANULARITIES, module_parameter_names
+from submerge.diagnostics.modules import GRANULARITIES, get_module, module_parameter_names
 from submerge.diagnostics.progress import progress_bar
 from submerge.diagnostics.replay import Given, Layer, LayerMeasure, Outputs, measure_layer, modules_for
 from submerge.diagnostics.tensors import TensorInfo, TensorTable
@@ -172,12 +172,12 @@ def fold_objective(merged, targets, denominators, folds_by_task, fold: int, bala
 def merged_block(source, path: str, delta: TensorDelta, table: TensorTable, tasks: list[str]) -> dict:
     """Block `path`'s parameters θ0 + δ (local names) in the compute dtype, never rounded back to storage, plus
     the block's floating buffers upcast (as `ParameterSource.variant` gives them). τ is read tensor by tensor; where
-    the T tasks' τ of the whole block fit in `placement.tau_kept_bytes` (SmolLM2-135M: 42 MB) the source keeps them
+    the T tasks' τ of the whole block fit (`placement.tasks_kept_on`; SmolLM2-135M: 42 MB) the source keeps them
     for the block's other candidates and folds (the sweep clears it after the block), else each is let go
     (``keep=False``): one tensor's τ of the T tasks at a time, not the block's (2.4 GB at 7B, T = 3)."""
     params = source.upcast_buffers(path)
     base = source.base_parameters(path)
-    keep = len(tasks) * 4 * sum(weight.numel() for weight in base.values()) <= placement.tau_kept_bytes(source.device)
+    keep = placement.tasks_kept_on(source.device, get_module(source.base.model, path), 0) >= len(tasks)
     for local, full in module_parameter_names(source.base.model, path).items():
         weight = base[local]
         info = table.get(source.base.checkpoint_name(full), tuple(weight.shape))
@@ -290,8 +290,13 @@ class FoldGrams(Sequence):
                 gram = self._fold_gram(task, f)
             else:
                 key = (task % len(self), self.lead, f)
-                gram = kept[key] if key in kept else kept.setdefault(key, self._fold_gram(task, f))
-            total = gram.clone() if total is None and kept is not None else gram if total is None else total.add_(gram)
+                if key not in kept:
+                    kept[key] = self._fold_gram(task, f)
+                gram = kept[key]
+            if total is None:
+                total = gram if kept is None else gram.clone()  # a kept G_f is summed into a copy, never changed
+            else:
+                total.add_(gram)
         return total
 
     def _fold_gram(self, task: int, fold: int) -> torch.Tensor:

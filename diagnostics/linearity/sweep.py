@@ -148,11 +148,8 @@ class Sweep:
 
     def layer_bytes(self) -> int:
         """Bytes of one layer's recorded inputs over all tasks (what `layer_chunks` splits the budget by)."""
-        paths_per_layer = max((len(units_of([m for m in self.modules if m.layer == layer]))
-                               for layer in {m.layer for m in self.modules if m.level != "model"}), default=1)
-        kept = 2 if self.capture_outputs else 1  # inputs, and outputs where the capture keeps them
-        total = bytes_per_layer(self.experiment, paths_per_layer, self.source.compute_dtype) * len(self.tasks) * kept
-        return total + self._map_bytes() if self.keeps_map_outputs() else total
+        recorded = self._recorded_bytes()
+        return recorded + self._map_bytes() if self.keeps_map_outputs() else recorded
 
     def keeps_map_outputs(self) -> bool:
         """Whether the capture also keeps the outputs of the shared linear maps inside each unit (their P0 on θ0:
@@ -160,12 +157,14 @@ class Sweep:
         outputs fit in the capture budget together (SmolLM2-135M, 3 tasks × 30 records × ≤ 512 tokens: 0.50 GB of
         0.54). Beyond it (a Llama-2-7B block at 3 × 8 × 128: 0.30 GB of inputs and outputs, 0.47 GB of map outputs)
         the line computes P0 itself, as before: the same values, bit for bit."""
-        if not self.capture_outputs:
-            return False
+        return self.capture_outputs and self._recorded_bytes() + self._map_bytes() <= self.capture_budget
+
+    def _recorded_bytes(self) -> int:
+        """Bytes of one layer's recorded inputs over all tasks, and of its outputs where the capture keeps them."""
         paths_per_layer = max((len(units_of([m for m in self.modules if m.layer == layer]))
                                for layer in {m.layer for m in self.modules if m.level != "model"}), default=1)
-        plain = bytes_per_layer(self.experiment, paths_per_layer, self.source.compute_dtype) * len(self.tasks) * 2
-        return plain + self._map_bytes() <= self.capture_budget
+        kept = 2 if self.capture_outputs else 1
+        return bytes_per_layer(self.experiment, paths_per_layer, self.source.compute_dtype) * len(self.tasks) * kept
 
     def _map_bytes(self) -> int:
         """The most bytes one layer's kept map outputs take (`replay.map_output_bytes`)."""
