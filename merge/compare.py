@@ -141,12 +141,17 @@ from submerge.merge.tuning import (
 )
 from submerge.merge.tuning import label as tuning_label
 from submerge.merge.tuning import record as tuning_record
-from submerge.merge.writer import ParameterRule, write_merge
+from submerge.merge.writer import ParameterRule, write_merges
 
 DEFAULT_LAMBDAS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 TUNED = "task-arithmetic-tuned"
 CLOSED_FORM = ("closed-form-layer", "closed-form-attn-mlp")
 PLAN = "plan"
+#: The δ of a method's settings are written in one pass (`merge.writer.write_merges`: each tensor read once, KnOTS's
+#: and CART's SVDs taken once for all settings) where all of those checkpoints take at most this many bytes together
+#: and the scratch disk has room for them (SmolLM2-135M: 0.54 GB a setting; a 7B's 13.5 GB do not fit), else one
+#: after another, each deleted once beaten, as before.
+TOGETHER_BYTES = 8 * 2**30
 
 
 class CompareError(SubmergeError):
@@ -579,22 +584,29 @@ def _with_rest(merge: Merge, rest: str) -> Merge:
 
 
 def _tune(method: str, merge: Merge, evaluator: _Evaluator, write: Callable, *, search: str, lambdas,
-          on_candidate: Callable[[str], None], grids: dict | None = None, fixed: dict | None = None
-          ) -> tuple[np.ndarray, Tuned]:
+          on_candidate: Callable[[str], None], grids: dict | None = None, fixed: dict | None = None,
+          write_together: Callable | None = None) -> tuple[np.ndarray, Tuned]:
     """Held-out losses of `method` at the candidate (setting × λ) with the lowest mean fit loss (`merge.tuning`:
     each setting's δ written once, each λ evaluated as θ0 + λ·δ). The evidence plan (`merge.steering`) also tries
-    each steer share of its grid (`_tune_steering`)."""
+    each steer share of its grid (`_tune_steering`). `write_together([(label, merge) …])` writes the settings' δ in
+    one pass, or returns None where they do not fit (`TOGETHER_BYTES`); then `write` writes each in turn."""
     candidates, scale_name = _candidates(method, merge, grids, fixed)
     values = lambdas_of(method, lambdas, grids)
     best: tuple | None = None  # (fit loss, setting, λ, directories, terms)
     searched: dict[str, float] = {}
     steering = merge.steering if method == PLAN else None
     try:
+        labels = [f"{method}-candidate-{index}" for index in range(len(candidates))]
+        together = len(candidates) > 1 and write_together is not None and \
+            len({id(candidate.gram_matrices) for _, candidate in candidates}) == 1
+        if together:
+            on_candidate(f"the δ of {len(candidates)} settings in one pass")
+            written = write_together(list(zip(labels, (candidate for _, candidate in candidates))))
         for index, (setting, candidate) in enumerate(candidates):
             if steering is not None:
                 setting = {**setting, "steer_share": 0.0}
             on_candidate(tuning_label(setting, math.nan, scale_name).replace(f"{scale_name}=nan", "") or "δ")
-            directory = write(f"{method}-candidate-{index}", candidate, False)
+            directory = written[index] if together and written else write(labels[index], candidate, False)
             reader = open_checkpoint(str(directory), base=evaluator.base.reader)
 
             def loss(value: float, setting=setting, reader=reader) -> float:
@@ -1344,6 +1356,11 @@ def _check_outputs(pending: list[str], keep, plan_out, store: Store | None, forc
 SCRATCH_PREFIX = "submerge-compare-"  # + "<pid>-": a scratch folder names the process that owns it
 
 
+def checkpoint_bytes(reader) -> int:
+    """Bytes of the tensors of a checkpoint (`reader`): what a merge written in its dtypes takes on disk."""
+    return sum(math.prod(reader.shape(name)) * reader.dtype(name).itemsize for name in reader.names())
+
+
 def _scratch_directory() -> Path:
     """A new scratch folder for merges that are not kept; the folders of compares that were killed (their process
     is gone) are removed first, with a warning naming each."""
@@ -1367,14 +1384,22 @@ def _run_methods(pending, merges, evaluator, writer, references, base_spec, fine
     keep = Path(run.request.keep) if run.request.keep is not None else None
     store, bar, job = run.store, run.bar, run.job
 
-    def write(label: str, merge: Merge, kept: bool = True) -> Path:
-        directory = (keep if (keep is not None and kept) else scratch) / label
-        record = {**merge.record, "compare": {"method": label, "store": str(Path(store.path).resolve())
-                                              if store is not None else None}}
+    def write_all(labeled: list[tuple[str, Merge]], kept: bool = False) -> list[Path]:
+        """Write the merges (label, merge), which share their per-tensor data input, in one pass."""
+        outputs = [((keep if (keep is not None and kept) else scratch) / label, merge.rule_for,
+                    {**merge.record, "compare": {"method": label, "store": str(Path(store.path).resolve())
+                                                 if store is not None else None}}) for label, merge in labeled]
         # force: scratch is this run's; keep/<label> was checked by _check_outputs before any work
-        return write_merge(base_spec, finetuned, directory, merge.rule_for, record=record, force=True,
-                           allow_pickle=run.allow_pickle, vocab=run.vocab, gram_matrices=merge.gram_matrices,
-                           progress=False)
+        return write_merges(base_spec, finetuned, outputs, force=True, allow_pickle=run.allow_pickle,
+                            vocab=run.vocab, gram_matrices=labeled[0][1].gram_matrices, progress=False)
+
+    def write(label: str, merge: Merge, kept: bool = True) -> Path:
+        return write_all([(label, merge)], kept)[0]
+
+    def write_together(labeled: list[tuple[str, Merge]]) -> list[Path] | None:
+        size = checkpoint_bytes(evaluator.base.reader)
+        fits = len(labeled) * size <= TOGETHER_BYTES and len(labeled) * size < shutil.disk_usage(scratch).free // 2
+        return write_all(labeled) if fits else None
 
     try:
         for label in pending:
@@ -1396,6 +1421,7 @@ def _run_methods(pending, merges, evaluator, writer, references, base_spec, fine
                 request = run.request
                 losses, tuned = _tune(label, merge, evaluator, write, search=request.tune, lambdas=request.lambdas,
                                       grids=request.grids, fixed=request.method_options.get(label),
+                                      write_together=write_together,
                                       on_candidate=lambda text, where=where: bar.update(
                                           job, description=f"Comparing · {where} · {text}"))
                 notes[f"search {unit_label(subset, seed, label)}"] = tuned.searched

@@ -49,10 +49,12 @@ reshapes >2-D kernels to (out, rest) as SFTM §3.3 does for convolutions.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import inspect
 import math
 import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -105,6 +107,7 @@ __all__ = [
     "resolve_method",
     "sftm",
     "sftm_system",
+    "shared_factors",
     "star",
     "star_truncate",
     "tall_masks",
@@ -216,6 +219,37 @@ def _thin_svd(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     """Thin SVD matrix = U diag(S) Vᵀ in the matrix's dtype (float64 here), returning (U, S, V) with V (n × r)."""
     left, singular_values, right_transposed = thin_svd(matrix, matrix.dtype)
     return left, singular_values, right_transposed.mT
+
+
+#: The decompositions taken within the current `shared_factors` scope (None outside one).
+_SHARED_FACTORS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("submerge_shared_factors", default=None)
+
+
+@contextlib.contextmanager
+def shared_factors() -> Iterator[None]:
+    """Within this scope, a decomposition of the same task vectors is taken once: the candidates of one tensor
+    (several settings of a method, merged from the same τ tensors one after the other: `submerge.merge.writer.
+    write_merges`) share KnOTS's SVD of [τ_1 … τ_T] and CART's SVD of each τ_t − τ̄, which their knots (top-k,
+    rank ratio) do not change. Results are bitwise those of separate calls; the factors are dropped when the scope
+    ends, so it should span one tensor's merges, not a model's."""
+    token = _SHARED_FACTORS.set({})
+    try:
+        yield
+    finally:
+        _SHARED_FACTORS.reset(token)
+
+
+def _shared(what: str, task_vectors: Sequence[torch.Tensor], compute: Callable[[], tuple]) -> tuple:
+    """`compute()`, or inside `shared_factors` its result for these very tensors (storage, view and in-place
+    version), computed once."""
+    memo = _SHARED_FACTORS.get()
+    if memo is None:
+        return compute()
+    key = (what, *((t.data_ptr(), t._version, tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
+                   for t in task_vectors))
+    if key not in memo:
+        memo[key] = compute()
+    return memo[key]
 
 
 # -------------------------------------------------------------------- element-wise methods
@@ -1045,8 +1079,9 @@ def cart(task_vectors: Sequence[torch.Tensor], *, rank_ratio: float = 0.08, scal
     if rank == 0 or rank >= full_rank:
         return _as_output(mean, task_vectors[0])
     low_rank_sum = torch.zeros_like(mean)
-    for task_vector in task_vectors:
-        left, singular_values, right = _thin_svd(task_vector.to(COMPUTE_DTYPE) - mean)
+    for index, task_vector in enumerate(task_vectors):  # the SVDs do not depend on the rank: shared by candidates
+        centred = lambda task_vector=task_vector: _thin_svd(task_vector.to(COMPUTE_DTYPE) - mean)
+        left, singular_values, right = _shared(f"cart {index}", task_vectors, centred)
         low_rank_sum += (left[:, :rank] * singular_values[:rank]) @ right[:, :rank].mT
     return _as_output(mean + float(scaling) * low_rank_sum, task_vectors[0])
 
@@ -1172,9 +1207,10 @@ def knots(task_vectors: Sequence[torch.Tensor], *, base: str = "ties", top_k: fl
     if base not in ("ties", "task-arithmetic"):
         raise ValueError(f"knots base must be 'ties' or 'task-arithmetic', got {base!r}")
     columns = task_vectors[0].shape[1]
-    concatenated = torch.cat([task_vector.to(COMPUTE_DTYPE) for task_vector in task_vectors], dim=1)
-    left, singular_values, right = _thin_svd(concatenated)
-    rank = numerical_rank(singular_values, tuple(concatenated.shape), task_vectors[0].dtype)
+    left, singular_values, right = _shared("knots", task_vectors, lambda: _thin_svd(
+        torch.cat([task_vector.to(COMPUTE_DTYPE) for task_vector in task_vectors], dim=1)))
+    rank = numerical_rank(singular_values, (task_vectors[0].shape[0], columns * len(task_vectors)),
+                          task_vectors[0].dtype)
     if rank == 0:
         return torch.zeros_like(task_vectors[0])
     left, scales = left[:, :rank], singular_values[:rank].to(COMPUTE_DTYPE)

@@ -10,7 +10,7 @@ Either way the tensors are bitwise the same (`merge_row_blocks` gives the rows o
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -27,6 +27,7 @@ from submerge.merge.strategies import (
     compute_dtype,
     is_row_local,
     merge_parameter,
+    shared_factors,
     weighted_task_arithmetic,
 )
 
@@ -84,22 +85,27 @@ def method_delta(info: TensorInfo, vectors: list[torch.Tensor], rule: ParameterR
     return delta.T if transposed else delta
 
 
-def merge_named(name: str, base_reader, task_vectors, table: TensorTable, rule_for, *, dtype, device,
-                gram_matrices) -> tuple[torch.Tensor, str | None]:
-    """(merged tensor, description of its rule) of the base tensor `name`; an integer buffer comes back as read
-    (no rule). The inputs' files are unmapped afterwards, so their pages do not pile up in the RSS."""
+def merge_named(name: str, base_reader, task_vectors, table: TensorTable, rule_fors: Sequence[Callable], *, dtype,
+                device, gram_matrices) -> list[tuple[torch.Tensor, str | None]]:
+    """(merged tensor, description of its rule) of the base tensor `name` under each rule function of `rule_fors`
+    (the outputs of one pass, `submerge.merge.writer.write_merges`); an integer buffer comes back as read (no rule).
+    The tensor and its task vectors are read once for all of them, and their merges share the decompositions they
+    have in common (`submerge.merge.strategies.shared_factors`). The inputs' files are unmapped afterwards, so their
+    pages do not pile up in the RSS."""
     base_tensor = base_reader.get(name, device=device)
-    merged, used = base_tensor, None
+    results: list[tuple[torch.Tensor, str | None]] = [(base_tensor, None)] * len(rule_fors)
     if base_tensor.is_floating_point():
         info = table.get(name, tuple(base_tensor.shape))
-        rule = rule_for(info)
+        rules = [rule_for(info) for rule_for in rule_fors]
         vectors = {task: reader.get(name, torch.float32, device) for task, reader in task_vectors.items()}
-        grams = gram_matrices(name) if (gram_matrices and rule.method in TENSOR_INPUTS) else None
-        merged, used = merge_tensor(info, base_tensor, vectors, rule, grams, dtype=dtype), rule.describe()
+        grams = gram_matrices(name) if (gram_matrices and any(r.method in TENSOR_INPUTS for r in rules)) else None
+        with shared_factors():
+            results = [(merge_tensor(info, base_tensor, vectors, rule, grams if rule.method in TENSOR_INPUTS else None,
+                                     dtype=dtype), rule.describe()) for rule in rules]
         del vectors
     for reader in (base_reader, *(tv.finetuned for tv in task_vectors.values())):
         reader.release()
-    return merged, used
+    return results
 
 
 def _row_local(rule: ParameterRule, info: TensorInfo) -> bool:
@@ -140,22 +146,24 @@ def merge_row_blocks(name: str, base_reader, task_vectors, table: TensorTable, r
 
 
 class MergeWorker:
-    """Merges the groups of tensors it is given: (name, merged tensor — or its row blocks with `stream` — rule)."""
+    """Merges the groups of tensors it is given: per tensor, (name, [(merged tensor — or its row blocks with
+    `stream` —, rule) for each rule function of `rule_fors`])."""
 
-    def __init__(self, base, task_vectors: dict, rule_for: Callable, gram_matrices: Callable | None, *, dtype,
-                 device: str, stream: bool):
+    def __init__(self, base, task_vectors: dict, rule_fors: Sequence[Callable], gram_matrices: Callable | None, *,
+                 dtype, device: str, stream: bool):
         self.base, self.task_vectors, self.table = base, task_vectors, TensorTable.from_reader(base)
-        self.rule_for, self.gram_matrices, self.stream = rule_for, gram_matrices, stream
+        self.rule_fors, self.gram_matrices, self.stream = tuple(rule_fors), gram_matrices, stream
         self.options = {"dtype": dtype, "device": device}
 
     def merge(self, names: list[str]) -> list[tuple]:
         merged = []
         for name in names:
-            blocks = merge_row_blocks(name, self.base, self.task_vectors, self.table, self.rule_for,
-                                      **self.options) if self.stream else None
-            merged.append((name, *(blocks or merge_named(name, self.base, self.task_vectors, self.table,
-                                                         self.rule_for, gram_matrices=self.gram_matrices,
-                                                         **self.options))))
+            streamed = [merge_row_blocks(name, self.base, self.task_vectors, self.table, rule_for, **self.options)
+                        if self.stream else None for rule_for in self.rule_fors]
+            whole = [rule_for for rule_for, blocks in zip(self.rule_fors, streamed) if blocks is None]
+            read = iter(merge_named(name, self.base, self.task_vectors, self.table, whole,
+                                    gram_matrices=self.gram_matrices, **self.options) if whole else ())
+            merged.append((name, [blocks or next(read) for blocks in streamed]))
         return merged
 
     def stats(self) -> dict:
@@ -166,7 +174,7 @@ class MergeWorker:
 @dataclass
 class MergeTask:
     """What a worker needs to merge tensors: the checkpoints (reopened from their paths in a Ray worker; here the
-    readers already open, which are not pickled), the rule function, the per-tensor data inputs (RegMean's Gram
+    readers already open, which are not pickled), the rule function of each output, the per-tensor data inputs (RegMean's Gram
     matrices, Fisher's diagonals), dtype and device.
 
     Pickled for Ray, a per-tensor source with ``names`` (`submerge.diagnostics.capture.GramsByLayer`, which holds
@@ -176,15 +184,15 @@ class MergeTask:
     method: ClassVar[str] = "merge"
     base: dict
     task_vectors: dict
-    rule_for: Callable
+    rule_fors: tuple
     gram_matrices: Callable | None
     dtype: torch.dtype | None
     device: str
     opened: tuple | None = field(default=None, repr=False, compare=False)
 
     @classmethod
-    def of(cls, base_reader, task_vectors: dict, rule_for, gram_matrices, *, dtype, device) -> MergeTask:
-        return cls(checkpoint_spec(base_reader), task_vector_specs(task_vectors), rule_for, gram_matrices, dtype,
+    def of(cls, base_reader, task_vectors: dict, rule_fors, gram_matrices, *, dtype, device) -> MergeTask:
+        return cls(checkpoint_spec(base_reader), task_vector_specs(task_vectors), tuple(rule_fors), gram_matrices, dtype,
                    device, opened=(base_reader, task_vectors))
 
     def __getstate__(self) -> dict:
@@ -199,5 +207,5 @@ class MergeTask:
         else:
             base = reopen_checkpoint(self.base)
             task_vectors = reopen_task_vectors(base, self.task_vectors)
-        return MergeWorker(base, task_vectors, self.rule_for, self.gram_matrices, dtype=self.dtype,
+        return MergeWorker(base, task_vectors, self.rule_fors, self.gram_matrices, dtype=self.dtype,
                            device=self.device, stream=self.opened is not None)

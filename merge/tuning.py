@@ -1,7 +1,8 @@
 """The hyperparameter grid of every merge method `diag compare` tunes, and the search over it.
 
 Every merge compare runs is θ0 + λ·δ: δ is the merged update written once per setting of the method's other knobs
-(its options at ``scaling`` 1), and each λ is evaluated as the scaled model θ0 + λ·δ
+(its options at ``scaling`` 1; all of a method's settings in one pass where they fit, `merge.compare.TOGETHER_BYTES`),
+and each λ is evaluated as the scaled model θ0 + λ·δ
 (`submerge.diagnostics.evaluate.scaled_source`), without writing another checkpoint. For a strategy with a
 ``scaling`` option (λ of its paper's equation: τ_M = λ·f(τ_1 … τ_T)) this λ *is* that option; for one without (RegMean,
 Fisher, STAR, the closed form, the plan …) it is a global scale of the merged update, the same knob the baselines get.

@@ -19,7 +19,7 @@ import os
 import re
 import shutil
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -38,7 +38,7 @@ from submerge.merge.rules import MergeError, ParameterRule, method_rule, regmean
 from submerge.merge.tensor_merge import MergeTask
 
 __all__ = ["MergeError", "ParameterRule", "ShardWriter", "check_not_an_input", "check_output", "method_rule",
-           "parse_size", "regmean_rule", "write_merge"]
+           "parse_size", "regmean_rule", "write_merge", "write_merges"]
 
 _COPIED_FILES = (
     "config.json",
@@ -272,34 +272,74 @@ def write_merge(
     workers (`submerge.merge.tensor_merge.MergeTask`); this process alone writes the shards, in order, so the
     checkpoint is byte for byte the same on every engine.
     """
-    out_dir = Path(out_dir)
+    return write_merges(base, finetuned, [(out_dir, rule_for, record)], force=force, allow_pickle=allow_pickle,
+                        vocab=vocab, shard_size=shard_size, dtype=dtype, device=device, gram_matrices=gram_matrices,
+                        progress=progress, engine=engine)[0]
+
+
+def write_merges(
+    base: str,
+    finetuned: dict[str, str],
+    outputs: Sequence[tuple[str | Path, Callable[[TensorInfo], ParameterRule], dict | None]],
+    *,
+    force: bool = False,
+    allow_pickle: bool = False,
+    vocab: str = "base",
+    shard_size: str | int = "2GB",
+    dtype: torch.dtype | None = None,
+    device: str = "cpu",
+    gram_matrices: Callable[[str], list[torch.Tensor] | None] | None = None,
+    progress: bool = True,
+    engine: Engine | None = None,
+) -> list[Path]:
+    """Several merges of the same fine-tunes in one pass: `outputs` is (out_dir, rule_for, record) per merge, and
+    each checkpoint is byte for byte what `write_merge` writes for it alone. Each tensor and its task vectors are
+    read once for all of them, and their merges of a tensor share the decompositions they have in common (KnOTS's
+    and CART's SVDs at several settings: `submerge.merge.strategies.shared_factors`); the peak is one tensor's
+    inputs plus one merged tensor per output. `gram_matrices` is the data input of every output's rules. Every
+    output is checked before anything is written, and none is put in place until all are complete."""
+    outputs = [(Path(out_dir), rule_for, record) for out_dir, rule_for, record in outputs]
+    if not outputs:
+        return []
     engine = engine or LocalEngine()
     limit = parse_size(shard_size)
     base_reader = open_checkpoint(base, allow_pickle=allow_pickle)
     task_vectors, report = open_finetunes(base_reader, finetuned, allow_pickle=allow_pickle, vocab=vocab)
-    check_not_an_input(out_dir, {"base model": base_reader.path,
-                                 **{f"fine-tune '{t}'": tv.finetuned.path for t, tv in task_vectors.items()}})
-    check_output(out_dir, force)
+    inputs = {"base model": base_reader.path, **{f"fine-tune '{t}'": tv.finetuned.path for t, tv in task_vectors.items()}}
+    directories = [out_dir for out_dir, _, _ in outputs]
+    if len(set(directories)) != len(directories):
+        raise MergeError(f"write_merges: an output directory is named twice: {[str(d) for d in directories]}")
+    for out_dir in directories:
+        check_not_an_input(out_dir, inputs)
+        check_output(out_dir, force)
     names = writing_order(base_reader.names())
     layout = [(name, base_reader.shape(name), _written_dtype(base_reader.dtype(name), dtype)) for name in names]
-    staging = _staging_directory(out_dir)
+    stagings: list[Path] = []
     try:
-        shards = ShardWriter(staging, limit, layout)
-        tensors = _merged_tensors(names, base_reader, task_vectors, rule_for, dtype=dtype, device=device,
-                                  gram_matrices=gram_matrices, engine=engine)
+        for out_dir in directories:
+            stagings.append(_staging_directory(out_dir))
+        shards = [ShardWriter(staging, limit, layout) for staging in stagings]
+        tensors = _merged_tensors(names, base_reader, task_vectors, [rule_for for _, rule_for, _ in outputs],
+                                  dtype=dtype, device=device, gram_matrices=gram_matrices, engine=engine)
         used = _stream_tensors(tensors, len(names), shards, progress)
-        shards.finish()
-        _copy_model_files(base, staging, allow_pickle)
-        _write_record(staging, record, used, base, task_vectors, report, engine.provenance())
+        for staging, writer, used_rules, (_, _, record) in zip(stagings, shards, used, outputs):
+            writer.finish()
+            _copy_model_files(base, staging, allow_pickle)
+            _write_record(staging, record, used_rules, base, task_vectors, report, engine.provenance())
     except OSError as exc:  # a full disk, a quota, a file-size limit: nothing at out_dir has changed
-        shutil.rmtree(staging, ignore_errors=True)
-        raise MergeError(f"could not write the merge into {staging} ({exc.strerror or exc}): {out_dir} is left as "
-                         "it was; free space (or raise the limit) and run the same command again") from None
+        for staging in stagings:
+            shutil.rmtree(staging, ignore_errors=True)
+        where = ", ".join(str(d) for d in directories)
+        raise MergeError(f"could not write the merge into {', '.join(str(s) for s in stagings)} "
+                         f"({exc.strerror or exc}): {where} is left as it was; free space (or raise the limit) and "
+                         "run the same command again") from None
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        for staging in stagings:
+            shutil.rmtree(staging, ignore_errors=True)
         raise
-    _replace(staging, out_dir)
-    return out_dir
+    for staging, out_dir in zip(stagings, directories):
+        _replace(staging, out_dir)
+    return directories
 
 
 def write_file(path: Path, data: bytes) -> None:
@@ -323,26 +363,29 @@ def writing_order(names: list[str]) -> list[str]:
     return sorted(names, key=key)
 
 
-def _merged_tensors(names: list[str], base_reader, task_vectors, rule_for, *, dtype, device, gram_matrices,
-                    engine) -> Iterator[tuple[str, torch.Tensor, str | None]]:
-    """(name, merged tensor or its row blocks, rule description) of every tensor of `names`, in order, merged on
-    `engine` in the engine's groups."""
-    task = MergeTask.of(base_reader, task_vectors, rule_for, gram_matrices, dtype=dtype, device=device)
+def _merged_tensors(names: list[str], base_reader, task_vectors, rule_fors, *, dtype, device, gram_matrices,
+                    engine) -> Iterator[tuple[str, list[tuple]]]:
+    """(name, [(merged tensor or its row blocks, rule description) per rule function of `rule_fors`]) of every
+    tensor of `names`, in order, merged on `engine` in the engine's groups."""
+    task = MergeTask.of(base_reader, task_vectors, rule_fors, gram_matrices, dtype=dtype, device=device)
     groups = engine.groups(names, [math.prod(base_reader.shape(name)) for name in names])
     for group in engine.map(task, groups):
         yield from group
 
 
-def _stream_tensors(tensors: Iterator, total: int, shards: ShardWriter, progress: bool) -> dict[str, str]:
-    """Write the merged `tensors` (name, tensor, rule) into `shards` in order; returns name → rule description."""
-    used: dict[str, str] = {}
+def _stream_tensors(tensors: Iterator, total: int, shards: list[ShardWriter], progress: bool) -> list[dict[str, str]]:
+    """Write the merged `tensors` (name, [(tensor, rule) per output]) into each output's `shards`, in order; returns
+    name → rule description per output."""
+    used: list[dict[str, str]] = [{} for _ in shards]
     with progress_bar(progress) as bar:
         job = bar.add_task("Merging tensors", total=total)
-        for name, merged, rule in tensors:
-            shards.add(name, merged)
-            if rule is not None:
-                used[name] = rule
-            del merged
+        for name, results in tensors:
+            for writer, rules, (merged, rule) in zip(shards, used, results):
+                writer.add(name, merged)
+                if rule is not None:
+                    rules[name] = rule
+                del merged
+            del results
             bar.advance(job)
     return used
 

@@ -602,11 +602,11 @@ def _counting(monkeypatch) -> dict[str, list]:
     from submerge.merge import compare as module
 
     calls: dict[str, list] = {"written": [], "evidence": [], "loaded": []}
-    write_merge, choose, load = module.write_merge, module.evidence_plan, module._Evaluator.load
+    write_merges, choose, load = module.write_merges, module.evidence_plan, module._Evaluator.load
 
-    def counted_write(base, finetuned, directory, *args, **kwargs):
-        calls["written"].append(Path(directory).name)
-        return write_merge(base, finetuned, directory, *args, **kwargs)
+    def counted_write(base, finetuned, outputs, *args, **kwargs):
+        calls["written"].extend(Path(directory).name for directory, _, _ in outputs)
+        return write_merges(base, finetuned, outputs, *args, **kwargs)
 
     def counted_choose(*args, **kwargs):
         calls["evidence"].append(1)
@@ -616,7 +616,7 @@ def _counting(monkeypatch) -> dict[str, list]:
         calls["loaded"].append(spec)
         return load(self, spec)
 
-    monkeypatch.setattr(module, "write_merge", counted_write)  # the names compare calls
+    monkeypatch.setattr(module, "write_merges", counted_write)  # the name compare calls
     monkeypatch.setattr(module, "evidence_plan", counted_choose)
     monkeypatch.setattr(module._Evaluator, "load", counted_load)
     return calls
@@ -711,6 +711,38 @@ def test_a_run_with_other_methods_adds_them_to_the_stores_comparison(compared, t
                 **RUN)
     assert Store(path).is_complete("compare")
     assert list(Store(path).dataset("compare").method.values) == list(grown.method.values)
+
+
+def test_a_methods_settings_written_in_one_pass_tune_to_the_same_board_as_written_one_by_one(trained_kit,
+                                                                                             tmp_path, monkeypatch):
+    """Compare writes the δ of a method's settings (KnOTS's top-k, CART's rank ratio) in one pass where they fit
+    `TOGETHER_BYTES`, and one after another where they do not (the budget lowered to 0): the same searched fit losses,
+    choices and held-out losses to the last bit, in one write per method instead of one per setting."""
+    from submerge.diagnostics.store import Store
+    from submerge.merge import compare as module
+
+    _, base, finetuned, data = trained_kit
+    grids = {"knots": {"top_k": (0.2, 0.5), "scaling": (0.6, 1.0)}, "cart": {"rank_ratio": (0.1, 0.3)}}
+    run = {**RUN, "methods": ["knots", "cart"], "grids": grids, "objective": False, "lambdas": (0.5, 1.0), "tune": "line"}
+    passes = []
+    write_merges = module.write_merges
+
+    def counted(base_spec, tuned, outputs, *args, **kwargs):
+        passes.append(sorted(Path(directory).name for directory, _, _ in outputs))
+        return write_merges(base_spec, tuned, outputs, *args, **kwargs)
+
+    monkeypatch.setattr(module, "write_merges", counted)
+    together = module.compare(base, finetuned, data, store=Store(tmp_path / "together.zarr"), **run)
+    assert passes == [["knots-candidate-0", "knots-candidate-1"], ["cart-candidate-0", "cart-candidate-1"]]
+    passes.clear()
+    monkeypatch.setattr(module, "TOGETHER_BYTES", 0)
+    apart = module.compare(base, finetuned, data, store=Store(tmp_path / "apart.zarr"), **run)
+    assert passes == [[f"{method}-candidate-{index}"] for method in ("knots", "cart") for index in (0, 1)]
+    assert np.array_equal(together.loss.values, apart.loss.values)
+    assert np.array_equal(together.hyperparameters.values, apart.hyperparameters.values)
+    for unit in together.unit.values:
+        if f"search {unit}" in together.attrs:
+            assert together.attrs[f"search {unit}"] == apart.attrs[f"search {unit}"]
 
 
 def test_compare_keep_leaves_loadable_checkpoints(compared, trained_kit, tmp_path):

@@ -924,6 +924,80 @@ def test_row_local_merges_stream_row_blocks_and_equal_the_whole_tensor_merge(kit
     assert matrices and (matrices <= streamed_names if streamed else not matrices & streamed_names)
 
 
+#: Several settings of each method whose candidates share work, and methods of every other kind, in one pass.
+ONE_PASS = [("knots", {"top_k": 0.1}), ("knots", {"top_k": 0.3}), ("cart", {"rank_ratio": 0.1}),
+            ("cart", {"rank_ratio": 0.3}), ("ties", {"top_k": 0.2}), ("dare", {"drop_rate": 0.5}),
+            ("tsv-m", {}), ("iso-cts", {}), ("sftm", {"top_k": 0.3}), ("nan", {}), ("task-arithmetic", {})]
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_write_merges_writes_each_merge_bytewise_as_write_merge_alone_and_shares_the_svds(kit, tmp_path, monkeypatch,
+                                                                                         streamed):
+    """`write_merges` (compare's candidates of one method, written in one pass): every output's shards are byte for
+    byte those `write_merge` writes for it alone, below and above the row-block threshold, although the tensors are
+    read once and KnOTS and CART take their SVDs once for both settings (one SVD of [τ_1 … τ_T] per matrix for
+    KnOTS, one per task and matrix for CART, where separate merges take one per setting)."""
+    from submerge.merge import tensor_merge
+    from submerge.merge.writer import write_merges
+
+    if streamed:
+        monkeypatch.setattr(tensor_merge, "STREAM_THRESHOLD", 100)
+        monkeypatch.setattr(tensor_merge, "STREAM_ELEMENTS", 3 * HIDDEN + 5)
+    svds = []
+    original = strategies._thin_svd
+
+    def counted(matrix):
+        svds.append(tuple(matrix.shape))
+        return original(matrix)
+
+    monkeypatch.setattr(strategies, "_thin_svd", counted)
+    alone = []
+    for index, (method, options) in enumerate(ONE_PASS):
+        svds.clear()
+        alone.append((write_merge(kit.base, kit.finetuned, tmp_path / f"alone-{index}", method_rule(method, options),
+                                  progress=False), len(svds)))
+    svds.clear()
+    together = write_merges(kit.base, kit.finetuned, [(tmp_path / f"together-{index}", method_rule(method, options),
+                                                       {"index": index})
+                                                      for index, (method, options) in enumerate(ONE_PASS)],
+                            progress=False)
+    for (directory, _), written in zip(alone, together):
+        files = sorted(path.name for path in directory.glob("*.safetensors"))
+        assert files and files == sorted(path.name for path in written.glob("*.safetensors"))
+        for name in files:
+            assert (directory / name).read_bytes() == (written / name).read_bytes(), (written, name)
+        assert yaml.safe_load((written / "submerge_merge.yaml").read_text())["index"] == together.index(written)
+    matrices = sum(info.kind == "matrix" for info in TensorTable.from_checkpoint(kit.base))
+    knots_svds, cart_svds = alone[0][1], alone[2][1]
+    assert knots_svds == matrices and cart_svds == len(TASKS) * matrices  # one per matrix (and task) alone
+    assert len(svds) == sum(count for _, count in alone) - knots_svds - cart_svds  # the second settings' are shared
+
+
+def test_write_merges_checks_every_output_before_writing_and_puts_none_in_place_on_failure(kit, tmp_path):
+    """An output that exists (without --force) is refused before any merge is written; a merge that fails part-way
+    (one output's rule fails in the last block) leaves no output and no staging directory."""
+    from submerge.diagnostics.outputs import OutputError
+    from submerge.merge.writer import write_merges
+
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "notes.txt").write_text("mine")
+    with pytest.raises(OutputError, match="taken"):
+        write_merges(kit.base, kit.finetuned, [(tmp_path / "first", method_rule("task-arithmetic"), None),
+                                               (tmp_path / "taken", method_rule("ties"), None)], progress=False)
+    assert not (tmp_path / "first").exists() and (tmp_path / "taken" / "notes.txt").read_text() == "mine"
+    rule = method_rule("task-arithmetic")
+
+    def fails_in_the_last_block(info):
+        if f"layers.{LAYERS - 1}." in info.name:
+            raise MergeError(f"no rule for {info.name}")
+        return rule(info)
+
+    with pytest.raises(MergeError, match=f"no rule for model.layers.{LAYERS - 1}"):
+        write_merges(kit.base, kit.finetuned, [(tmp_path / "good", rule, None),
+                                               (tmp_path / "bad", fails_in_the_last_block, None)], progress=False)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["taken"]
+
+
 def test_plan_weights_stream_and_a_nan_in_a_row_block_names_the_tensor_and_rows(kit, tmp_path, monkeypatch):
     from submerge.merge import tensor_merge
 

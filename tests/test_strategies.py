@@ -715,6 +715,32 @@ def test_knots_properties():
     assert STRATEGIES["knots"].matrix_only
 
 
+def test_shared_factors_give_knots_and_cart_at_every_setting_bitwise_with_one_decomposition(monkeypatch):
+    """Inside `shared_factors` the settings of KnOTS (top-k) and CART (rank ratio) on the same τ tensors take one
+    SVD of [τ_1 … τ_T] (KnOTS) or of each τ_t − τ̄ (CART), and return bitwise what separate calls return; a τ changed
+    in place, or other tensors of the same values, are decomposed anew; outside the scope nothing is kept."""
+    from submerge.merge import strategies
+
+    tasks = _random_tasks(3, (12, 7), seed=61)
+    expected = {("knots", k): knots(tasks, top_k=k) for k in (0.1, 0.3, 0.5)}
+    expected |= {("cart", r): cart(tasks, rank_ratio=r) for r in (0.2, 0.5)}
+    svds = []
+    original = strategies._thin_svd
+    monkeypatch.setattr(strategies, "_thin_svd", lambda matrix: svds.append(matrix.shape) or original(matrix))
+    with strategies.shared_factors():
+        for (method, value), result in expected.items():
+            got = knots(tasks, top_k=value) if method == "knots" else cart(tasks, rank_ratio=value)
+            assert torch.equal(got, result), (method, value)
+        assert len(svds) == 1 + len(tasks)  # KnOTS's one, CART's one per task
+        copies = [task.clone() for task in tasks]
+        assert torch.equal(knots(copies, top_k=0.3), expected["knots", 0.3]) and len(svds) == 2 + len(tasks)
+        copies[0].mul_(2.0)  # in place: the same storage, a new version
+        assert torch.equal(knots(copies, top_k=0.3), knots([tasks[0] * 2.0, *tasks[1:]], top_k=0.3))
+    svds.clear()
+    knots(tasks, top_k=0.3), knots(tasks, top_k=0.5)
+    assert len(svds) == 2
+
+
 # --------------------------------------------------------------------------- Fisher merging
 
 
