@@ -38,7 +38,7 @@ from submerge.merge.plan import AUTO_ORDER, Plan, PlanError, choose_granularity,
 from submerge.merge.rules import regmean_rule
 from submerge.merge.run import DataSettings, run_merge
 from submerge.merge.tensor_merge import merge_tensor
-from submerge.merge.writer import MergeError, ParameterRule, method_rule, write_merge, writing_order
+from submerge.merge.writer import MergeError, ParameterRule, method_rule, write_merge, write_merges, writing_order
 
 TASKS = ("math", "code", "story")
 STEPS = {"math": 12, "code": 4, "story": 8}  # different training lengths → task vectors of different size
@@ -820,8 +820,9 @@ def test_out_dtype_rounds_once_and_mergekit_spelling_on_the_command_line(kit, tm
 
 def test_merge_on_ray_writes_the_one_process_checkpoint_though_a_worker_is_killed(kit, tmp_path,
                                                                                  kill_first_ray_worker):
-    """A method merge (ties), a plan merge and RegMean (Grams block by block) on 2 local Ray workers: byte for
-    byte the one-process files and the same rules record, though the first worker is killed after its first group."""
+    """A method merge (ties), a plan merge, RegMean (Grams block by block) and two KnOTS settings in one pass
+    (`write_merges`) on 2 local Ray workers: the one-process tensors bit for bit and the same rules record, though the
+    first worker is killed after its first group."""
     from submerge.diagnostics.capture import GramsByLayer
 
     ray = pytest.importorskip("ray")
@@ -841,12 +842,18 @@ def test_merge_on_ray_writes_the_one_process_checkpoint_though_a_worker_is_kille
                         gram_matrices=gram_matrices and gram_matrices())
             write_merge(base, finetuned, tmp_path / f"{name}-ray", rule_for, progress=False,
                         engine=RayEngine(workers=2), shard_size="64KB", gram_matrices=gram_matrices and gram_matrices())
+        settings = {f"knots-{k}": method_rule("knots", {"top_k": k}) for k in (0.1, 0.3)}  # one pass, as compare
+        for name, rule_for in settings.items():
+            write_merge(kit.base, kit.finetuned, tmp_path / f"{name}-one", rule_for, progress=False)
+        write_merges(kit.base, kit.finetuned, [(tmp_path / f"{name}-ray", rule_for, None)
+                                               for name, rule_for in settings.items()],
+                     progress=False, engine=RayEngine(workers=2), shard_size="64KB")
     finally:
         ray.shutdown()
     assert len(kill_first_ray_worker) == 1
     assert (_tensors(tmp_path / "regmean-one")["model.layers.1.mlp.down_proj.weight"]
             != _tensors(tmp_path / "ties-one")["model.layers.1.mlp.down_proj.weight"]).any()
-    for name in merges:
+    for name in [*merges, *settings]:
         one, spread = _tensors(tmp_path / f"{name}-one"), _tensors(tmp_path / f"{name}-ray")
         assert list(one) == list(spread)
         for tensor in one:
@@ -938,7 +945,6 @@ def test_write_merges_writes_each_merge_bytewise_as_write_merge_alone_and_shares
     read once and KnOTS and CART take their SVDs once for both settings (one SVD of [τ_1 … τ_T] per matrix for
     KnOTS, one per task and matrix for CART, where separate merges take one per setting)."""
     from submerge.merge import tensor_merge
-    from submerge.merge.writer import write_merges
 
     if streamed:
         monkeypatch.setattr(tensor_merge, "STREAM_THRESHOLD", 100)
@@ -977,7 +983,6 @@ def test_write_merges_checks_every_output_before_writing_and_puts_none_in_place_
     """An output that exists (without --force) is refused before any merge is written; a merge that fails part-way
     (one output's rule fails in the last block) leaves no output and no staging directory."""
     from submerge.diagnostics.outputs import OutputError
-    from submerge.merge.writer import write_merges
 
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "notes.txt").write_text("mine")
