@@ -597,16 +597,16 @@ def _tune(method: str, merge: Merge, evaluator: _Evaluator, write: Callable, *, 
     steering = merge.steering if method == PLAN else None
     try:
         labels = [f"{method}-candidate-{index}" for index in range(len(candidates))]
-        together = len(candidates) > 1 and write_together is not None and \
-            len({id(candidate.gram_matrices) for _, candidate in candidates}) == 1
-        if together:
-            on_candidate(f"the δ of {len(candidates)} settings in one pass")
+        written = None  # the settings' δ in one pass, where they share their data input and fit
+        if len(candidates) > 1 and write_together is not None and \
+                len({id(candidate.gram_matrices) for _, candidate in candidates}) == 1:
+            on_candidate(f"the δ of {len(candidates)} settings")
             written = write_together(list(zip(labels, (candidate for _, candidate in candidates))))
         for index, (setting, candidate) in enumerate(candidates):
             if steering is not None:
                 setting = {**setting, "steer_share": 0.0}
             on_candidate(tuning_label(setting, math.nan, scale_name).replace(f"{scale_name}=nan", "") or "δ")
-            directory = written[index] if together and written else write(labels[index], candidate, False)
+            directory = written[index] if written else write(labels[index], candidate, False)
             reader = open_checkpoint(str(directory), base=evaluator.base.reader)
 
             def loss(value: float, setting=setting, reader=reader) -> float:
