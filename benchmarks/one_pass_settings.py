@@ -42,7 +42,7 @@ def main() -> None:
 
     import torch
 
-    from submerge.diagnostics.demo import DemoKitUnavailable, demo_adapters, demo_full_finetunes, ensure_demo_base
+    from submerge.diagnostics.demo import demo_finetunes, ensure_demo_base
     from submerge.merge.rules import method_rule
     from submerge.merge.tuning import SCALE, settings_of
     from submerge.merge.writer import write_merge, write_merges
@@ -50,12 +50,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     base = str(ensure_demo_base())
-    kit = "LoRA adapters"
-    try:
-        finetuned = demo_adapters() if args.lora else demo_full_finetunes()
-        kit = kit if args.lora else "full fine-tunes"
-    except DemoKitUnavailable:
-        finetuned = demo_adapters()
+    finetuned, kit = demo_finetunes(args.lora)
     finetuned = {task: str(path) for task, path in finetuned.items()}
     print(f"SmolLM2-135M + {kit}; torch threads {torch.get_num_threads()}", flush=True)
     for order, method in enumerate(args.methods.split(",")):

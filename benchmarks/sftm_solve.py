@@ -37,18 +37,13 @@ def main() -> None:
     import torch
 
     from submerge.diagnostics.checkpoints import open_checkpoint
-    from submerge.diagnostics.demo import DemoKitUnavailable, demo_adapters, demo_full_finetunes, ensure_demo_base
+    from submerge.diagnostics.demo import demo_finetunes, ensure_demo_base
     from submerge.diagnostics.task_vectors import open_finetunes
     from submerge.merge import strategies
 
     torch.set_num_threads(args.threads)
     base = open_checkpoint(str(ensure_demo_base()))
-    kit = "LoRA adapters"
-    try:
-        finetuned = demo_adapters() if args.lora else demo_full_finetunes()
-        kit = kit if args.lora else "full fine-tunes"
-    except DemoKitUnavailable:
-        finetuned = demo_adapters()
+    finetuned, kit = demo_finetunes(args.lora)
     readers, _ = open_finetunes(base, {task: str(path) for task, path in finetuned.items()})
     layers = [int(x) for x in args.layers.split(",")]
     names = [n for n in base.names() if any(f".layers.{i}." in n for i in layers)

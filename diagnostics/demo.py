@@ -43,6 +43,7 @@ __all__ = [
     "DemoKitUnavailable",
     "cache_dir",
     "demo_adapters",
+    "demo_finetunes",
     "ensure_demo_base",
     "ensure_demo_data",
     "humaneval_tests",
@@ -351,3 +352,14 @@ def demo_full_finetunes() -> dict[str, Path]:
         raise DemoKitUnavailable(f"full fine-tunes {missing} are not in {root}: build them with "
                                  "`python scripts/train_demo_adapters.py --full` (about an hour on 2 cores)")
     return folders
+
+
+def demo_finetunes(lora: bool = False) -> tuple[dict[str, Path], str]:
+    """(task name -> fine-tune folder, which kit): the cached full fine-tunes where they are built and `lora` is
+    false, else the committed LoRA adapters (what the benchmarks measure on)."""
+    if not lora:
+        try:
+            return demo_full_finetunes(), "full fine-tunes"
+        except DemoKitUnavailable:
+            pass
+    return demo_adapters(), "LoRA adapters"

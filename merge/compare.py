@@ -1361,6 +1361,13 @@ def checkpoint_bytes(reader) -> int:
     return sum(math.prod(reader.shape(name)) * reader.dtype(name).itemsize for name in reader.names())
 
 
+def _fit_together(count: int, reader, scratch: Path) -> bool:
+    """Whether `count` merges of the checkpoint `reader` may be written in one pass: they take at most
+    `TOGETHER_BYTES` together and less than half the scratch disk's free space."""
+    size = count * checkpoint_bytes(reader)
+    return size <= TOGETHER_BYTES and size < shutil.disk_usage(scratch).free // 2
+
+
 def _scratch_directory() -> Path:
     """A new scratch folder for merges that are not kept; the folders of compares that were killed (their process
     is gone) are removed first, with a warning naming each."""
@@ -1397,9 +1404,7 @@ def _run_methods(pending, merges, evaluator, writer, references, base_spec, fine
         return write_all([(label, merge)], kept)[0]
 
     def write_together(labeled: list[tuple[str, Merge]]) -> list[Path] | None:
-        size = checkpoint_bytes(evaluator.base.reader)
-        fits = len(labeled) * size <= TOGETHER_BYTES and len(labeled) * size < shutil.disk_usage(scratch).free // 2
-        return write_all(labeled) if fits else None
+        return write_all(labeled) if _fit_together(len(labeled), evaluator.base.reader, scratch) else None
 
     try:
         for label in pending:

@@ -174,8 +174,8 @@ class MergeWorker:
 @dataclass
 class MergeTask:
     """What a worker needs to merge tensors: the checkpoints (reopened from their paths in a Ray worker; here the
-    readers already open, which are not pickled), the rule function of each output, the per-tensor data inputs (RegMean's Gram
-    matrices, Fisher's diagonals), dtype and device.
+    readers already open, which are not pickled), the rule function of each output, the per-tensor data inputs
+    (RegMean's Gram matrices, Fisher's diagonals), dtype and device.
 
     Pickled for Ray, a per-tensor source with ``names`` (`submerge.diagnostics.capture.GramsByLayer`, which holds
     one block's Grams and continues a forward; `submerge.merge.learned.FisherDiagonals`, on this machine's disk) is
