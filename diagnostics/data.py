@@ -15,6 +15,7 @@ import hashlib
 import json
 import math
 import warnings
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -190,17 +191,29 @@ BATCH_OVERHEAD_TOKENS = 64
 REPLAY_BATCH_OVERHEAD_TOKENS = 256
 
 
-def regrouped_rule(overhead: int) -> str:
+def regrouped_rule(overhead: int, folds: int | None = None) -> str:
     """How a sweep batches its records, in the settings of the groups whose drivers regroup them (`Sweep`'s
-    ``regroup``: linearity, projection, alpha, evidence): a store made with the records in file order (before stop
-    48), or cut otherwise, sits a float rounding away and is not resumed with these."""
-    return f"each task's records regrouped by length (data.by_length, {overhead} tokens a batch)"
+    ``regroup``: linearity, projection, alpha, evidence; `folds`: cut within each fold, `Experiment.regrouped`): a
+    store made with the records in file order (before stop 48), or cut otherwise, sits a float rounding away and is
+    not resumed with these."""
+    rule = f"each task's records regrouped by length (data.by_length, {overhead} tokens a batch)"
+    return rule + (f", within each of {folds} folds (record i read in fold i mod {folds})" if folds else "")
 
 
-def by_length(batches: list[TokenBatch], *, overhead: int = BATCH_OVERHEAD_TOKENS) -> list[TokenBatch]:
+def folds_of(indices: Sequence[int], folds: int) -> dict[int, int]:
+    """Record index → fold, where `indices` lists a task's records as they were read: the i-th record read is in
+    fold i mod `folds` (by position, not by the index in its file: resampled records can be any positions of the
+    file, and their indices mod k can leave a fold empty)."""
+    return {int(index): position % folds for position, index in enumerate(indices)}
+
+
+def by_length(batches: list[TokenBatch], *, overhead: int = BATCH_OVERHEAD_TOKENS,
+              group_of: Mapping[int, int] | None = None) -> list[TokenBatch]:
     """The same records regrouped for a computation that sums over tokens (a loss, a Gram): sorted by length
     (ties in their order), each trimmed of its padding, then cut into the batches that minimise the padded tokens
-    plus `overhead` per batch, none larger (records × longest) than the largest of `batches`.
+    plus `overhead` per batch, none larger (records × longest) than the largest of `batches`. With `group_of`
+    (record index → group, e.g. `folds_of`), each group's records are cut on their own and the groups follow one
+    another in the order of their keys: no batch holds records of two groups.
 
     Right-padded records give the same outputs at their real positions in any batch (the attention mask and the
     causal order keep padding out of them), so only float rounding of the products differs. The demo kit's fit
@@ -210,6 +223,16 @@ def by_length(batches: list[TokenBatch], *, overhead: int = BATCH_OVERHEAD_TOKEN
     if not records:
         return []
     budget = max(batch.input_ids.numel() for batch in batches)
+    if group_of is None:
+        return _cut_by_length(records, budget, overhead)
+    groups: dict[int, list[TokenBatch]] = {}
+    for record in records:
+        groups.setdefault(group_of[int(record.sample_index[0])], []).append(record)
+    return [batch for key in sorted(groups) for batch in _cut_by_length(groups[key], budget, overhead)]
+
+
+def _cut_by_length(records: list[TokenBatch], budget: int, overhead: int) -> list[TokenBatch]:
+    """`by_length`'s cut of unpadded `records` (one batch each, in order)."""
     order = sorted(range(len(records)), key=lambda k: records[k].input_ids.shape[1])
     lengths = [records[k].input_ids.shape[1] for k in order]
     # best[j]: the least cost of the first j records (sorted); a batch of records i..j-1 costs (j-i)·lengths[j-1]
@@ -228,8 +251,8 @@ def by_length(batches: list[TokenBatch], *, overhead: int = BATCH_OVERHEAD_TOKEN
     regrouped = []
     for i, j in reversed(spans):
         width = lengths[j - 1]
-        ids = torch.zeros((j - i, width), dtype=batches[0].input_ids.dtype)
-        mask = torch.zeros((j - i, width), dtype=batches[0].attention_mask.dtype)
+        ids = torch.zeros((j - i, width), dtype=records[0].input_ids.dtype)
+        mask = torch.zeros((j - i, width), dtype=records[0].attention_mask.dtype)
         for row, k in enumerate(order[i:j]):
             length = records[k].input_ids.shape[1]
             ids[row, :length] = records[k].input_ids[0]

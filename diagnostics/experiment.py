@@ -20,6 +20,7 @@ from submerge.diagnostics.data import (
     TaskData,
     TokenBatch,
     by_length,
+    folds_of,
     read_task_file,
     regrouped_rule,
     tokenize,
@@ -122,16 +123,19 @@ class Experiment:
                                   f"stored in {storage}: load it with compute_dtype='{str(dtype)[6:]}'")
         return ParameterSource(self.base, self.task_vectors, compute_dtype=dtype)
 
-    def regrouped(self, overhead: int | None = None) -> Experiment:
+    def regrouped(self, overhead: int | None = None, *, folds: int | None = None) -> Experiment:
         """This experiment with each task's records regrouped by length (`data.by_length`: sorted, unpadded, cut
         into the batches with the least padded positions plus `overhead` a batch; default
         `data.REPLAY_BATCH_OVERHEAD_TOKENS`), for computations that are per record or sum over tokens; its settings
-        say so (``batches``: `data.regrouped_rule`)."""
+        say so (``batches``: `data.regrouped_rule`). With `folds`, each task's records are cut within each fold
+        (`data.folds_of`: the i-th record read is in fold i mod `folds`), so that no batch holds two folds' records:
+        what is scored on one fold replays only that fold's batches (the evidence step)."""
         overhead = REPLAY_BATCH_OVERHEAD_TOKENS if overhead is None else overhead
-        rule = regrouped_rule(overhead)
+        rule = regrouped_rule(overhead, folds)
         if self.settings.get("batches") == rule:
             return self
-        return dataclasses.replace(self, batches={task: by_length(batches, overhead=overhead)
+        groups = {task: folds_of(self.data[task].indices, folds) if folds else None for task in self.batches}
+        return dataclasses.replace(self, batches={task: by_length(batches, overhead=overhead, group_of=groups[task])
                                                   for task, batches in self.batches.items()},
                                    settings={**self.settings, "batches": rule})
 

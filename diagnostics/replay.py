@@ -501,7 +501,9 @@ class Unit:
 
     path: str
     modules: list[Submodule]
-    run: Callable[[str, Sequence[Variant | Given]], Replayed]  # (input task, variants) → replays on its inputs
+    # (input task, variants) → replays on its inputs; a block's unit also takes ``batches=`` (indices of the
+    # recorded batches to replay, default all)
+    run: Callable[..., Replayed]
     changed: Callable[[str], bool]  # whether task's fine-tune changes this unit's parameters
     line: Callable[[str, Sequence[float]], Replayed] | None = None
 
@@ -574,8 +576,10 @@ def block_unit(source, arch, path: str, served: list[Submodule], recorded: dict,
     layer = served[0].layer
     attention = arch.attn_path(layer) if layer >= 0 else None
 
-    def run(task, variants):
-        return replay_variants(source, arch, path, recorded[task][path], variants, heads=heads)
+    def run(task, variants, batches=None):
+        inputs = recorded[task][path]
+        return replay_variants(source, arch, path, inputs if batches is None else [inputs[b] for b in batches],
+                               variants, heads=heads)
 
     def line(task, coefficients):
         inputs = recorded[task][path]

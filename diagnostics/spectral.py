@@ -23,12 +23,14 @@ other diagnostics modules, so both packages can use it.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import scipy.linalg
 import scipy.linalg.blas
 import scipy.linalg.lapack
+import threadpoolctl
 import torch
 
 __all__ = ["SVD_DTYPES", "Svd", "concat_top", "gram_eigh", "gram_matrix", "numerical_rank", "solve_symmetric_right",
@@ -105,6 +107,28 @@ def concat_top(svds: Sequence[Svd], keep: Sequence[int]) -> Svd:
     return Svd(U, S, Vh)
 
 
+#: scipy's BLAS and LAPACK (its own OpenBLAS: a thread pool beside torch's OpenMP one) run a call whose square result
+#: has an order below this on one thread (`scipy_threads`). With the cores busy (another job) the two pools wait on
+#: each other: a Cholesky and solve of order 576 right after a torch product took 872 ms on two threads and 41 ms on
+#: one (2 cores, beside the test suite), and RegMean's solves were a third of the evidence step. On a quiet machine
+#: one thread costs nothing at 576 (32 / 30 ms) but 1.4x at 1,536 (418 / 294 ms), so larger orders keep the threads
+#: set outside (`benchmarks/scipy_threads.py`).
+ONE_THREAD_BELOW = 1024
+
+_controller: threadpoolctl.ThreadpoolController | None = None
+
+
+def scipy_threads(order: int):
+    """The context a scipy BLAS / LAPACK call on an (order × order) result runs in: one thread below
+    `ONE_THREAD_BELOW` (the same rounding whatever the engine's thread count), else the threads set outside."""
+    global _controller
+    if order >= ONE_THREAD_BELOW:
+        return contextlib.nullcontext()
+    if _controller is None:
+        _controller = threadpoolctl.ThreadpoolController()  # scipy's libraries are loaded: this module imports them
+    return _controller.limit(limits=1, user_api="blas")
+
+
 _SYRK = {torch.float32: scipy.linalg.blas.ssyrk, torch.float64: scipy.linalg.blas.dsyrk}
 
 
@@ -121,12 +145,13 @@ def gram_matrix(tall: torch.Tensor) -> torch.Tensor:
     if tall.device.type != "cpu" or syrk is None or tall.ndim != 2 or tall.requires_grad:
         return tall.mT @ tall
     array = tall.numpy()
-    if array.flags.c_contiguous:  # arrayᵀ is Fortran-ordered (r, L): syrk(trans=0) gives arrayᵀ · array
-        lower = syrk(1.0, array.T, trans=0, lower=1)
-    elif array.flags.f_contiguous:  # Fortran-ordered (L, r): syrk(trans=1) gives arrayᵀ · array
-        lower = syrk(1.0, array, trans=1, lower=1)
-    else:
+    if not (array.flags.c_contiguous or array.flags.f_contiguous):
         return tall.mT @ tall
+    with scipy_threads(array.shape[1]):
+        if array.flags.c_contiguous:  # arrayᵀ is Fortran-ordered (r, L): syrk(trans=0) gives arrayᵀ · array
+            lower = syrk(1.0, array.T, trans=0, lower=1)
+        else:  # Fortran-ordered (L, r): syrk(trans=1) gives arrayᵀ · array
+            lower = syrk(1.0, array, trans=1, lower=1)
     gram = torch.from_numpy(lower.T).triu_()  # syrk's result is Fortran-ordered: its transpose is C-ordered, upper
     gram += gram.triu(1).mT
     return gram
@@ -168,19 +193,20 @@ def solve_symmetric_right(rows: torch.Tensor, matrix: torch.Tensor, *, min_rcond
     diagonal = matrix.diagonal().clone()  # potrf overwrites it: kept to rebuild A if A is singular
     norm = float(matrix.abs().sum(dim=0).max()) if min_rcond > 0 and matrix.numel() else 0.0  # ‖A‖₁, before potrf
     columns = matrix.numpy().T  # Fortran-ordered (n, n), the same memory: A itself, A being symmetric
-    factor, info = potrf(columns, lower=1, clean=0, overwrite_a=1)
-    if info < 0:
-        raise ValueError(f"LAPACK potrf: argument {-info} is invalid")
-    if info == 0 and min_rcond > 0 and matrix.numel():
-        rcond, info = pocon(factor, norm, uplo="L")
-        if info != 0:
-            raise ValueError(f"LAPACK pocon: argument {-info} is invalid")
-        info = 0 if rcond >= min_rcond else 1  # ill-conditioned: as if singular, the pseudo-inverse below
-    if info == 0:
-        solution, info = potrs(factor, rows.numpy().T, lower=1, overwrite_b=1)
-        if info != 0:
-            raise ValueError(f"LAPACK potrs: argument {-info} is invalid")
-        return rows if solution.ctypes.data == rows.data_ptr() else torch.from_numpy(solution.T)
+    with scipy_threads(matrix.shape[0]):
+        factor, info = potrf(columns, lower=1, clean=0, overwrite_a=1)
+        if info < 0:
+            raise ValueError(f"LAPACK potrf: argument {-info} is invalid")
+        if info == 0 and min_rcond > 0 and matrix.numel():
+            rcond, info = pocon(factor, norm, uplo="L")
+            if info != 0:
+                raise ValueError(f"LAPACK pocon: argument {-info} is invalid")
+            info = 0 if rcond >= min_rcond else 1  # ill-conditioned: as if singular, the pseudo-inverse below
+        if info == 0:
+            solution, info = potrs(factor, rows.numpy().T, lower=1, overwrite_b=1)
+            if info != 0:
+                raise ValueError(f"LAPACK potrs: argument {-info} is invalid")
+            return rows if solution.ctypes.data == rows.data_ptr() else torch.from_numpy(solution.T)
     lower = matrix.tril(-1)  # potrf wrote the upper triangle (C order) and the diagonal: rebuild A from the rest
     torch.add(lower, lower.mT, out=matrix).diagonal().copy_(diagonal)
     return rows @ torch.linalg.pinv(matrix, hermitian=True)
@@ -198,7 +224,8 @@ def gram_eigh(gram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     G is read.
     """
     if gram.device.type == "cpu":
-        values, vectors = scipy.linalg.eigh(gram.detach().numpy(), driver="evd", check_finite=False)
+        with scipy_threads(gram.shape[0]):
+            values, vectors = scipy.linalg.eigh(gram.detach().numpy(), driver="evd", check_finite=False)
         values, vectors = torch.from_numpy(values), torch.from_numpy(vectors)
     else:
         values, vectors = torch.linalg.eigh(gram)

@@ -6,6 +6,7 @@ base model, the fine-tuned model instantiated whole, and its full forward.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -588,17 +589,19 @@ def test_by_length_regroups_records_with_the_least_padding_known_answers():
 def test_by_length_keeps_every_record_whole_and_within_the_largest_batch(seed):
     """Property: every record comes back once with the same real tokens and mask, right-padded; no batch is larger
     (records × longest) than the largest given; at overhead 0 (least padding) the padded total never exceeds file
-    order's."""
-    from submerge.diagnostics.data import by_length
+    order's. Cut within folds (`group_of`): no batch holds two folds' records, and the folds follow one another in
+    order, each sorted by length."""
+    from submerge.diagnostics.data import by_length, folds_of
 
     generator = torch.Generator().manual_seed(seed)
     lengths = torch.randint(1, 60, (int(torch.randint(1, 30, (1,), generator=generator)),), generator=generator)
     batches = _padded(lengths.tolist(), batch_size=int(torch.randint(1, 9, (1,), generator=generator)))
-    for overhead in (0, 16, 64, 10_000):
-        regrouped = by_length(batches, overhead=overhead)
+    for folds, overhead in itertools.product((None, 2, 3), (0, 16, 64, 10_000)):
+        group_of = folds_of(range(len(lengths)), folds) if folds else None
+        regrouped = by_length(batches, overhead=overhead, group_of=group_of)
         budget = max(b.input_ids.numel() for b in batches)
         assert all(b.input_ids.numel() <= budget for b in regrouped)
-        if overhead == 0:
+        if overhead == 0 and folds is None:
             assert sum(b.input_ids.numel() for b in regrouped) <= sum(b.input_ids.numel() for b in batches)
         seen = {}
         for batch in regrouped:
@@ -607,6 +610,14 @@ def test_by_length_keeps_every_record_whole_and_within_the_largest_batch(seed):
                 assert batch.attention_mask[row, :length].all()  # right-padded
                 seen[index] = batch.input_ids[row, :length].tolist()
         assert seen == {i: [i * 1000 + p for p in range(n)] for i, n in enumerate(lengths.tolist())}
+        if folds:
+            of_batch = [{group_of[i] for i in batch.sample_index} for batch in regrouped]
+            assert all(len(fold) == 1 for fold in of_batch)
+            order = [fold.pop() for fold in of_batch]
+            assert order == sorted(order)
+            for fold in set(order):  # within a fold, sorted by length as without folds
+                widths = [b.input_ids.shape[1] for b, k in zip(regrouped, order) if k == fold]
+                assert widths == sorted(widths)
 
 
 def test_streamed_losses_regrouped_by_length_equal_file_order_to_rounding(toy_kit, monkeypatch):

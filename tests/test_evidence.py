@@ -607,9 +607,10 @@ def test_folds_are_by_position_among_the_fit_records_not_by_file_index(hand_fit)
 
 
 def test_evidence_on_records_regrouped_by_length_keeps_its_folds_and_values(random_kit, tmp_path, monkeypatch):
-    """The evidence replays each task's fit records regrouped by length (`Experiment.regrouped`: sorted, cut where
-    padding is saved), but its folds stay those of the records as read (record i → fold i mod k): every fold
-    objective and α, RegMean's fitted per fold included, is the file order's to float64 rounding."""
+    """The evidence replays each task's fit records regrouped by length within each fold (`Experiment.regrouped`:
+    sorted, cut where padding is saved, no batch holding two folds), and its folds stay those of the records as
+    read (record i → fold i mod k): every fold objective and α, RegMean's fitted per fold included, is the file
+    order's (one batch of every fold, replayed whole for each fold) to float64 rounding."""
     from submerge.diagnostics import data as data_module
     from submerge.diagnostics.data import regrouped_rule
 
@@ -624,11 +625,75 @@ def test_evidence_on_records_regrouped_by_length_keeps_its_folds_and_values(rand
     options = {"candidates": ("layer", "attn-mlp", "regmean"), "folds": 3, "progress": False}
     new = evidence(fit, merge, **options)
     with monkeypatch.context() as patch:
-        patch.setattr(Experiment, "regrouped", lambda self, overhead=None: self)
+        patch.setattr(Experiment, "regrouped", lambda self, overhead=None, folds=None: self)
         old = evidence(fit, merge, **options)
-    assert new.attrs["settings"]["batches"] == regrouped_rule(0) and "batches" not in old.attrs["settings"]
+    assert new.attrs["settings"]["batches"] == regrouped_rule(0, 3) and "batches" not in old.attrs["settings"]
     for name in ("fold_objective", "alpha", "fold_alpha"):
         np.testing.assert_allclose(new[name].values, old[name].values, rtol=1e-9, atol=1e-12, err_msg=name)
+
+
+def test_a_folds_candidates_replay_only_its_own_batches_and_score_as_the_whole_replay(random_kit, tmp_path,
+                                                                                        monkeypatch):
+    """The evidence cuts each task's batches within folds, and each fold's merges (α of the other folds, RegMean
+    fitted on them) replay only that fold's batches: every fold objective and α is bit for bit what replaying every
+    batch for every fold gives, in a quarter of the candidates' batch replays at 4 folds."""
+    from submerge.diagnostics import data as data_module
+
+    monkeypatch.setattr(data_module, "BATCH_OVERHEAD_TOKENS", 0)  # short toy records: batches cut by padding alone
+    fit = _records_experiment(random_kit, list(range(8)), tmp_path, batch_size=8, dtype="float32", max_tokens=64)
+    merge = _merge(fit, block_rules=("regmean",))
+    options = {"candidates": ("layer", "attn-mlp", "regmean"), "folds": 4, "progress": False}
+    regrouped = fit.regrouped(0, folds=4)
+    for task in fit.tasks:  # no batch holds two folds' records
+        fold = data_module.folds_of(fit.data[task].indices, 4)
+        assert all(len({fold[i] for i in batch.sample_index}) == 1 for batch in regrouped.batches[task])
+    original = evidence_module._merged_features
+    replayed = Counter()
+
+    def counted(layer, delta, table, tasks, samples=None, *, whole=False):
+        merged = original(layer, delta, table, tasks, None if whole else samples)
+        replayed["whole" if whole else "own"] += sum(value is not None for per_task in merged for value in per_task)
+        return merged
+
+    monkeypatch.setattr(evidence_module, "_merged_features", counted)
+    own = evidence(fit, merge, **options)
+    monkeypatch.setattr(evidence_module, "_merged_features", lambda *args, **kw: counted(*args, **kw, whole=True))
+    whole = evidence(fit, merge, **options)
+    assert_same(own, whole)
+    layers, candidates, samples = fit.arch.num_layers, 3, sum(len(fit.data[t].indices) for t in fit.tasks)
+    assert replayed["whole"] == layers * candidates * 4 * samples  # every merge on every record
+    assert replayed["own"] == layers * candidates * samples  # each fold's merges on its own records
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", "gemma3", "gpt2"])
+def test_the_evidence_takes_the_bases_unit_outputs_from_the_capture_bit_for_bit_on_every_toy_architecture(
+        toy_kit, monkeypatch, name):
+    """Every causal toy architecture: the block data's outputs on θ0 (block, attention, MLP) come from the capture
+    (`Recorded.output`) instead of a replay of the base, and every fold objective and α is bit for bit the replayed
+    base's, with one variant fewer replayed per unit and task; an attention that serves heads (which need W_o's
+    input per variant) still replays θ0."""
+    experiment = toy_kit(name).experiment()
+    merge = _merge(experiment)
+    original, captured_base = replay_module.replay_variants, evidence_module._captured_base
+    variants = Counter()
+
+    def counted(source, arch, path, recorded, chosen, **kw):
+        variants[path] += len(chosen)
+        return original(source, arch, path, recorded, chosen, **kw)
+
+    monkeypatch.setattr(replay_module, "replay_variants", counted)
+    runs = [(("layer", "attn-mlp"), 3), (("layer", "attn-mlp", "head-mlp"), 2)]
+    for candidates, units in runs[:1] if name == "gpt2" else runs:  # GPT-2's fused q/k/v: no head-level merge
+        options = {"candidates": candidates, "folds": 2, "progress": False}
+        monkeypatch.setattr(evidence_module, "_captured_base", captured_base)
+        variants.clear()
+        captured = evidence(experiment, merge, **options)
+        taken = sum(variants.values())
+        monkeypatch.setattr(evidence_module, "_captured_base", lambda layer, path, task: None)
+        variants.clear()
+        replayed = evidence(experiment, merge, **options)
+        assert_same(captured, replayed)
+        assert sum(variants.values()) - taken == experiment.arch.num_layers * units * len(experiment.tasks)
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", "gemma3", "gpt2"])

@@ -986,6 +986,43 @@ def test_solve_symmetric_right_takes_the_pseudo_inverse_below_min_rcond(dtype):
     torch.testing.assert_close(solved.to(F64), expected, rtol=tolerance, atol=tolerance * float(expected.abs().max()))
 
 
+def test_scipy_calls_below_the_order_threshold_run_on_one_thread(monkeypatch):
+    """scipy's OpenBLAS is a thread pool beside torch's: its Cholesky, triangular solve, syrk and eigendecomposition
+    run on one thread for a result of order below `spectral.ONE_THREAD_BELOW`, and on the threads set outside at or
+    above it (the threshold lowered to 32, so both sides are small), the results the same to rounding."""
+    import threadpoolctl
+
+    from submerge.diagnostics import spectral
+
+    def blas_threads() -> set[int]:
+        return {info["num_threads"] for info in threadpoolctl.threadpool_info() if info["user_api"] == "blas"}
+
+    seen: list[tuple[str, set[int]]] = []
+
+    def spy(name, function):
+        return lambda *args, **kwargs: seen.append((name, blas_threads())) or function(*args, **kwargs)
+
+    for table, name in ((spectral._POTRF, "potrf"), (spectral._POTRS, "potrs"), (spectral._SYRK, "syrk")):
+        monkeypatch.setitem(table, F64, spy(name, table[F64]))
+    eigh = spectral.scipy.linalg.eigh
+    monkeypatch.setattr(spectral.scipy.linalg, "eigh", spy("eigh", eigh))
+    monkeypatch.setattr(spectral, "ONE_THREAD_BELOW", 32)
+    generator = torch.Generator().manual_seed(5)
+    with threadpoolctl.threadpool_limits(limits=2, user_api="blas"):
+        for order, threads in ((16, {1}), (32, {2}), (48, {2})):
+            seen.clear()
+            tall = torch.randn(3 * order, order, generator=generator, dtype=F64)
+            gram = spectral.gram_matrix(tall)
+            rows = torch.randn(5, order, generator=generator, dtype=F64)
+            expected = rows @ torch.linalg.inv(gram)
+            solved = spectral.solve_symmetric_right(rows.clone(), gram.clone())
+            torch.testing.assert_close(solved, expected, rtol=1e-8, atol=1e-8 * float(expected.abs().max()))
+            spectral.gram_eigh(gram)
+            assert [name for name, _ in seen] == ["syrk", "potrf", "potrs", "eigh"]
+            assert all(count == threads for _, count in seen), (order, seen)
+        assert blas_threads() == {2}  # restored after each call
+
+
 def test_interference_driver_routes_and_store(tiny_checkpoints, tmp_path):
     """exact_svd=True reproduces task_matrix_interference's exact route bitwise per matrix; the default is the Gram
     route within its bound; the store records the route and refuses to resume in the other one."""

@@ -3,11 +3,14 @@ as the plan would merge it (seed 002 Eq. 10–14; balanced Eq. 33–34) — a dr
 ``evidence``. `submerge.merge.plan.choose_by_evidence` reads it to choose each block's granularity.
 
 The fit records of each task are split into k folds by record position as read (record i → fold i mod k; the
-replays run on the records regrouped by length, `Experiment.regrouped`, which moves sums by float rounding only).
+replays run on the records regrouped by length within each fold, `Experiment.regrouped`, which moves sums by float
+rounding only and puts each fold's records in batches of their own, so that what fold k scores replays only fold
+k's batches).
 For each block j (one store unit per layer, so a killed run resumes after the last finished block):
 
 1. per-sample Grams G(x) (Eq. 14) of every unit the candidates need — the block, its attention and MLP, its heads —
-   from replays of the base and of each fine-tune on inputs recorded on the base;
+   from replays of each fine-tune on inputs recorded on the base, and the base's outputs as the capture kept them
+   (heads, and a Ray worker's capture, which keeps none: a replay of the base);
 2. per unit and fold k, α solved on the other k−1 folds (`fold_alphas`: Eq. 12–14, balanced Eq. 33–34), and α on
    all fit records;
 3. per candidate c and fold k, the block's parameters merged with fold k's α of c's units by the layer above's rules
@@ -138,8 +141,8 @@ def fold_of_records(order: Sequence[int], indices: Sequence[int], folds: int) ->
     record's index in its file: resampled records (`diag compare --seeds`) are any positions of the file, and
     their indices mod k can leave a fold empty; not by the replay's order either, which regrouping by length
     changes (`Experiment.regrouped`)."""
-    position = {int(index): i for i, index in enumerate(order)}
-    return np.array([position[int(index)] for index in indices], dtype=np.int64) % folds
+    fold = data_module.folds_of(order, folds)
+    return np.array([fold[int(index)] for index in indices], dtype=np.int64)
 
 
 def fold_alphas(grams_by_task, folds_by_task, fold: int, *, balance: bool = True) -> np.ndarray:
@@ -346,13 +349,27 @@ class _BlockData:
     denominators: list[list[float]]
 
 
+def _captured_base(layer: Layer, path: str, task: str) -> list[torch.Tensor] | None:
+    """Unit `path`'s outputs on θ0 over task's batches as the capture kept them (`Recorded.output`, in the compute
+    dtype, bit for bit what replaying the base gives), or None where it kept none (a Ray worker's capture) or the
+    unit serves heads (which also need W_o's input per variant)."""
+    recorded = layer.recorded[task][path] if layer.recorded is not None else []
+    if not recorded or any(m.head is not None for m in layer.units[path].modules):
+        return None
+    outputs = [rec.output for rec in recorded]
+    return None if any(output is None for output in outputs) else outputs
+
+
 def _block_data(layer: Layer, tasks: list[str]) -> _BlockData:
     block_path = layer.arch.layer_path(layer.index)
     grams: dict[str, list[np.ndarray]] = {}
     targets, indices = [], []
     for path, unit in layer.units.items():
         for a, task in enumerate(tasks):
-            replayed = unit.run(task, [{}] + [{t: 1.0} for t in tasks])
+            base = _captured_base(layer, path, task)  # θ0's outputs from the capture: one replay fewer per unit
+            replayed = unit.run(task, ([{}] if base is None else []) + [{t: 1.0} for t in tasks])
+            if base is not None:
+                replayed.outputs.insert(0, base)
             for module in unit.modules:
                 outputs = replayed.of(module)
                 grams.setdefault(module.name, []).append(_grams(outputs))
@@ -369,13 +386,26 @@ def _table(layer: Layer) -> TensorTable:
     return TensorTable.from_model(layer.source.base.model, layer.source.base.checkpoint_names, layer.arch)
 
 
-def _merged_features(layer: Layer, delta: TensorDelta, table: TensorTable,
-                     tasks: list[str]) -> list[list[torch.Tensor]]:
-    """Per input task, the features of the block merged by `delta`, replayed on that task's recorded inputs."""
+def _merged_features(layer: Layer, delta: TensorDelta, table: TensorTable, tasks: list[str],
+                     samples: list[np.ndarray] | None = None) -> list[list[torch.Tensor | None]]:
+    """Per input task, the features of the block merged by `delta`, replayed on that task's recorded inputs, one per
+    sample in replay order. With `samples` (per task, a bool per sample in replay order), only the recorded batches
+    holding a chosen sample are replayed, and the other batches' samples are None: a fold's score replays its own
+    batches (the evidence sweep cuts batches within folds), a quarter of the records at 4 folds."""
     source, path = layer.source, layer.arch.layer_path(layer.index)
     unit = layer.units[path]
     variant = Given(merged_block(source, path, delta, table, tasks))
-    return [list(unit.run(task, [variant]).of(unit.modules[0]).features(0)) for task in tasks]
+    if samples is None:
+        return [list(unit.run(task, [variant]).of(unit.modules[0]).features(0)) for task in tasks]
+    features = []
+    for task, chosen in zip(tasks, samples):
+        recorded = layer.recorded[task][path]
+        starts = np.cumsum([0] + [len(rec.sample_index) for rec in recorded])
+        batches = [b for b in range(len(recorded)) if chosen[starts[b]:starts[b + 1]].any()]
+        found = iter(unit.run(task, [variant], batches=batches).of(unit.modules[0]).features(0))
+        features.append([next(found) if b in batches else None
+                         for b in range(len(recorded)) for _ in range(starts[b], starts[b + 1])])
+    return features
 
 
 @dataclass(frozen=True)
@@ -409,7 +439,7 @@ class _EvidenceOfLayer:
                 for k in range(folds):
                     solved = {f"layers.{j}": dict(zip(tasks, map(float, fold_alpha[self.parts.index(BLOCK), k])))}
                     delta = self.merge(j, candidate, solved, infos, grams=training_grams(inputs, folds, k))
-                    merged = _merged_features(layer, delta, table, tasks)
+                    merged = _merged_features(layer, delta, table, tasks, [f == k for f in folds_by_task])
                     scores[c, k] = fold_objective(merged, data.targets, data.denominators, folds_by_task, k,
                                                   self.balance)
                 continue
@@ -422,7 +452,8 @@ class _EvidenceOfLayer:
             for k in range(folds):
                 solved = {u: dict(zip(tasks, map(float, fold_alpha[self.parts.index(part_of(u)), k])))
                           for u in units}
-                merged = _merged_features(layer, self.merge(j, candidate, solved, infos), table, tasks)
+                merged = _merged_features(layer, self.merge(j, candidate, solved, infos), table, tasks,
+                                          [f == k for f in folds_by_task])
                 scores[c, k] = fold_objective(merged, data.targets, data.denominators, folds_by_task, k,
                                               self.balance)
         return {f"layers.{j}": {"fold_objective": scores, "alpha": alpha, "fold_alpha": fold_alpha}}
@@ -463,11 +494,13 @@ def evidence(
     candidates: Sequence[str] = EVIDENCE_CANDIDATES,
     folds: int = DEFAULT_FOLDS,
     balance: bool = True,
+    layers: Sequence[int] | None = None,
     run: RunSettings | None = None,
     **run_options,
 ) -> xr.Dataset:
     """The cross-validated Eq. 10 objective of every block at every candidate granularity (see the module
-    docstring); with ``store``, written as group ``evidence`` one block at a time (resumable).
+    docstring); with ``store``, written as group ``evidence`` one block at a time (resumable). `layers`: only these
+    blocks (a benchmark's slice; a plan needs every block).
 
     `merge` merges a block at a candidate with given α exactly as the plan will
     (`submerge.merge.plan.CandidateMerge`; diagnostics never import merge). ``run`` (or its fields as keywords:
@@ -477,13 +510,18 @@ def evidence(
     """
     candidates = _checked_candidates(experiment, candidates, folds, getattr(merge, "block_rules", ()))
     run = RunSettings.of(run, **run_options)
+    if layers is not None and run.store is not None:
+        raise EvidenceError("layers= measures a slice of the blocks, which a store would take for the whole group: "
+                            "give it without store=")
     tasks, heads = experiment.tasks, experiment.arch.num_heads
     parts = parts_of(candidates, heads)
     settings = {"candidates": list(candidates), "folds": folds, "balance": balance, "merge": merge.settings}
     # regrouped at a loss's 64 tokens a batch, not the replays' 256: on the demo kit (8 fit records × ≤ 256 tokens
     # per task, LoRA fine-tunes) 329.4 / 334.4 s in file order, 284.6 / 317.6 s at 64, 345.7 / 333.1 s at 256
-    sweep = Sweep(experiment, _levels(candidates), GROUP, settings, run, unit_dim="layer",
-                  regroup=data_module.BATCH_OVERHEAD_TOKENS)
+    # cut within folds: fold k's candidate merges replay fold k's batches only (a quarter of the block's replays
+    # at 4 folds, where every merge replayed every record before stop 51)
+    sweep = Sweep(experiment.regrouped(data_module.BATCH_OVERHEAD_TOKENS, folds=folds), _levels(candidates), GROUP,
+                  settings, run, unit_dim="layer", layers=layers, capture_outputs=True, capture_maps=False)
     scorer = _EvidenceOfLayer(list(tasks), list(candidates), parts, folds, balance, merge,
                               [list(experiment.data[task].indices) for task in tasks])
 

@@ -53,7 +53,8 @@ class Sweep:
     ``unit_dim``: the store dimension a layer's piece is appended along — ``"module"`` (a row per module, labelled
     by its name) or ``"layer"`` (one row per layer, labelled by its index: for results of the layer as a whole).
     ``layers``: only these blocks (default all). ``capture_outputs``: the capture also keeps each module's output on
-    θ0 (`Recorded.output`, twice the recorded bytes), which `Unit.points` serves as the point a = 0.
+    θ0 (`Recorded.output`, twice the recorded bytes), which `Unit.points` serves as the point a = 0, and, unless
+    ``capture_maps`` is false, the outputs of the linear maps a line shares (`keeps_map_outputs`).
     ``tasks_kept``: the task vectors of at most that many tasks are held at a time (`ParameterSource`; None: all
     of a layer's), for drivers whose variants each move one task (a layer's units then read τ again per unit);
     more where more tasks' τ of a block fit (`submerge.diagnostics.placement.tasks_kept_on`).
@@ -68,7 +69,8 @@ class Sweep:
     def __init__(self, experiment, levels: Sequence[str], group: str, settings: dict, run: RunSettings, *,
                  model_output: str = "hidden", unit_dim: str = "module", layers: Sequence[int] | None = None,
                  capture_outputs: bool = False, tasks_kept: int | None = None,
-                 model_variants: dict[str, list] | None = None, regroup: bool | int = False):
+                 model_variants: dict[str, list] | None = None, regroup: bool | int = False,
+                 capture_maps: bool = True):
         if unit_dim not in ("module", "layer"):
             raise ValueError(f"unit_dim must be 'module' or 'layer', got {unit_dim!r}")
         if isinstance(run.engine, LocalEngine) and experiment.device.type == "meta":
@@ -88,7 +90,7 @@ class Sweep:
         self.modules = modules_for(experiment, levels, layers)
         self.capture_budget = run.capture_budget
         self.model_output, self.unit_dim = model_output, unit_dim
-        self.capture_outputs = capture_outputs
+        self.capture_outputs, self.capture_maps = capture_outputs, capture_maps
         self.model_variants = model_variants
         if model_variants and block is not None:
             points = sum(len(variants) for variants in model_variants.values())
@@ -157,7 +159,8 @@ class Sweep:
         outputs fit in the capture budget together (SmolLM2-135M, 3 tasks × 30 records × ≤ 512 tokens: 0.50 GB of
         0.54). Beyond it (a Llama-2-7B block at 3 × 8 × 128: 0.30 GB of inputs and outputs, 0.47 GB of map outputs)
         the line computes P0 itself, as before: the same values, bit for bit."""
-        return self.capture_outputs and self._recorded_bytes() + self._map_bytes() <= self.capture_budget
+        return (self.capture_outputs and self.capture_maps
+                and self._recorded_bytes() + self._map_bytes() <= self.capture_budget)
 
     def _recorded_bytes(self) -> int:
         """Bytes of one layer's recorded inputs over all tasks, and of its outputs where the capture keeps them."""
