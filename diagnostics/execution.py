@@ -82,7 +82,8 @@ def _check_count(value, what: str) -> int:
 @contextlib.contextmanager
 def fixed_threads(threads: int):
     """torch's intra-op thread count and the BLAS libraries' (scipy's LAPACK, which the Gram route's
-    eigendecompositions call) set to `threads` inside the block, restored after."""
+    eigendecompositions call) set to `threads` inside the block, restored after. (A scipy call on a matrix of order
+    below `spectral.ONE_THREAD_BELOW` runs on one thread whatever this is: `spectral.scipy_threads`.)"""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
