@@ -671,7 +671,8 @@ def test_the_evidence_takes_the_bases_unit_outputs_from_the_capture_bit_for_bit_
     """Every causal toy architecture: the block data's outputs on θ0 (block, attention, MLP) come from the capture
     (`Recorded.output`) instead of a replay of the base, and every fold objective and α is bit for bit the replayed
     base's, with one variant fewer replayed per unit and task; an attention that serves heads (which need W_o's
-    input per variant) still replays θ0."""
+    input per variant) still replays θ0, and so does every unit where a layer's inputs and outputs do not fit the
+    capture budget together."""
     experiment = toy_kit(name).experiment()
     merge = _merge(experiment)
     original, captured_base = replay_module.replay_variants, evidence_module._captured_base
@@ -694,6 +695,11 @@ def test_the_evidence_takes_the_bases_unit_outputs_from_the_capture_bit_for_bit_
         replayed = evidence(experiment, merge, **options)
         assert_same(captured, replayed)
         assert sum(variants.values()) - taken == experiment.arch.num_layers * units * len(experiment.tasks)
+    monkeypatch.setattr(evidence_module, "_captured_base", captured_base)
+    without = variants.copy()
+    variants.clear()  # a budget that a layer's inputs and outputs do not fit together: no outputs kept, θ0 replayed
+    assert_same(evidence(experiment, merge, **options, capture_budget=1), replayed)
+    assert variants == without
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", "gemma3", "gpt2"])

@@ -351,8 +351,9 @@ class _BlockData:
 
 def _captured_base(layer: Layer, path: str, task: str) -> list[torch.Tensor] | None:
     """Unit `path`'s outputs on θ0 over task's batches as the capture kept them (`Recorded.output`, in the compute
-    dtype, bit for bit what replaying the base gives), or None where it kept none (a Ray worker's capture) or the
-    unit serves heads (which also need W_o's input per variant)."""
+    dtype, bit for bit what replaying the base gives), or None where it kept none (a Ray worker's capture; a layer
+    whose inputs and outputs do not fit the capture budget together, e.g. a 7B block at 3 × 8 × 512 tokens: 1.2 GB)
+    or the unit serves heads (which also need W_o's input per variant)."""
     recorded = layer.recorded[task][path] if layer.recorded is not None else []
     if not recorded or any(m.head is not None for m in layer.units[path].modules):
         return None
@@ -521,7 +522,7 @@ def evidence(
     # cut within folds: fold k's candidate merges replay fold k's batches only (a quarter of the block's replays
     # at 4 folds, where every merge replayed every record before stop 51)
     sweep = Sweep(experiment.regrouped(data_module.BATCH_OVERHEAD_TOKENS, folds=folds), _levels(candidates), GROUP,
-                  settings, run, unit_dim="layer", layers=layers, capture_outputs=True, capture_maps=False)
+                  settings, run, unit_dim="layer", layers=layers, capture_outputs="within budget", capture_maps=False)
     scorer = _EvidenceOfLayer(list(tasks), list(candidates), parts, folds, balance, merge,
                               [list(experiment.data[task].indices) for task in tasks])
 

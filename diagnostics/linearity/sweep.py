@@ -54,7 +54,8 @@ class Sweep:
     by its name) or ``"layer"`` (one row per layer, labelled by its index: for results of the layer as a whole).
     ``layers``: only these blocks (default all). ``capture_outputs``: the capture also keeps each module's output on
     θ0 (`Recorded.output`, twice the recorded bytes), which `Unit.points` serves as the point a = 0, and, unless
-    ``capture_maps`` is false, the outputs of the linear maps a line shares (`keeps_map_outputs`).
+    ``capture_maps`` is false, the outputs of the linear maps a line shares (`keeps_map_outputs`); ``"within
+    budget"``: the same where one layer's inputs and outputs fit the capture budget together, else no outputs.
     ``tasks_kept``: the task vectors of at most that many tasks are held at a time (`ParameterSource`; None: all
     of a layer's), for drivers whose variants each move one task (a layer's units then read τ again per unit);
     more where more tasks' τ of a block fit (`submerge.diagnostics.placement.tasks_kept_on`).
@@ -68,7 +69,7 @@ class Sweep:
 
     def __init__(self, experiment, levels: Sequence[str], group: str, settings: dict, run: RunSettings, *,
                  model_output: str = "hidden", unit_dim: str = "module", layers: Sequence[int] | None = None,
-                 capture_outputs: bool = False, tasks_kept: int | None = None,
+                 capture_outputs: bool | str = False, tasks_kept: int | None = None,
                  model_variants: dict[str, list] | None = None, regroup: bool | int = False,
                  capture_maps: bool = True):
         if unit_dim not in ("module", "layer"):
@@ -90,7 +91,9 @@ class Sweep:
         self.modules = modules_for(experiment, levels, layers)
         self.capture_budget = run.capture_budget
         self.model_output, self.unit_dim = model_output, unit_dim
-        self.capture_outputs, self.capture_maps = capture_outputs, capture_maps
+        self.capture_outputs, self.capture_maps = bool(capture_outputs), capture_maps
+        if capture_outputs == "within budget":  # kept only where one layer's inputs and outputs fit together
+            self.capture_outputs = self._recorded_bytes() <= self.capture_budget
         self.model_variants = model_variants
         if model_variants and block is not None:
             points = sum(len(variants) for variants in model_variants.values())
