@@ -3,7 +3,11 @@
 The unit. A base forward is the base model's forward over the same records the command reads — every task's
 records, through the engine the commands themselves run (`submerge.diagnostics.capture.model_outputs`: block by
 block in the compute dtype, the base's own weights, the final norm, no output head). It is timed before the
-commands and again after them, in the same process; a command's cost is its wall divided by the mean of the two.
+commands (after one untimed warm-up forward: the first forward of a process pays one-time costs) and again after
+them, in the same process; a command's cost is its wall divided by the mean of the two. The same ratio is also given
+in this process's CPU time ("in CPU"): on a VM whose host takes CPU time away (steal, printed as a share of the
+run), walls stretch with the host's load and CPU times much less, so the CPU ratio is the one to compare between
+runs there.
 The records are batched as tokenised (file order, 8 per batch, each batch padded to its longest): the plain forward
 a user would run. Since stop 48 linearity, projection and alpha regroup the records by length (less padding), so
 the same forward over the regrouped records is timed too, and each cost is also given in that unit ("regrouped").
@@ -98,8 +102,8 @@ def load_kit(kit: str, samples: int, max_tokens: int, scratch: Path):
     held_out = {task: tokenize(read_task_file(task, path, samples=samples, skip=samples), experiment.base.tokenizer,
                                max_tokens=max_tokens) for task, path in data.items()}
     tokens = sum(int(b.attention_mask.sum()) for batches in experiment.batches.values() for b in batches)
-    return experiment, held_out, f"{about}; {len(finetunes)} tasks × {samples} records × ≤ {max_tokens} tokens " \
-                                 f"({tokens} real tokens)"
+    return experiment, held_out, (f"{about}; {len(finetunes)} tasks × {samples} records × ≤ {max_tokens} tokens "
+                                  f"({tokens} real tokens)")
 
 
 def _full_finetunes() -> dict[str, Path]:
@@ -181,6 +185,24 @@ def timed(function) -> float:
     start = time.perf_counter()
     function()
     return time.perf_counter() - start
+
+
+def clocked(function) -> tuple[float, float]:
+    """(wall seconds, this process's CPU seconds) of one call. On a VM whose host takes CPU time away (steal), the
+    wall stretches and the CPU time does not: the CPU time of the command over that of the base forward is the
+    ratio a loaded host disturbs least."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    function()
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def cpu_ticks() -> tuple[int, int]:
+    """(all ticks, steal ticks) of every CPU since boot, from /proc/stat ((0, 0) where there is none)."""
+    try:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
+    except (OSError, ValueError):
+        return 0, 0
+    return sum(fields[:8]), fields[7] if len(fields) > 7 else 0
 
 
 def matmul_peak(size: int = 2048, repeats: int = 3) -> float:
@@ -282,7 +304,9 @@ def run_kit(kit: str, args, scratch: Path) -> dict:
     experiment, held_out, about = load_kit(kit, args.samples_for(kit), args.tokens_for(kit), scratch)
     print(f"\n== {kit}: {about}; torch threads {torch.get_num_threads()}", flush=True)
     regrouped_experiment = experiment.regrouped()
-    forward = [timed(lambda: base_forward(experiment))]
+    base_forward(experiment)  # warm-up: the first forward of a process pays one-time costs (allocator, threads)
+    ticks = [cpu_ticks()]
+    forward_clock = [clocked(lambda: base_forward(experiment))]
     regrouped = [timed(lambda: base_forward(regrouped_experiment))]
     peak = [matmul_peak()]
     load = [os.getloadavg()[0]]
@@ -291,7 +315,8 @@ def run_kit(kit: str, args, scratch: Path) -> dict:
     with tempfile.TemporaryDirectory(dir=scratch) as store_dir:
         for name in args.commands:
             run = command_runner(name, experiment, held_out, Path(store_dir), args.alphas, args.floor_samples)
-            entry = {"wall_s": timed(run)}
+            wall, cpu = clocked(run)
+            entry = {"wall_s": wall, "cpu_s": cpu}
             if name == "projection":
                 entry["alphas"] = args.alphas or "seed 002's grids"
             if args.flops:
@@ -300,19 +325,24 @@ def run_kit(kit: str, args, scratch: Path) -> dict:
                 entry["profile_s"] = profile(run)
             results[name] = entry
             print(f"  {name:<13} {entry['wall_s']:8.1f} s", flush=True)
-    forward.append(timed(lambda: base_forward(experiment)))
+    forward_clock.append(clocked(lambda: base_forward(experiment)))
+    ticks.append(cpu_ticks())
     regrouped.append(timed(lambda: base_forward(regrouped_experiment)))
     peak.append(matmul_peak())
     load.append(os.getloadavg()[0])
-    unit = sum(forward) / 2
+    forward, forward_cpu = [wall for wall, _ in forward_clock], [cpu for _, cpu in forward_clock]
+    unit, cpu_unit = sum(forward) / 2, sum(forward_cpu) / 2
+    all_ticks, steal_ticks = (after - before for after, before in zip(ticks[1], ticks[0]))
     for entry in results.values():
         entry["base_forwards"] = entry["wall_s"] / unit
+        entry["base_forwards_cpu"] = entry["cpu_s"] / cpu_unit
         entry["regrouped_forwards"] = entry["wall_s"] / (sum(regrouped) / 2)
         if "flops" in entry:
             entry["gflops_per_s"] = entry["flops"] / entry["wall_s"] / 1e9
             entry["share_of_peak"] = entry["gflops_per_s"] / max(peak)
-    return {"about": about, "forward_s": forward, "regrouped_forward_s": regrouped, "forward_gflop": forward_flops / 1e9,
-            "peak_gflops_per_s": peak, "load_1min": load, "commands": results}
+    return {"about": about, "forward_s": forward, "forward_cpu_s": forward_cpu, "regrouped_forward_s": regrouped,
+            "forward_gflop": forward_flops / 1e9, "peak_gflops_per_s": peak, "load_1min": load,
+            "steal_share": steal_ticks / all_ticks if all_ticks else None, "commands": results}
 
 
 def report(kit: str, measured: dict) -> None:
@@ -320,13 +350,19 @@ def report(kit: str, measured: dict) -> None:
     print(f"\n{kit}: {measured['about']}")
     print(f"base forward {forward[0]:.2f} s before, {forward[1]:.2f} s after ({measured['forward_gflop']:.1f} GFLOP); "
           f"matmul peak {peak[0]:.0f} / {peak[1]:.0f} GFLOP/s; load average {load[0]:.1f} / {load[1]:.1f}")
+    cpu, steal = measured.get("forward_cpu_s"), measured.get("steal_share")
+    if cpu:
+        print(f"the base forward's CPU time {cpu[0]:.2f} s before, {cpu[1]:.2f} s after"
+              + (f"; the host took {steal:.0%} of this VM's CPU time meanwhile (steal)" if steal is not None else ""))
     regrouped = measured["regrouped_forward_s"]
     print(f"the same forward on the records regrouped by length (Experiment.regrouped, as linearity, projection and "
           f"alpha read them): {regrouped[0]:.2f} s before, {regrouped[1]:.2f} s after")
-    print(f"{'command':<14}{'wall s':>9}{'base fwd':>10}{'regrouped':>10}{'GFLOP':>10}{'GFLOP/s':>9}{'of peak':>9}")
+    print(f"{'command':<14}{'wall s':>9}{'base fwd':>10}{'regrouped':>10}{'CPU s':>9}{'in CPU':>8}{'GFLOP':>10}"
+          f"{'GFLOP/s':>9}{'of peak':>9}")
     for name, entry in measured["commands"].items():
         flops = entry.get("flops")
         print(f"{name:<14}{entry['wall_s']:>9.1f}{entry['base_forwards']:>10.1f}{entry['regrouped_forwards']:>10.1f}"
+              f"{entry.get('cpu_s', float('nan')):>9.1f}{entry.get('base_forwards_cpu', float('nan')):>8.1f}"
               + (f"{flops / 1e9:>10.1f}{entry['gflops_per_s']:>9.1f}{entry['share_of_peak']:>9.1%}" if flops else "")
               + (f"   (α grid values {entry['alphas']})" if "alphas" in entry else ""))
     profiled = {name: entry["profile_s"] for name, entry in measured["commands"].items() if "profile_s" in entry}

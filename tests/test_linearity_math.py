@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from submerge.diagnostics.linearity import (  # the public names, not their module: the package exports them
     AlphaSolution, alpha_system, balance_denominator, cosine_base, cosine_merge, linearized_objective, mean_std,
-    merge_objective, nonlinearity_score, nonlinearity_scores, pairwise_task_cosine, projection_distance,
+    merge_objective, nonlinearity_score, nonlinearity_scores, nonlinearity_scores_of_points, pairwise_task_cosine, projection_distance,
     projection_terms, solve_alpha, task_gram)
 
 f64 = torch.float64
@@ -105,6 +105,57 @@ def test_batched_scores_match_single_scores():
     np.testing.assert_allclose(batched, expected, rtol=1e-12)
     assert math.isnan(batched[2]) and math.isnan(listed[2])
     assert listed[0] == pytest.approx(nonlinearity_score(batch[0][:, :3]), rel=1e-12)
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, None])  # one sequence at a time / the whole batch in one product
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), steps=st.integers(1, 10), batch=st.integers(1, 5), seq=st.integers(1, 6),
+       width=st.integers(1, 5), offset=st.floats(0, 1e4))
+def test_scores_of_a_batchs_points_are_each_sequences_trajectory_score(chunk_bytes, seed, steps, batch, seq, width,
+                                                                        offset):
+    """`nonlinearity_scores_of_points` (the drivers' path: a batch's outputs at each point, padded positions
+    masked) gives each sequence the score of its real tokens' trajectory, to 1e-10 relative, on both sides of its
+    chunk threshold: NaN written at padded positions changes nothing, NaN at a real one makes that sequence NaN,
+    and a sequence whose points are on a straight line at constant speed scores 0."""
+    from submerge.diagnostics.linearity import equations
+
+    generator = torch.Generator().manual_seed(seed)
+    start = offset + torch.randn(batch, seq, width, generator=generator, dtype=torch.float32)
+    bend = torch.randn(batch, seq, width, generator=generator)
+    points = [start + (k / steps) * torch.randn(1, generator=generator).abs() * bend + (k / steps) ** 2 * bend.flip(-1)
+              for k in range(steps + 1)]
+    points[0] = points[0].clone()
+    straight = torch.randn(seq, width, generator=generator).mul(4).round()
+    straight[straight == 0] = 1.0
+    for k, point in enumerate(points):  # sequence 0 moves along a line at constant speed (integers: exact in float32)
+        point[0] = start[0].round() + k * straight
+    mask = torch.rand(batch, seq, generator=generator) < 0.7
+    mask[:, 0] = True  # every sequence has a real token
+    for point in points:
+        point[~mask] = float("nan")  # padding holds anything
+    if batch > 1 and seq > 0:
+        points[-1][batch - 1, 0, 0] = float("inf")  # a real position: that sequence is not finite
+    expected = [nonlinearity_score(torch.stack([p[i][mask[i]].reshape(-1) for p in points])) for i in range(batch)]
+    original = equations.POINTS_CHUNK_BYTES
+    try:
+        if chunk_bytes is not None:
+            equations.POINTS_CHUNK_BYTES = chunk_bytes
+        found = nonlinearity_scores_of_points(points, mask)
+    finally:
+        equations.POINTS_CHUNK_BYTES = original
+    np.testing.assert_allclose(found, expected, rtol=1e-10, atol=1e-12)
+    assert found[0] <= 1e-9
+    if batch > 1:
+        assert math.isnan(found[-1])
+
+
+def test_scores_of_points_refuse_mismatched_shapes():
+    with pytest.raises(ValueError, match="at least 2"):
+        nonlinearity_scores_of_points([torch.zeros(2, 3, 4)])
+    with pytest.raises(ValueError, match="one shape"):
+        nonlinearity_scores_of_points([torch.zeros(2, 3, 4), torch.zeros(2, 4, 4)])
+    with pytest.raises(ValueError, match="token_mask"):
+        nonlinearity_scores_of_points([torch.zeros(2, 3, 4)] * 3, torch.ones(3, 2, dtype=torch.bool))
 
 
 @settings(max_examples=40, deadline=None)

@@ -22,6 +22,7 @@ from submerge.diagnostics.linearity.equations import (
     merge_objective,
     nonlinearity_score,
     nonlinearity_scores,
+    nonlinearity_scores_of_points,
     pairwise_task_cosine,
     projection_distance,
     projection_terms,
@@ -37,5 +38,6 @@ __all__ = [
     "ALPHA", "DEFAULT_CAPTURE_BUDGET", "EVIDENCE", "GRANULARITIES", "LINEARITY", "PROJECTION", "AlphaSolution", "alpha",
     "alpha_system", "balance_denominator", "cosine_base", "cosine_merge", "evidence", "linearized_objective",
     "mean_std", "merge_objective", "nonlinearity", "nonlinearity_score", "nonlinearity_scores",
-    "pairwise_task_cosine", "projection", "projection_distance", "projection_terms", "solve_alpha", "task_gram",
+    "nonlinearity_scores_of_points", "pairwise_task_cosine", "projection", "projection_distance", "projection_terms",
+    "solve_alpha", "task_gram",
 ]

@@ -47,7 +47,11 @@ def _pairwise_distances(rows: torch.Tensor) -> torch.Tensor:
     does: the engines fix it (`submerge.diagnostics.execution`).
     """
     centred = rows - rows[..., :1, :]
-    gram = centred @ centred.transpose(-1, -2)
+    return _distances_from_gram(centred @ centred.transpose(-1, -2))
+
+
+def _distances_from_gram(gram: torch.Tensor) -> torch.Tensor:
+    """‖c_i − c_j‖ from the (..., R, R) Gram matrix G = c cᵀ of rows c (`_pairwise_distances`)."""
     squares = gram.diagonal(dim1=-2, dim2=-1)
     return (squares[..., :, None] + squares[..., None, :] - 2 * gram).clamp_min_(0).sqrt_()
 
@@ -101,6 +105,47 @@ def nonlinearity_scores(trajectories: torch.Tensor | Sequence[torch.Tensor]) -> 
         rows = trajectories.detach().to(torch.float64)
         return _nonlinearity_from_distances(_pairwise_distances(rows)).cpu().numpy()
     return np.array([nonlinearity_score(trajectory) for trajectory in trajectories], dtype=np.float64)
+
+
+POINTS_CHUNK_BYTES = 64 * 2**20  # float64 buffer of `nonlinearity_scores_of_points`, a few sequences at a time
+
+
+def nonlinearity_scores_of_points(points: Sequence[torch.Tensor], token_mask: torch.Tensor | None = None) -> np.ndarray:
+    """Non-linearity Score (seed 002 Eq. 19) of every sequence of one batch, from the batch's outputs at each point.
+
+    ``points[k]`` is the (B, T, ...) output at point k (k = 0: the base, k = N: the fine-tune) and ``token_mask``
+    (B, T) marks the real tokens (None: all are). Sequence i's score is `nonlinearity_score` of the (N+1, D_i)
+    trajectory of its real tokens flattened, to float64 rounding: the points are converted to float64, centred on
+    the first and the padded positions set to zero, so that they add nothing to each sequence's Gram matrix, which
+    one batched product gives for every sequence at once (instead of one trajectory, one copy and one product per
+    sequence). A few sequences at a time, so that the float64 buffer stays within `POINTS_CHUNK_BYTES`. Returns a
+    float64 array of B scores (NaN where a sequence's endpoints coincide or its real features are not finite)."""
+    if len(points) < 2:
+        raise ValueError(f"points needs at least 2 outputs (N >= 1), got {len(points)}")
+    first = points[0]
+    if any(p.shape != first.shape for p in points):
+        raise ValueError(f"every point's output must have one shape, got {sorted({tuple(p.shape) for p in points})}")
+    batch, seq = first.shape[0], first.shape[1] if first.ndim > 1 else 1
+    if token_mask is not None and tuple(token_mask.shape) != (batch, seq):
+        raise ValueError(f"token_mask must be (batch, seq) = {(batch, seq)}, got {tuple(token_mask.shape)}")
+    per_sequence = len(points) * max(1, first[0].numel()) * 8
+    step = max(1, POINTS_CHUNK_BYTES // per_sequence)
+    scores = []
+    for lo in range(0, batch, step):
+        hi = min(batch, lo + step)
+        rows = torch.empty((hi - lo, len(points), *first.shape[1:]), dtype=torch.float64, device=first.device)
+        for k, point in enumerate(points):
+            rows[:, k].copy_(point[lo:hi].detach())
+        rows = rows.reshape(hi - lo, len(points), seq, -1)
+        rows[:, 1:] -= rows[:, :1]
+        rows[:, 0] = 0.0
+        if token_mask is not None and not bool(token_mask[lo:hi].all()):
+            real = token_mask[lo:hi].to(rows.device)[:, None, :, None]
+            rows = torch.where(real, rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
+        centred = rows.reshape(hi - lo, len(points), -1)
+        gram = centred @ centred.transpose(-1, -2)
+        scores.append(_nonlinearity_from_distances(_distances_from_gram(gram)))
+    return torch.cat(scores).cpu().numpy()
 
 
 def projection_terms(delta_merge: torch.Tensor, delta_lin: torch.Tensor) -> tuple[float, float]:

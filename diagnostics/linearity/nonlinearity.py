@@ -16,7 +16,7 @@ import xarray as xr
 from submerge.diagnostics import plot
 from submerge.diagnostics.execution import RunSettings
 from submerge.diagnostics.groups import StoreGroup
-from submerge.diagnostics.linearity.equations import mean_std, nonlinearity_score
+from submerge.diagnostics.linearity.equations import mean_std, nonlinearity_scores_of_points
 from submerge.diagnostics.linearity.floor import (
     FLOOR_NOTE,
     FLOOR_SAMPLES,
@@ -85,9 +85,11 @@ def nonlinearity(
                 continue
             replayed = (unit.run(task, [{task: a} for a in coefficients]) if plain_replay
                         else unit.points(task, coefficients))
-            for module in unit.modules:
-                for index, trajectory in replayed.of(module).trajectories():
-                    scores[module.name][t, position_of[index]] = nonlinearity_score(trajectory)
+            for module in unit.modules:  # per batch, every sequence's Eq. 19 from its points' outputs at once
+                outputs = replayed.of(module)
+                for b, (mask, indices) in enumerate(zip(outputs.masks, outputs.indices)):
+                    found = nonlinearity_scores_of_points([per_batch[b] for per_batch in outputs.values], mask)
+                    scores[module.name][t, [position_of[index] for index in indices]] = found
             del replayed
         return {name: (scores[name], unchanged[name]) for name in scores}
 
