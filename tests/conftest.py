@@ -15,6 +15,16 @@ import torch
 
 from submerge.diagnostics import toy
 
+
+def pytest_configure(config):
+    """With pytest-xdist's ``-n``, schedule by xdist_group: the tests that start Ray (marked ``xdist_group("ray")``)
+    then run one after another on one worker. Each starts a local Ray and two or three worker processes; two of them
+    at once on a 2-core machine took about twice as long each. (Set here, not in pyproject's addopts, so that pytest
+    without xdist still runs.)"""
+    if getattr(config.option, "dist", "no") == "load":
+        config.option.dist = "loadgroup"
+
+
 torch.set_num_threads(1)  # tiny tensors: threads only add overhead (and the suite runs on 2 shared cores)
 
 LAYERS = 3

@@ -210,7 +210,7 @@ def test_unrecognised_architecture(runner, llama_kit, tmp_path):
                        "backbone.layers (2 x MambaBlock)")
 
 
-@pytest.mark.xdist_group("ray")  # one xdist worker runs every Ray test (pyproject's --dist)
+@pytest.mark.xdist_group("ray")  # one xdist worker runs every Ray test (conftest: --dist loadgroup)
 def test_ray_options_are_shared_and_checked(runner, llama_kit, tmp_path, monkeypatch):
     """--ray/--workers/--gpus-per-worker: one definition for every command; a worker count needs --ray, and
     --ray needs the ray extra; with --ray auto the store is bitwise the one-process store."""

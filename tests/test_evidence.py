@@ -305,7 +305,7 @@ def test_block_forwards_grow_linearly_with_depth(depth_kits, monkeypatch, step):
 # ------------------------------------------------------------------ Ray
 
 
-@pytest.mark.xdist_group("ray")  # one xdist worker runs every Ray test (pyproject's --dist)
+@pytest.mark.xdist_group("ray")  # one xdist worker runs every Ray test (conftest: --dist loadgroup)
 def test_evidence_on_ray_equals_one_process(depth_kits, tmp_path):
     """2 Ray workers (blocks 0–1 and 2–3) give bitwise the single-process evidence, in the store too, though the
     driver is killed after its first block and the run resumed on Ray (RegMean's fold Grams measured in the

@@ -476,7 +476,7 @@ RAY_WRITE_POINT = pytest.mark.skipif(
            "(test_store.py::test_a_first_unit_cut_mid_write_is_partial_with_nothing_written_and_resumes)")
 
 
-@pytest.mark.xdist_group("ray")  # one xdist worker runs every Ray test (pyproject's --dist)
+@pytest.mark.xdist_group("ray")  # one xdist worker runs every Ray test (conftest: --dist loadgroup)
 @pytest.mark.parametrize("where", ["append", pytest.param("write", marks=RAY_WRITE_POINT)])
 @pytest.mark.parametrize("action", ["kill", "interrupt"])
 def test_a_ray_driver_faulted_inside_its_run_resumes_to_the_one_process_store(kit, diag, references, ray_writes,

@@ -651,7 +651,7 @@ def test_group_matrices_for_ray_tasks():
     assert group_matrices([], [], 2) == []
 
 
-@pytest.mark.xdist_group("ray")  # one xdist worker runs every Ray test (pyproject's --dist)
+@pytest.mark.xdist_group("ray")  # one xdist worker runs every Ray test (conftest: --dist loadgroup)
 def test_interference_on_ray_equals_one_process_and_survives_a_killed_worker(tiny_checkpoints, tmp_path,
                                                                              kill_first_ray_worker):
     """2 local Ray workers give bitwise the single-process results, in the store too, though one is killed."""
@@ -683,7 +683,7 @@ def test_interference_on_ray_equals_one_process_and_survives_a_killed_worker(tin
     assert spread.attrs == fresh.attrs
 
 
-@pytest.mark.xdist_group("ray")  # one xdist worker runs every Ray test (pyproject's --dist)
+@pytest.mark.xdist_group("ray")  # one xdist worker runs every Ray test (conftest: --dist loadgroup)
 def test_every_engine_fixes_blas_threads_as_well_as_torch_threads():
     """The Gram route's eigendecompositions run in scipy's LAPACK, whose sums depend on its own thread count, which
     torch.set_num_threads does not reach and Ray sets to a worker's CPU share: each engine fixes both to `threads`

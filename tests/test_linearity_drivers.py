@@ -592,7 +592,7 @@ def assert_same_dataset(dataset, reference) -> None:
         assert np.array_equal(variable.values, dataset[name].values, equal_nan=True), name
 
 
-@pytest.mark.xdist_group("ray")  # one xdist worker runs every Ray test (pyproject's --dist)
+@pytest.mark.xdist_group("ray")  # one xdist worker runs every Ray test (conftest: --dist loadgroup)
 def test_linearity_and_alpha_on_ray_equal_one_process(two_tasks, tmp_path, monkeypatch):
     """2 local Ray workers (blocks 0–1 and 2) give bitwise the single-process linearity and α, in the store too,
     though the driver is killed after its first unit and, on resuming, a worker is killed mid-run; the

@@ -818,7 +818,7 @@ def test_out_dtype_rounds_once_and_mergekit_spelling_on_the_command_line(kit, tm
 # ----------------------------------------------------------------------- scale-out: tensors as Ray tasks
 
 
-@pytest.mark.xdist_group("ray")  # one xdist worker runs every Ray test (pyproject's --dist)
+@pytest.mark.xdist_group("ray")  # one xdist worker runs every Ray test (conftest: --dist loadgroup)
 def test_merge_on_ray_writes_the_one_process_checkpoint_though_a_worker_is_killed(kit, tmp_path,
                                                                                  kill_first_ray_worker):
     """A method merge (ties), a plan merge, RegMean (Grams block by block) and two KnOTS settings in one pass
@@ -865,7 +865,7 @@ def test_merge_on_ray_writes_the_one_process_checkpoint_though_a_worker_is_kille
         assert records[1]["provenance"]["engine"]["engine"] == "ray"
 
 
-@pytest.mark.xdist_group("ray")  # one xdist worker runs every Ray test (pyproject's --dist)
+@pytest.mark.xdist_group("ray")  # one xdist worker runs every Ray test (conftest: --dist loadgroup)
 def test_eval_on_ray_equals_one_process_and_resumes_a_killed_driver(kit, tmp_path):
     """Models as tasks of 2 local Ray workers: the eval store equals the one-process one bit for bit, also when
     the driver was killed after its first model and the run resumed on Ray."""

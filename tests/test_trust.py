@@ -484,7 +484,7 @@ def test_a_ray_address_that_does_not_answer_as_ray_times_out():
     listener.close()
 
 
-@pytest.mark.xdist_group("ray")  # one xdist worker runs every Ray test (pyproject's --dist)
+@pytest.mark.xdist_group("ray")  # one xdist worker runs every Ray test (conftest: --dist loadgroup)
 def test_a_worker_error_arrives_as_the_projects_message(kit, tmp_path):
     """A fine-tune with NaN in a block tensor, read by a Ray pipeline worker: the user gets the NonFiniteWeights
     message naming the tensor, not a remote traceback."""
