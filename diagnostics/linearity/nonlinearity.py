@@ -7,7 +7,7 @@ figures.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import pandas as pd
@@ -28,7 +28,7 @@ from submerge.diagnostics.linearity.floor import (
 )
 from submerge.diagnostics.linearity.sweep import Sweep
 from submerge.diagnostics.modules import DEFAULT_LEVELS
-from submerge.diagnostics.replay import Unit, module_coords
+from submerge.diagnostics.replay import Outputs, Unit, module_coords
 from submerge.diagnostics.tables import long_frame, ordered, strings
 
 
@@ -85,10 +85,8 @@ def nonlinearity(
                 continue
             replayed = (unit.run(task, [{task: a} for a in coefficients]) if plain_replay
                         else unit.points(task, coefficients))
-            for module in unit.modules:  # per batch, every sequence's Eq. 19 from its points' outputs at once
-                outputs = replayed.of(module)
-                for b, (mask, indices) in enumerate(zip(outputs.masks, outputs.indices)):
-                    found = nonlinearity_scores_of_points([per_batch[b] for per_batch in outputs.values], mask)
+            for module in unit.modules:
+                for indices, found in _scores_per_batch(replayed.of(module)):
                     scores[module.name][t, [position_of[index] for index in indices]] = found
             del replayed
         return {name: (scores[name], unchanged[name]) for name in scores}
@@ -114,6 +112,13 @@ def nonlinearity(
                                result_attrs={"equation": "seed 002 Eq. 19", "steps": steps,
                                              "model_output": model_output,
                                              "features": "module output on one sequence, real tokens only, flattened"})
+
+
+def _scores_per_batch(outputs: Outputs) -> Iterator[tuple[list[int], np.ndarray]]:
+    """Per recorded batch, its records' indices and their Eq. 19 scores, every sequence of the batch at once from its
+    points' outputs (`nonlinearity_scores_of_points`)."""
+    for b, (mask, indices) in enumerate(zip(outputs.masks, outputs.indices)):
+        yield indices, nonlinearity_scores_of_points([per_batch[b] for per_batch in outputs.values], mask)
 
 
 def _reference(experiment, sweep: Sweep, floor_samples: int, **options) -> xr.Dataset | None:
