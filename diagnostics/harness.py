@@ -260,8 +260,9 @@ class AccuracyRunner:
         self.files = TaskFiles(settings.tasks, data, skip=skip, samples=settings.samples)
         from lm_eval.tasks import TaskManager
 
+        defaults = any(task not in LOCAL_TASKS for task in settings.tasks)  # indexing lm-eval's own tasks: ~16 s
         with _quiet_harness():
-            self.manager = TaskManager(include_path=str(self.files.directory))
+            self.manager = TaskManager(include_path=str(self.files.directory), include_defaults=defaults)
         unknown = [t for t in settings.tasks if t not in self.manager.all_tasks]
         if unknown:
             self.files.close()

@@ -112,7 +112,9 @@ class Diag:
         self.server.wait(timeout=30)
 
 
-@pytest.fixture(scope="module")
+# The fixtures are per session, not per module: under xdist a worker runs this module's tests between other
+# modules' tests, and a module fixture was built again each time it came back (the references 4 times a suite).
+@pytest.fixture(scope="session")
 def kit(tmp_path_factory):
     root = tmp_path_factory.mktemp("fault_kit")
     base = toy.build_model(root / "base", "llama", layers=2, hidden=32)
@@ -121,7 +123,7 @@ def kit(tmp_path_factory):
     return {"base": base, "tuned": tuned, "data": data, "root": root}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def diag(tmp_path_factory):
     runner = Diag(tmp_path_factory.mktemp("fault_runs"))
     yield runner
@@ -189,7 +191,7 @@ def _assert_same_store(path: Path, reference: Path, group: str) -> None:
     assert Store(path).consolidation() == "current"  # consolidated again by the resumed run
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def references(kit, diag, tmp_path_factory):
     """Per driver: (reference store, the write points of its group in an uninterrupted run: 1-based numbers among
     all the run's file writes — every write, or for a command that writes several groups those into its group)."""
@@ -293,7 +295,7 @@ def _same_output(out: Path, reference: Path) -> None:
     assert not list(out.parent.glob(f"{out.name}.partial-*"))  # the killed run's staging folder was removed
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def file_references(kit, diag, references, tmp_path_factory):
     """Per command: (its output in an uninterrupted run, its number of write points)."""
     found = {}
@@ -455,7 +457,7 @@ def test_changed_inputs_are_refused(kit, diag, references, tmp_path):
 RAY = ["--ray", "auto", "--workers", "2", "--threads", "1"]  # layers as tasks of two workers of a local Ray instance
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def ray_writes(kit, diag, references, tmp_path_factory) -> int:
     """The number of file writes of an uninterrupted `diag linearity` on Ray (whose store equals one process's)."""
     pytest.importorskip("ray")
@@ -479,21 +481,23 @@ RAY_WRITE_POINT = pytest.mark.skipif(
 @pytest.mark.xdist_group("ray")  # one xdist worker runs every Ray test (conftest: --dist loadgroup)
 @pytest.mark.parametrize("where", ["append", pytest.param("write", marks=RAY_WRITE_POINT)])
 @pytest.mark.parametrize("action", ["kill", "interrupt"])
-def test_a_ray_driver_faulted_inside_its_run_resumes_to_the_one_process_store(kit, diag, references, ray_writes,
+def test_a_ray_driver_faulted_inside_its_run_resumes_to_the_one_process_store(kit, diag, references, request,
                                                                               tmp_path, action, where):
     """One point inside the Ray driver: `diag linearity --ray auto --workers 2` killed or interrupted while its
     workers hold tasks, at its second unit's append (arrays written, row count not yet committed) or at the middle
     of its writes; the same command then resumes on Ray, and the store equals the one-process run's bit for bit
     (the engine is provenance only). The driver alone writes, in order."""
     group, argv = DRIVERS["linearity"]
+    ray_writes = request.getfixturevalue("ray_writes") if where == "write" else None  # a whole Ray run: only here
     point = 2 if where == "append" else ray_writes // 2
+    at = f"{where} {point}" + (f" (of {ray_writes} writes)" if ray_writes else "")
     out = tmp_path / f"ray-{action}-{where}.zarr"
     code, output = diag(*argv(kit), *RAY, "--out", out, env={"SUBMERGE_FAULT_AT": f"{where}:{point}:{action}"})
-    assert code == EXIT[action], f"{where} {point} (of {ray_writes} writes): exit {code}\n{output}"
+    assert code == EXIT[action], f"{at}: exit {code}\n{output}"
     assert Store(out).status()[group].state == "partial"
     if action == "interrupt":
         assert "run the same command to resume" in output and "Traceback" not in output
     code, output = diag(*argv(kit), *RAY, "--out", out)
-    assert code == 0, f"resume on Ray after {action} at {where} {point} (of {ray_writes} writes):\n{output}"
+    assert code == 0, f"resume on Ray after {action} at {at}:\n{output}"
     _assert_same_store(out, references["linearity"][0], group)
     assert Store(out).dataset(group).attrs["provenance"]["engine"]["workers"] == 2

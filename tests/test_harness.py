@@ -66,7 +66,7 @@ def _generations(kit, task: str, data: dict[str, str], model_dir: str | None = N
         model = AutoModelForCausalLM.from_pretrained(model_dir or kit["base"], dtype=torch.float32).eval()
         lm = HFLM(pretrained=model, tokenizer=AutoTokenizer.from_pretrained(kit["base"]), batch_size=2)
         results = lm_eval.simple_evaluate(model=lm, tasks=[task], task_manager=TaskManager(
-            include_path=str(files.directory)), gen_kwargs={"max_gen_toks": GENERATION}, log_samples=True,
+            include_path=str(files.directory), include_defaults=False), gen_kwargs={"max_gen_toks": GENERATION}, log_samples=True,
             confirm_run_unsafe_code=True)
     finally:
         files.close()

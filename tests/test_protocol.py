@@ -174,7 +174,7 @@ PROTOCOL = {"fit": FIT, "samples": 3, "max_tokens": 40, "batch_size": 4, "dtype"
                                                                              "scaling": (0.5, 1.0, 1.5)}}}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # per session and one xdist group ("protocol"): the protocol runs once
 def kit(tmp_path_factory):
     from submerge.diagnostics import toy
 
@@ -183,7 +183,7 @@ def kit(tmp_path_factory):
     return root, base, finetuned, data
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def protocol(kit):
     """The full protocol (every subset, two seeds, tuned) into a store; the evidence calls it made."""
     from submerge.diagnostics.store import Store
@@ -203,6 +203,7 @@ def protocol(kit):
     return dataset, root / "store.zarr", fitted
 
 
+@pytest.mark.xdist_group("protocol")
 def test_protocol_layout_every_subset_on_its_own_tasks(protocol):
     from submerge.diagnostics.store import Store
     from submerge.merge.compare import COMPARE
@@ -237,6 +238,7 @@ def test_protocol_layout_every_subset_on_its_own_tasks(protocol):
         assert not set(records["1"][task]["fit"]) & set(records["1"][task]["held_out"])
 
 
+@pytest.mark.xdist_group("protocol")
 def test_protocol_tuned_choice_is_the_argmin_of_independently_written_merges(protocol, kit, tmp_path):
     """Every tuned unit's hyperparameters are the lowest fit loss it searched; for task arithmetic and TIES on the
     full set (seed 0) the searched fit losses (each task's weighted by 1 / its fine-tune's fit-record gain, measured
@@ -292,6 +294,7 @@ def test_protocol_tuned_choice_is_the_argmin_of_independently_written_merges(pro
         np.testing.assert_allclose(losses(held, method, chosen), dataset.sel(unit=unit).loss.values, rtol=1e-4)
 
 
+@pytest.mark.xdist_group("protocol")
 def test_killed_protocol_resumes_to_the_uninterrupted_result(protocol, kit, tmp_path):
     from submerge.diagnostics.store import Store
     from submerge.merge.compare import compare
@@ -332,6 +335,7 @@ def test_protocol_refuses_what_it_cannot_do(kit):
         compare(base, finetuned, data, **{**PROTOCOL, "seeds": 0})
 
 
+@pytest.mark.xdist_group("protocol")
 def test_report_draws_one_leaderboard_per_subset_with_mean_std_and_tuned(protocol, tmp_path):
     from typer.testing import CliRunner
 
