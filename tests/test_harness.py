@@ -191,6 +191,33 @@ def test_results_go_to_the_store_per_model_and_task_and_resume(kit, tmp_path):
     assert list(result.result.values) == list(reference.result.values)
 
 
+def test_lm_evals_own_tasks_are_indexed_only_when_a_run_asks_for_one(kit, tmp_path):
+    """Indexing lm-eval's shipped tasks takes ~16 s; a run of local tasks only skips it, a run naming one of lm-eval's
+    tasks (gsm8k) has it, and an unknown name is refused either way."""
+    from submerge.diagnostics.harness import LOCAL_TASKS, AccuracyRunner
+
+    class Writer:  # what AccuracyRunner reads from a UnitWriter before it scores anything
+        pieces, notes = None, []
+
+        def note(self, extra):
+            self.notes.append(extra)
+
+    base = load_base_model(kit["base"], dtype="float32", device="cpu")
+    data = {"trivia": _write(tmp_path / "trivia.jsonl", [{"prompt": p, "completion": "x"} for p in PROMPTS[:2]])}
+
+    def runner(*tasks):
+        return AccuracyRunner(base, HarnessSettings(tasks), data, Writer(), skip=0, compute=torch.float32)
+
+    local = runner("demo_trivia")
+    assert set(local.manager.all_tasks) <= set(LOCAL_TASKS)
+    local.close()
+    named = runner("demo_trivia", "gsm8k")
+    assert {"demo_trivia", "gsm8k"} <= set(named.manager.all_tasks)
+    named.close()
+    with pytest.raises(HarnessError, match=r"unknown lm-eval task\(s\) \['demo_trivai'\]"):
+        runner("demo_trivai")
+
+
 def test_cli_refuses_code_tasks_without_the_flag_and_says_why(kit):
     from typer.testing import CliRunner
 
