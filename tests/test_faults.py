@@ -112,15 +112,34 @@ class Diag:
         self.server.wait(timeout=30)
 
 
-# The fixtures are per session, not per module: under xdist a worker runs this module's tests between other
-# modules' tests, and a module fixture was built again each time it came back (the references 4 times a suite).
+def _built_once(tmp_path_factory, name: str, build) -> dict:
+    """`build(folder)`'s result (a JSON-able dict), built once per test run into a folder every xdist worker shares
+    and read back by the others. Module or session fixtures were not enough: a worker runs this module's tests
+    between other modules' and tears its fixtures down whenever its queue runs dry, and the references were built
+    again each time (2 to 4 times a suite, ~40 s each)."""
+    from filelock import FileLock
+
+    shared = tmp_path_factory.getbasetemp()
+    shared = shared.parent if os.environ.get("PYTEST_XDIST_WORKER") else shared
+    folder, result = shared / name, shared / f"{name}.json"
+    with FileLock(str(shared / f"{name}.lock")):
+        if not result.exists():
+            folder.mkdir(exist_ok=True)
+            result.write_text(json.dumps(build(folder), default=str))
+    return json.loads(result.read_text())
+
+
 @pytest.fixture(scope="session")
 def kit(tmp_path_factory):
-    root = tmp_path_factory.mktemp("fault_kit")
-    base = toy.build_model(root / "base", "llama", layers=2, hidden=32)
-    tuned = toy.perturbed_finetunes(base, ["math", "code"])
-    data = {task: toy.write_task_data(root / f"{task}.jsonl", task, count=6) for task in ("math", "code")}
-    return {"base": base, "tuned": tuned, "data": data, "root": root}
+    def build(root: Path) -> dict:
+        base = toy.build_model(root / "base", "llama", layers=2, hidden=32)
+        tuned = toy.perturbed_finetunes(base, ["math", "code"])
+        data = {task: toy.write_task_data(root / f"{task}.jsonl", task, count=6) for task in ("math", "code")}
+        return {"base": base, "tuned": tuned, "data": data, "root": root}
+
+    built = _built_once(tmp_path_factory, "fault_kit", build)
+    return {"base": Path(built["base"]), "tuned": {t: Path(p) for t, p in built["tuned"].items()},
+            "data": {t: Path(p) for t, p in built["data"].items()}, "root": Path(built["root"])}
 
 
 @pytest.fixture(scope="session")
@@ -195,21 +214,25 @@ def _assert_same_store(path: Path, reference: Path, group: str) -> None:
 def references(kit, diag, tmp_path_factory):
     """Per driver: (reference store, the write points of its group in an uninterrupted run: 1-based numbers among
     all the run's file writes — every write, or for a command that writes several groups those into its group)."""
-    found = {}
-    for driver, (group, argv) in DRIVERS.items():
-        out = tmp_path_factory.mktemp(f"ref_{driver}") / "ref.zarr"
-        log = out.with_suffix(".writes")
-        code, output = diag(*argv(kit), "--out", out, env={"SUBMERGE_WRITE_LOG": str(log)})
-        assert code == 0, output
-        writes = [line for line in log.read_text().splitlines() if line.startswith("write")]
-        assert Store(out).is_complete(group)
-        if driver in SHARED:
-            points = [n for n, line in enumerate(writes, 1) if _group_of(line.split(" ", 1)[1], out) == group]
-        else:
-            points = list(range(1, len(writes) + 1))
-        assert points, f"{driver}: no write into {group}"
-        found[driver] = (out, points)
-    return found
+    def build(root: Path) -> dict:
+        found = {}
+        for driver, (group, argv) in DRIVERS.items():
+            out = root / f"ref_{driver}" / "ref.zarr"
+            log = out.with_suffix(".writes")
+            code, output = diag(*argv(kit), "--out", out, env={"SUBMERGE_WRITE_LOG": str(log)})
+            assert code == 0, output
+            writes = [line for line in log.read_text().splitlines() if line.startswith("write")]
+            assert Store(out).is_complete(group)
+            if driver in SHARED:
+                points = [n for n, line in enumerate(writes, 1) if _group_of(line.split(" ", 1)[1], out) == group]
+            else:
+                points = list(range(1, len(writes) + 1))
+            assert points, f"{driver}: no write into {group}"
+            found[driver] = (out, points)
+        return found
+
+    return {driver: (Path(out), points) for driver, (out, points) in
+            _built_once(tmp_path_factory, "fault_references", build).items()}
 
 
 EXIT = {"kill": -signal.SIGKILL, "interrupt": 130, "nospace": 2}

@@ -3,6 +3,7 @@ half-precision compute on request."""
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import numpy as np
@@ -11,6 +12,7 @@ import torch
 from rich.console import Console
 
 from submerge.diagnostics.errors import ModelInputError
+from submerge.diagnostics.execution import LocalEngine
 from submerge.diagnostics.experiment import HalfPrecisionWarning
 from submerge.diagnostics.linearity.floor import first_records, flagged, floor_of, near_floor
 from submerge.diagnostics.linearity.nonlinearity import LINEARITY, nonlinearity
@@ -218,3 +220,35 @@ def test_cli_half_precision_warns_and_records(kit, tmp_path):
                                       "--finetuned", f"math={kit.finetuned_dir}", "--data", f"math={kit.data_path}",
                                       "--out", str(tmp_path / "eval.zarr")], env={"COLUMNS": "300"})
     assert result.exit_code == 2 and "--compute-dtype must be one of float32, float64" in " ".join(result.output.split())
+
+
+class _NestingEngine(LocalEngine):
+    """A LocalEngine that counts its outermost `running()` blocks: on Ray each one starts (and stops) a local Ray
+    instance (`RayEngine.running` starts one only when this process is not connected yet)."""
+
+    depth, outermost = 0, 0
+
+    @contextlib.contextmanager
+    def running(self):
+        self.outermost += self.depth == 0
+        self.depth += 1
+        try:
+            with super().running():
+                yield self
+        finally:
+            self.depth -= 1
+
+
+@pytest.mark.parametrize("driver", ["linearity", "projection"])
+def test_the_floor_pass_and_the_sweep_share_one_running_engine(kit, pair, driver):
+    """The float64 floor pass (two passes for projection) and the sweep run inside one outer `engine.running()`:
+    on Ray, one local instance for the command, not one per pass (~10 s each)."""
+    engine = _NestingEngine(threads=1)
+    if driver == "linearity":
+        result = nonlinearity(experiment(kit), levels=("mlp",), floor_samples=1, progress=False, engine=engine)
+        assert np.isfinite(result.nonlinearity_floor.values).all()
+    else:
+        result = projection(pair("float32"), levels=("mlp",), alphas=(1.0,), floor_samples=1, progress=False,
+                            engine=engine)
+        assert np.isfinite(result.projection_distance_floor.values).all()
+    assert engine.outermost == 1 and engine.depth == 0

@@ -72,7 +72,6 @@ def nonlinearity(
                   model_variants={task: [{task: a} for a in coefficients] for task in tasks}, regroup=True)
     positions = np.arange(experiment.settings["skip"], experiment.settings["skip"] + experiment.max_samples)
     position_of = {int(index): j for j, index in enumerate(positions)}
-    reference = _reference(experiment, sweep, floor_samples, levels=levels, steps=steps, model_output=model_output)
 
     def measure(unit: Unit) -> dict:
         """{module: (scores (task, sample), unchanged (task,))} of one unit."""
@@ -106,7 +105,10 @@ def nonlinearity(
             coords={"task": np.array(tasks, dtype=object), "sample": positions, **module_coords(modules)},
         )
 
-    sweep.run("Non-linearity Score", measure, piece)
+    with run.engine.running():  # one Ray instance (when on Ray) for the floor's float64 pass and the sweep
+        reference = _reference(experiment, sweep, floor_samples, levels=levels, steps=steps,
+                               model_output=model_output)
+        sweep.run("Non-linearity Score", measure, piece)
     return sweep.writer.finish({"equation": "seed 002 Eq. 19", "summary": "mean ± std over modules and samples",
                                 "nonlinearity_floor": FLOOR_NOTE},
                                result_attrs={"equation": "seed 002 Eq. 19", "steps": steps,

@@ -111,7 +111,6 @@ def projection(
     sweep = Sweep(experiment, levels, PROJECTION.name, {"levels": list(levels), "floor_samples": floor_samples,
                                                      "alphas": None if alphas is None else list(alphas)},
                   run, regroup=True)
-    floors = _floors(experiment, sweep, floor_samples, levels=levels, alphas=alphas)
 
     def measure(unit: Unit) -> dict:
         results = {}
@@ -151,7 +150,9 @@ def projection(
             },
         )
 
-    sweep.run("Projection Distance", measure, piece)
+    with run.engine.running():  # one Ray instance (when on Ray) for the floor's two passes and the sweep
+        floors = _floors(experiment, sweep, floor_samples, levels=levels, alphas=alphas)
+        sweep.run("Projection Distance", measure, piece)
     return sweep.writer.finish({"equations": "seed 002 Eq. 8 (PD), Eq. 16 (cosine_merge), Eq. 17 (cosine_base)",
                                 "cosine_base": "mean over pairs t<t' (Eq. 17 prints 1/(T(T-1)) over t<t', half a mean)",
                                 "data": "x ranges over the union of the subset's task data",
