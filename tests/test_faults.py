@@ -20,6 +20,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -121,10 +122,10 @@ def _built_once(tmp_path_factory, name: str, build) -> dict:
 
     shared = tmp_path_factory.getbasetemp()
     shared = shared.parent if os.environ.get("PYTEST_XDIST_WORKER") else shared
-    folder, result = shared / name, shared / f"{name}.json"
+    result = shared / f"{name}.json"
     with FileLock(str(shared / f"{name}.lock")):
-        if not result.exists():
-            folder.mkdir(exist_ok=True)
+        if not result.exists():  # a new folder for each try: one that failed half-way is not built upon
+            folder = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=shared))
             result.write_text(json.dumps(build(folder), default=str))
     return json.loads(result.read_text())
 
