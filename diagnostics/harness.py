@@ -221,6 +221,25 @@ def _quiet_harness():
             logger.setLevel(level)
 
 
+@contextlib.contextmanager
+def _no_environment_report():
+    """lm-eval's ``simple_evaluate`` ends by describing its environment: torch's ``collect_env`` (subprocesses,
+    3.6 s a call on a 2-core machine, once per model and task) and ``git describe`` in the working directory (which
+    prints "fatal: not a git repository" outside one). The store keeps its own provenance (models, data, task
+    configurations, harness version) and reads neither, so both are skipped while a task is evaluated."""
+    from lm_eval import evaluator
+
+    names = [name for name in ("add_env_info", "get_git_commit_hash") if hasattr(evaluator, name)]
+    saved = {name: getattr(evaluator, name) for name in names}
+    for name in names:
+        setattr(evaluator, name, lambda *args, **kwargs: None)
+    try:
+        yield
+    finally:
+        for name, function in saved.items():
+            setattr(evaluator, name, function)
+
+
 def _rows(label: str, task: str, results: dict) -> xr.Dataset:
     """One store unit: every metric (× filter) of `task` for model `label`, with its standard error."""
     scores = results["results"][task]
@@ -305,10 +324,12 @@ class AccuracyRunner:
         generation = {"max_gen_toks": self.settings.max_gen_toks} if self.settings.max_gen_toks else None
         limit = None if task in LOCAL_TASKS else self.settings.samples
         try:
-            results = self.lm_eval.simple_evaluate(
-                model=lm, tasks=[task], task_manager=self.manager, limit=limit, gen_kwargs=generation,
-                confirm_run_unsafe_code=self.settings.allow_code_execution, log_samples=False, bootstrap_iters=1000,
-                random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)
+            with _no_environment_report():
+                results = self.lm_eval.simple_evaluate(
+                    model=lm, tasks=[task], task_manager=self.manager, limit=limit, gen_kwargs=generation,
+                    confirm_run_unsafe_code=self.settings.allow_code_execution, log_samples=False,
+                    bootstrap_iters=1000, random_seed=0, numpy_random_seed=0, torch_random_seed=0,
+                    fewshot_random_seed=0)
         except (ValueError, RuntimeError, FileNotFoundError, ConnectionError) as exc:
             raise HarnessError(f"lm-eval could not run {task}: {type(exc).__name__}: {exc}") from None
         if not results or task not in results.get("results", {}):

@@ -218,6 +218,26 @@ def test_lm_evals_own_tasks_are_indexed_only_when_a_run_asks_for_one(kit, tmp_pa
         runner("demo_trivai")
 
 
+def test_lm_evals_environment_report_is_skipped_and_put_back(kit, tmp_path, monkeypatch):
+    """simple_evaluate's closing environment report (torch's collect_env: ~3.6 s a call; `git describe` in the
+    working directory, which prints "fatal: not a git repository" outside one) is not run for any (model, task),
+    and lm-eval's functions are its own again afterwards."""
+    import torch.utils.collect_env
+    from lm_eval import evaluator
+
+    calls = []
+    monkeypatch.setattr(torch.utils.collect_env, "get_pretty_env_info", lambda: calls.append("env") or "")
+    monkeypatch.setattr(evaluator, "get_git_commit_hash", lambda: calls.append("git"))
+    original = evaluator.add_env_info, evaluator.get_git_commit_hash
+    data = {"trivia": _write(tmp_path / "trivia.jsonl", [{"prompt": p, "completion": "x"} for p in PROMPTS[:2]])}
+    scores = accuracy(kit["base"], {"math": kit["tuned"]["math"]}, data,
+                      HarnessSettings(("demo_trivia",), max_gen_toks=4, batch_size=2), skip=0, device="cpu",
+                      progress=False)
+    assert list(dict.fromkeys(scores.model.values)) == ["base", "math"]
+    assert calls == []
+    assert (evaluator.add_env_info, evaluator.get_git_commit_hash) == original
+
+
 def test_cli_refuses_code_tasks_without_the_flag_and_says_why(kit):
     from typer.testing import CliRunner
 
