@@ -6,6 +6,7 @@ figures.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Iterator, Sequence
 
@@ -90,30 +91,35 @@ def nonlinearity(
             del replayed
         return {name: (scores[name], unchanged[name]) for name in scores}
 
-    def piece(modules, results) -> xr.Dataset:
-        array = np.stack([results[m.name][0] for m in modules], axis=1)
-        flags = np.stack([results[m.name][1] for m in modules], axis=1)
-        floor = np.full(flags.shape, np.nan)
-        if reference is not None:
-            chosen = [position_of[int(index)] for index in reference.sample.values]
-            truth = reference.nonlinearity_score.sel(module=[m.name for m in modules]).transpose(
-                "task", "module", "sample").values
-            floor = floor_of(array[:, :, chosen], truth)
-        return xr.Dataset(
-            {"nonlinearity_score": (("task", "module", "sample"), array),
-             "nonlinearity_floor": (("task", "module"), floor), "unchanged": (("task", "module"), flags)},
-            coords={"task": np.array(tasks, dtype=object), "sample": positions, **module_coords(modules)},
-        )
-
     with run.engine.running():  # one Ray instance (when on Ray) for the floor's float64 pass and the sweep
-        reference = _reference(experiment, sweep, floor_samples, levels=levels, steps=steps,
-                               model_output=model_output)
-        sweep.run("Non-linearity Score", measure, piece)
+        reference = _reference(experiment, sweep, floor_samples, levels=levels, steps=steps, model_output=model_output)
+        sweep.run("Non-linearity Score", measure,
+                  functools.partial(_piece, tasks=tasks, positions=positions, reference=reference))
     return sweep.writer.finish({"equation": "seed 002 Eq. 19", "summary": "mean ± std over modules and samples",
                                 "nonlinearity_floor": FLOOR_NOTE},
                                result_attrs={"equation": "seed 002 Eq. 19", "steps": steps,
                                              "model_output": model_output,
                                              "features": "module output on one sequence, real tokens only, flattened"})
+
+
+def _piece(modules, results: dict, *, tasks: list[str], positions: np.ndarray,
+           reference: xr.Dataset | None) -> xr.Dataset:
+    """One unit's rows of group ``linearity`` from `measure`'s results: the scores, the unchanged flags and the noise
+    floor, each score's largest distance from its float64 `reference` over the records that has (NaN without one)."""
+    array = np.stack([results[m.name][0] for m in modules], axis=1)
+    flags = np.stack([results[m.name][1] for m in modules], axis=1)
+    floor = np.full(flags.shape, np.nan)
+    if reference is not None:
+        position_of = {int(index): j for j, index in enumerate(positions)}
+        chosen = [position_of[int(index)] for index in reference.sample.values]
+        truth = reference.nonlinearity_score.sel(module=[m.name for m in modules]).transpose(
+            "task", "module", "sample").values
+        floor = floor_of(array[:, :, chosen], truth)
+    return xr.Dataset(
+        {"nonlinearity_score": (("task", "module", "sample"), array),
+         "nonlinearity_floor": (("task", "module"), floor), "unchanged": (("task", "module"), flags)},
+        coords={"task": np.array(tasks, dtype=object), "sample": positions, **module_coords(modules)},
+    )
 
 
 def _scores_per_batch(outputs: Outputs) -> Iterator[tuple[list[int], np.ndarray]]:
