@@ -174,7 +174,7 @@ PROTOCOL = {"fit": FIT, "samples": 3, "max_tokens": 40, "batch_size": 4, "dtype"
                                                                              "scaling": (0.5, 1.0, 1.5)}}}
 
 
-@pytest.fixture(scope="session")  # per session and one xdist group ("protocol"): the protocol runs once
+@pytest.fixture(scope="session")  # its tests share one xdist group ("protocol"), so one worker builds it, usually once
 def kit(tmp_path_factory):
     from submerge.diagnostics import toy
 
