@@ -540,6 +540,7 @@ class ParameterSource:
         self.variants_kept_bytes = 0
         self._kept: dict[tuple, torch.Tensor] = {}
         self._kept_bytes = 0
+        self._names: dict[str, dict[str, str]] = {}  # `parameter_names` per module path (the base's tree is fixed)
 
     def _own_on_device(self, path: str, own: dict[str, torch.Tensor], local: str,
                        dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
@@ -550,10 +551,17 @@ class ParameterSource:
         if tensor.device == self.device:
             converted = tensor.to(dtype)
             return converted, converted is not tensor
-        key = (module_parameter_names(self.base.model, path)[local], dtype)
+        key = (self.parameter_names(path)[local], dtype)
         if key not in self._placed:
             self._placed[key] = tensor.to(device=self.device, dtype=dtype)
         return self._placed[key], False
+
+    def parameter_names(self, path: str) -> dict[str, str]:
+        """`module_parameter_names` of the base at `path`, walked once per path (a sweep asks for a block's names
+        at every point of every level: 10,198 walks of the block's modules in a SmolLM2 linearity run)."""
+        if path not in self._names:
+            self._names[path] = module_parameter_names(self.base.model, path)
+        return self._names[path]
 
     def base_parameters(self, path: str) -> dict[str, torch.Tensor]:
         module = get_module(self.base.model, path)
@@ -572,7 +580,7 @@ class ParameterSource:
         kept already (a caller that reads a block tensor by tensor and lets each go)."""
         reader = self.task_vectors[task]
         device = self.device
-        full_names = module_parameter_names(self.base.model, path)
+        full_names = self.parameter_names(path)
         module = get_module(self.base.model, path)
         if keep:
             self._ask_for(task)
@@ -666,7 +674,7 @@ class ParameterSource:
         """The pooled variants of `names` (local) at `active` that a caller before formed and kept (`_kept`)."""
         if not self._kept:
             return {}
-        full_names = module_parameter_names(self.base.model, path)
+        full_names = self.parameter_names(path)
         found = {local: self._kept.get(self._kept_key(full_names[local], compute[local], active)) for local in names}
         return {local: value for local, value in found.items() if value is not None}
 
@@ -676,7 +684,7 @@ class ParameterSource:
         in the compute dtype before it is added, as `variant` rounds them (float32: bitwise its values); for a
         parameter in `rows`, only those rows (the others are left as they were). A whole parameter goes into a tensor
         of its own, kept until `clear`, while `variants_kept_bytes` allows (`_kept_variants` finds it again)."""
-        full_names = module_parameter_names(self.base.model, path)
+        full_names = self.parameter_names(path)
         params = {}
         for local in names:
             dtype, tensor = compute[local], own[local]

@@ -107,7 +107,10 @@ def nonlinearity_scores(trajectories: torch.Tensor | Sequence[torch.Tensor]) -> 
     return np.array([nonlinearity_score(trajectory) for trajectory in trajectories], dtype=np.float64)
 
 
-POINTS_CHUNK_BYTES = 64 * 2**20  # float64 buffer of `nonlinearity_scores_of_points`, a few sequences at a time
+# The float64 buffer of `nonlinearity_scores_of_points`, a few sequences at a time. Below glibc's largest mmap
+# threshold (32 MiB), so that the buffer comes back from the heap at the next call instead of being mapped and
+# faulted in anew (8 sequences × 128 tokens × 576 features at 11 points: 41 ms a call at 64 MiB, 27 ms at 16 MiB).
+POINTS_CHUNK_BYTES = 16 * 2**20
 
 
 def nonlinearity_scores_of_points(points: Sequence[torch.Tensor], token_mask: torch.Tensor | None = None) -> np.ndarray:
@@ -139,9 +142,8 @@ def nonlinearity_scores_of_points(points: Sequence[torch.Tensor], token_mask: to
         rows = rows.reshape(hi - lo, len(points), seq, -1)
         rows[:, 1:] -= rows[:, :1]
         rows[:, 0] = 0.0
-        if token_mask is not None and not bool(token_mask[lo:hi].all()):
-            real = token_mask[lo:hi].to(rows.device)[:, None, :, None]
-            rows = torch.where(real, rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
+        if token_mask is not None and not bool(token_mask[lo:hi].all()):  # only the padded positions written
+            rows.transpose(1, 2)[~token_mask[lo:hi].to(rows.device)] = 0.0
         centred = rows.reshape(hi - lo, len(points), -1)
         gram = centred @ centred.transpose(-1, -2)
         scores.append(_nonlinearity_from_distances(_distances_from_gram(gram)))
