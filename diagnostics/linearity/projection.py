@@ -5,6 +5,7 @@ Owner of the store group ``projection`` (`PROJECTION`): its layout, its summary 
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 
@@ -130,7 +131,7 @@ def projection(
             results[module.name] = _metrics(tasks, subsets, combos, deltas, merged)
         return results
 
-    def piece(modules, values) -> xr.Dataset:
+    def piece(modules, values, *, floors: xr.DataArray | None) -> xr.Dataset:
         floor = (np.full((len(modules), len(combos)), np.nan) if floors is None
                  else floors.sel(module=[m.name for m in modules]).values)
         return xr.Dataset(
@@ -152,7 +153,7 @@ def projection(
 
     with run.engine.running():  # one Ray instance (when on Ray) for the floor's two passes and the sweep
         floors = _floors(experiment, sweep, floor_samples, levels=levels, alphas=alphas)
-        sweep.run("Projection Distance", measure, piece)
+        sweep.run("Projection Distance", measure, functools.partial(piece, floors=floors))
     return sweep.writer.finish({"equations": "seed 002 Eq. 8 (PD), Eq. 16 (cosine_merge), Eq. 17 (cosine_base)",
                                 "cosine_base": "mean over pairs t<t' (Eq. 17 prints 1/(T(T-1)) over t<t', half a mean)",
                                 "data": "x ranges over the union of the subset's task data",
