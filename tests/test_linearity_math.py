@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from submerge.diagnostics.linearity import (  # the public names, not their module: the package exports them
     AlphaSolution, alpha_system, balance_denominator, cosine_base, cosine_merge, linearized_objective, mean_std,
     merge_objective, nonlinearity_score, nonlinearity_scores, nonlinearity_scores_of_points, pairwise_task_cosine, projection_distance,
-    projection_terms, solve_alpha, task_gram)
+    projection_terms, projection_terms_of_batch, solve_alpha, task_gram)
 
 f64 = torch.float64
 
@@ -216,6 +216,67 @@ def test_projection_zero_vectors_give_nan():
     assert projection_distance([math.nan, 0.5]) == pytest.approx(0.5)
     with pytest.raises(ValueError, match="differ in length"):
         projection_terms(torch.zeros(3), torch.zeros(4))
+
+
+def test_projection_terms_of_a_batch_are_each_rows_terms():
+    """`projection_terms_of_batch` gives each row's `projection_terms` to float64 rounding, the hand cases and the
+    zero rows (NaN ratio and cosine for Δ_lin = 0, ratio 0 and NaN cosine for Δ_merge = 0) included."""
+    generator = torch.Generator().manual_seed(4)
+    merge, linear = torch.randn(6, 5, 3, generator=generator, dtype=f64), torch.randn(6, 5, 3, generator=generator,
+                                                                                      dtype=f64)
+    merge[1], linear[2], merge[3] = 2 * linear[1], 0.0, 0.0
+    merge[4], linear[4] = 0.0, 0.0  # Δm = (3, 4), Δl = (1, 0) and zeros: ratio 3, cosine 3/5
+    merge[4, 0, :2], linear[4, 0, :2] = torch.tensor([3.0, 4.0]), torch.tensor([1.0, 0.0])
+    ratios, cosines = projection_terms_of_batch(merge, linear)
+    expected = [projection_terms(m, lin) for m, lin in zip(merge, linear)]
+    np.testing.assert_allclose(ratios, [r for r, _ in expected], rtol=1e-13, atol=0)
+    np.testing.assert_allclose(cosines, [c for _, c in expected], rtol=1e-13, atol=0)
+    assert ratios[1] == pytest.approx(2.0) and cosines[1] == pytest.approx(1.0)
+    assert np.isnan(ratios[2]) and np.isnan(cosines[2]) and ratios[3] == 0.0 and np.isnan(cosines[3])
+    assert ratios[4] == pytest.approx(3.0) and cosines[4] == pytest.approx(0.6)
+    with pytest.raises(ValueError, match="one shape"):
+        projection_terms_of_batch(torch.zeros(2, 3), torch.zeros(2, 4))
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 10**9])  # a sequence at a time / a whole batch at once
+def test_projection_metrics_of_batches_are_the_per_sample_equations(monkeypatch, chunk_bytes):
+    """The driver's batched PD, cosine_merge and cosine_base (`projection._metrics`) equal the per-sample
+    equations over every sample's real tokens (to float64 rounding) on both sides of its chunk size, with
+    padded positions that hold NaN changing nothing."""
+    import sys
+
+    from submerge.diagnostics.replay import Outputs
+
+    projection_module = sys.modules["submerge.diagnostics.linearity.projection"]
+    monkeypatch.setattr(projection_module, "PROJECTION_CHUNK_BYTES", chunk_bytes)
+    generator = torch.Generator().manual_seed(5)
+    tasks = ["a", "b", "c"]
+    subsets, combos, _ = projection_module._combos(tasks, [0.3, 1.0])
+
+    masks = [torch.ones(3, 4, dtype=torch.bool), torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.bool)]
+    indices = [[0, 1, 2], [3, 4]]
+
+    def batches() -> list[torch.Tensor]:  # one variant's outputs on a task's two batches, NaN where padded
+        values = [torch.randn(*mask.shape, 2, generator=generator) for mask in masks]
+        for value, mask in zip(values, masks):
+            value[~mask] = math.nan
+        return values
+
+    deltas = {task: Outputs([batches() for _ in tasks], masks, indices) for task in tasks}
+    merged = [{task: Outputs([batches()], masks, indices) for task in subset} for subset, _ in combos]
+    pd_values, cos_values, base_values = projection_module._metrics(tasks, subsets, combos, deltas, merged)
+    for c, (subset, alpha) in enumerate(combos):
+        ratios, cosines = [], []
+        for a in subset:
+            for sample, merge in zip(deltas[a].per_sample(), merged[c][a].features(0)):
+                linear = sum(weight * sample[tasks.index(t)] for t, weight in zip(subset, alpha))
+                ratio, cosine = projection_terms(merge, linear)
+                ratios.append(ratio)
+                cosines.append(cosine)
+        assert np.isfinite(pd_values[c])
+        assert pd_values[c] == pytest.approx(projection_distance(ratios), rel=1e-12, abs=1e-12)
+        assert cos_values[c] == pytest.approx(cosine_merge(cosines), rel=1e-12, abs=1e-12)
+    assert np.isfinite(base_values).all()
 
 
 def test_cosine_base_known_answers():

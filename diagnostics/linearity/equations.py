@@ -176,6 +176,25 @@ def projection_terms(delta_merge: torch.Tensor, delta_lin: torch.Tensor) -> tupl
     return ratio, cosine
 
 
+def projection_terms_of_batch(delta_merge: torch.Tensor, delta_lin: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """`projection_terms` of every row at once: ``delta_merge`` and ``delta_lin`` are (S, ...) tensors whose row s
+    is sample s's Δ_merge and Δ_lin (flattened; positions that are not the sample's, such as padding, set to zero
+    in both, so that they add nothing). Returns float64 arrays (ratios, cosines) of S values, as `projection_terms`
+    gives them to float64 rounding (the sums are the same products, reduced in another order)."""
+    if delta_merge.shape != delta_lin.shape or delta_merge.ndim < 1:
+        raise ValueError(f"delta_merge {tuple(delta_merge.shape)} and delta_lin {tuple(delta_lin.shape)} must be "
+                         "(samples, ...) of one shape")
+    merge = delta_merge.detach().reshape(delta_merge.shape[0], -1).to(torch.float64)
+    linear = delta_lin.detach().reshape(delta_lin.shape[0], -1).to(torch.float64)
+    inner = torch.linalg.vecdot(merge, linear)
+    linear_norm = torch.linalg.vector_norm(linear, dim=1)
+    merge_norm = torch.linalg.vector_norm(merge, dim=1)
+    nan = torch.full_like(inner, math.nan)
+    ratio = torch.where(linear_norm > 0, inner / linear_norm**2, nan)
+    cosine = torch.where((merge_norm > 0) & (linear_norm > 0), inner / (merge_norm * linear_norm), nan)
+    return ratio.cpu().numpy(), cosine.cpu().numpy()
+
+
 def _nanmean(values: Sequence[float] | np.ndarray) -> float:
     array = np.asarray(values, dtype=np.float64).reshape(-1)
     finite = array[~np.isnan(array)]

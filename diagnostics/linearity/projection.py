@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import pandas as pd
+import torch
 import xarray as xr
 
 from submerge.diagnostics import plot
@@ -21,7 +22,7 @@ from submerge.diagnostics.linearity.equations import (
     cosine_merge,
     mean_std,
     projection_distance,
-    projection_terms,
+    projection_terms_of_batch,
 )
 from submerge.diagnostics.linearity.floor import (
     FLOOR_NOTE,
@@ -37,6 +38,9 @@ from submerge.diagnostics.replay import Outputs, Unit, module_coords
 from submerge.diagnostics.tables import long_frame, ordered, strings
 
 COMBOS_PER_REPLAY = 8  # merged variants replayed together (the model level runs them block by block together)
+# float64 copies `_metrics` holds at once (every task's Δf, Δ_lin and Δ_merge of a few sequences): below glibc's
+# largest mmap threshold (32 MiB), so that they come back from the heap (`equations.POINTS_CHUNK_BYTES`)
+PROJECTION_CHUNK_BYTES = 16 * 2**20
 
 
 def projection_grid(size: int, values: Sequence[float] | None) -> list[tuple[float, ...]]:
@@ -50,23 +54,43 @@ def _metrics(tasks, subsets, combos, deltas: dict[str, Outputs], merged: list[di
     """PD and cosine_merge per combo, cosine_base per subset, over the samples of the subset's tasks.
 
     ``deltas[a].values[t]`` is Δf_t on task a's inputs; ``merged[c][a].values[0]`` is Δ_merge of combo c.
+    PD's terms are taken a few sequences of a batch at a time (`PROJECTION_CHUNK_BYTES`): each task's Δf converted
+    to float64 once for every combo, the padded positions set to zero, Δ_lin = Σ α_t Δf_t summed as one sample's
+    features would be (the same float64 values), and `projection_terms_of_batch` for the sequences together.
     """
     base_values = np.full(len(subsets), np.nan)
     for s, subset in enumerate(subsets):
         chosen = [tasks.index(t) for t in subset]
         base_values[s] = cosine_base([[sample[t] for t in chosen] for a in subset for sample in deltas[a].per_sample()])
-    pd_values, cos_values = np.full(len(combos), np.nan), np.full(len(combos), np.nan)
-    for c, (subset, alpha) in enumerate(combos):
-        ratios, cosines = [], []
-        for a in subset:
-            for sample, merge in zip(deltas[a].per_sample(), merged[c][a].features(0)):
-                linear = sum(weight * sample[tasks.index(t)] for t, weight in zip(subset, alpha))
-                ratio, cosine = projection_terms(merge, linear)
-                ratios.append(ratio)
-                cosines.append(cosine)
-        pd_values[c] = projection_distance(ratios)
-        cos_values[c] = cosine_merge(cosines)
+    ratios, cosines = [[] for _ in combos], [[] for _ in combos]
+    for a, outputs in deltas.items():  # the tasks' order: each combo's samples in the order of its subset's tasks
+        wanted = [c for c, (subset, _) in enumerate(combos) if a in subset]
+        for b, mask in enumerate(outputs.masks):
+            first = outputs.values[0][b]
+            per_sequence = (len(tasks) + 2) * max(1, first[0].numel()) * 8  # the float64 Δf_t, Δ_lin and Δ_merge
+            step = max(1, PROJECTION_CHUNK_BYTES // per_sequence)
+            for lo in range(0, first.shape[0], step):
+                hi = min(first.shape[0], lo + step)
+                padded = None if bool(mask[lo:hi].all()) else ~mask[lo:hi]
+                task_deltas = [_real_float64(per_task[b][lo:hi], padded) for per_task in outputs.values]
+                for c in wanted:
+                    subset, alpha = combos[c]
+                    linear = sum(weight * task_deltas[tasks.index(t)] for t, weight in zip(subset, alpha))
+                    merge = _real_float64(merged[c][a].values[0][b][lo:hi], padded)
+                    ratio, cosine = projection_terms_of_batch(merge, linear)
+                    ratios[c].extend(ratio)
+                    cosines[c].extend(cosine)
+    pd_values = np.array([projection_distance(values) for values in ratios], dtype=np.float64)
+    cos_values = np.array([cosine_merge(values) for values in cosines], dtype=np.float64)
     return pd_values, cos_values, base_values
+
+
+def _real_float64(output: torch.Tensor, padded: torch.Tensor | None) -> torch.Tensor:
+    """A float64 copy of `output` (sequences, seq, ...) with the ``padded`` (sequences, seq) positions set to 0."""
+    copy = output.detach().to(torch.float64, copy=True)
+    if padded is not None:
+        copy[padded.to(copy.device)] = 0.0
+    return copy
 
 
 def _combos(tasks: list[str], alphas: Sequence[float] | None):
