@@ -39,6 +39,6 @@ __all__ = [
     "ALPHA", "DEFAULT_CAPTURE_BUDGET", "EVIDENCE", "GRANULARITIES", "LINEARITY", "PROJECTION", "AlphaSolution", "alpha",
     "alpha_system", "balance_denominator", "cosine_base", "cosine_merge", "evidence", "linearized_objective",
     "mean_std", "merge_objective", "nonlinearity", "nonlinearity_score", "nonlinearity_scores",
-    "nonlinearity_scores_of_points", "pairwise_task_cosine", "projection", "projection_distance", "projection_terms", "projection_terms_of_batch",
-    "solve_alpha", "task_gram",
+    "nonlinearity_scores_of_points", "pairwise_task_cosine", "projection", "projection_distance", "projection_terms",
+    "projection_terms_of_batch", "solve_alpha", "task_gram",
 ]

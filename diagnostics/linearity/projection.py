@@ -18,6 +18,7 @@ from submerge.diagnostics import plot
 from submerge.diagnostics.execution import RunSettings
 from submerge.diagnostics.groups import StoreGroup
 from submerge.diagnostics.linearity.equations import (
+    POINTS_CHUNK_BYTES,
     cosine_base,
     cosine_merge,
     mean_std,
@@ -38,9 +39,9 @@ from submerge.diagnostics.replay import Outputs, Unit, module_coords
 from submerge.diagnostics.tables import long_frame, ordered, strings
 
 COMBOS_PER_REPLAY = 8  # merged variants replayed together (the model level runs them block by block together)
-# float64 copies `_metrics` holds at once (every task's Δf, Δ_lin and Δ_merge of a few sequences): below glibc's
-# largest mmap threshold (32 MiB), so that they come back from the heap (`equations.POINTS_CHUNK_BYTES`)
-PROJECTION_CHUNK_BYTES = 16 * 2**20
+# float64 copies `_metrics` holds at once (every task's Δf, Δ_lin and Δ_merge of a few sequences): the budget, and
+# its reason, of Eq. 19's buffer
+PROJECTION_CHUNK_BYTES = POINTS_CHUNK_BYTES
 
 
 def projection_grid(size: int, values: Sequence[float] | None) -> list[tuple[float, ...]]:
