@@ -35,7 +35,8 @@ class _Silent:
 class LoggedProgress:
     """`Progress`'s calls for a console that is not a terminal (output redirected to a file, where a live bar shows
     nothing until it ends): one timestamped line when a task starts, when its description changes (compare's
-    "subset · seed · method · candidate"), every `interval` seconds while it advances, and when it completes."""
+    "subset · seed · method · candidate"), every `interval` seconds while it advances, and when it completes; while
+    a task with a total is under way, the line ends with the time left at its mean rate so far."""
 
     def __init__(self, console: Console, interval: float = 60.0):
         self.console, self.interval, self.tasks = console, interval, {}
@@ -73,8 +74,20 @@ class LoggedProgress:
         task["printed"] = time.monotonic()
         total = "" if task["total"] is None else f"/{task['total']:g}"
         elapsed = task["printed"] - task["start"]
+        left = ""
+        if task["total"] is not None and 0 < task["completed"] < task["total"]:  # at the mean rate so far
+            left = f" · about {_duration(elapsed * (task['total'] - task['completed']) / task['completed'])} left"
         self.console.print(f"{time.strftime('%H:%M:%S')} {task['description']} · {task['completed']:g}{total} · "
-                           f"{elapsed:.0f} s", highlight=False, markup=False, soft_wrap=True)
+                           f"{elapsed:.0f} s{left}", highlight=False, markup=False, soft_wrap=True)
+
+
+def _duration(seconds: float) -> str:
+    """A time left, as a log line says it: seconds under 2 minutes, minutes under 2 hours, else hours."""
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
 
 
 @contextmanager

@@ -304,7 +304,8 @@ def test_error_messages_are_one_unwrapped_line_and_not_markup(monkeypatch, capsy
 
 def test_progress_in_a_redirected_log_is_timestamped_lines(monkeypatch):
     """Output redirected to a file: a line when a task starts, when its description changes, when it completes,
-    and every `interval` seconds while it advances (a live bar would show nothing until it ends)."""
+    and every `interval` seconds while it advances (a live bar would show nothing until it ends); the time left at
+    the mean rate so far while a task is under way."""
     import io
 
     from rich.console import Console
@@ -331,7 +332,9 @@ def test_progress_in_a_redirected_log_is_timestamped_lines(monkeypatch):
         at(81, bar.advance, job)  # already complete, 1 s since the last line: quiet
     lines = log.getvalue().splitlines()
     assert [line.split(" ", 1)[1] for line in lines] == [
-        "Comparing · 0/3 · 0 s", "Comparing · ties · 1/3 · 2 s", "Comparing · ties · 2/3 · 62 s",
-        "Comparing · ties · 3/3 · 80 s"]
+        "Comparing · 0/3 · 0 s", "Comparing · ties · 1/3 · 2 s · about 4 s left",
+        "Comparing · ties · 2/3 · 62 s · about 31 s left", "Comparing · ties · 3/3 · 80 s"]
+    assert [module._duration(s) for s in (0.4, 119, 120, 7199, 7200, 13_320)] == [
+        "0 s", "119 s", "2 min", "120 min", "2.0 h", "3.7 h"]
     with module.progress_bar(False) as silent:
         assert not isinstance(silent, module.LoggedProgress)
