@@ -14,6 +14,7 @@ a merged block).
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -228,53 +229,81 @@ class ChildTerms:
 
 def _line_terms(source, module, path: str, task: str, shared: SharedMap, recorded: list[Recorded], compute,
                 child_inputs: list[Recorded] | None = None, found: list | None = None):
-    """Per batch, the polynomial coefficients [P0, P1(, P2)] of `shared`'s output along the line θ0 + a·τ_task.
+    """Per batch, the polynomial coefficients [P0, P1(, P2)] of `shared`'s output along the line θ0 + a·τ_task
+    (`_combo_terms` of the one task: its monomials 1, a (and a²)).
 
     ``child_inputs`` (a `ChildTerms`' inputs) and ``found`` (a list): where every batch's input of the map on θ0
     (z0) is bitwise the child's recorded input, `found` gets the map's terms on it, (P0, τ_W z0 + τ_b) per batch."""
+    return _combo_terms(source, module, path, [task], shared, recorded, compute, child_inputs, found)[1]
+
+
+def _combo_terms(source, module, path: str, tasks: Sequence[str], shared: SharedMap, recorded: list[Recorded],
+                 compute, child_inputs: list[Recorded] | None = None, found: list | None = None
+                 ) -> tuple[list[tuple[str, ...]], list[tuple]]:
+    """`shared`'s output on every merged variant θ0 + Σ_t c_t τ_t of `tasks`, as terms computed once: (the
+    monomials, per batch the terms in their order). With z0 the map's input on θ0 and d_t = norm(x; τ_t) − norm(x; 0)
+    the linear part of the norm before it (none where the norm does not move):
+
+        (W0 + Σ_t c_t τ_t)(z0 + Σ_s c_s d_s) + b0 + Σ_t c_t τ_b,t
+            = [W0 z0 + b0] + Σ_t c_t·[τ_t z0 + τ_b,t + W0 d_t] + Σ_t Σ_s c_t c_s·[τ_t d_s]
+
+    monomials () → 1, (t,) → c_t, (t, s) → c_t·c_s (`_monomial_weights`). ``child_inputs``/``found``: as
+    `_line_terms`'s, for one task."""
     base, sub = source.base_parameters(path), module.get_submodule(shared.name) if shared.name else module
     names = _local_parameters(module, shared.name)
     own = {n: base[n].to(device=source.device, dtype=compute) for n in names}
-    delta = {n: d.to(compute) for n, d in source.deltas(path, task, names).items()}
+    deltas = [{n: d.to(compute) for n, d in source.deltas(path, task, names).items()} for task in tasks]
     short = {n: n.removeprefix(f"{shared.name}.") if shared.name else n for n in names}
 
     def apply(params: dict, x: torch.Tensor, zero_bias: bool = False) -> torch.Tensor:
         local = {short[n]: (torch.zeros_like(v) if zero_bias and short[n] == "bias" else v) for n, v in params.items()}
         return functional_call(sub, local, (x,), strict=False)
 
+    moved = []  # (index of the task, its norm's τ) where the norm moves
     if shared.norm is not None:
         norm, norm_names = module.get_submodule(shared.norm), _local_parameters(module, shared.norm)
         norm_own = {n.removeprefix(f"{shared.norm}."): base[n].to(device=source.device, dtype=compute)
                     for n in norm_names}
-        norm_delta = {n.removeprefix(f"{shared.norm}."): d.to(compute)
-                      for n, d in source.deltas(path, task, norm_names).items()}
-        norm_changed = any(bool(d.abs().max() > 0) for d in norm_delta.values() if d.numel())
+        for i, task in enumerate(tasks):
+            norm_delta = {n.removeprefix(f"{shared.norm}."): d.to(compute)
+                          for n, d in source.deltas(path, task, norm_names).items()}
+            if any(bool(d.abs().max() > 0) for d in norm_delta.values() if d.numel()):
+                moved.append((i, norm_delta))
+    monomials = [(), *((t,) for t in tasks), *((t, tasks[s]) for t in tasks for s, _ in moved)]
     terms, handed = [], [] if found is not None else None  # handed: None once a batch's input is not the child's
     for b, rec in enumerate(recorded):
         x = rec.args[0] if rec.args else rec.kwargs["hidden_states"]
-        if shared.norm is None:
-            z0, d = x, None
-        else:
-            z0 = functional_call(norm, norm_own, (x,), strict=False)
-            d = None
-            if norm_changed:  # the norm's linear part: norm(x; θ0 + τ) − norm(x; θ0) = norm(x; τ) − norm(x; 0)
-                zero = {n: torch.zeros_like(v) for n, v in norm_delta.items()}
-                d = functional_call(norm, norm_delta, (x,), strict=False) - functional_call(norm, zero, (x,),
-                                                                                              strict=False)
-        p0, p1 = _captured_term(rec, shared.name, compute), apply(delta, z0)
+        z0 = x if shared.norm is None else functional_call(norm, norm_own, (x,), strict=False)
+        d = {}
+        for s, norm_delta in moved:  # the norm's linear part: norm(x; θ0 + τ) − norm(x; θ0) = norm(x; τ) − norm(x; 0)
+            zero = {n: torch.zeros_like(v) for n, v in norm_delta.items()}
+            d[s] = functional_call(norm, norm_delta, (x,), strict=False) - functional_call(norm, zero, (x,),
+                                                                                           strict=False)
+        p0 = _captured_term(rec, shared.name, compute)
+        linear = [apply(delta, z0) for delta in deltas]
         if p0 is None:
             p0 = apply(own, z0)
         if handed is not None:
             child = child_inputs[b].hidden
             same = isinstance(child, torch.Tensor) and child.dtype == z0.dtype and torch.equal(child, z0)
-            handed = handed + [(p0, p1)] if same else None
-        if d is None:
-            terms.append((p0, p1))
-        else:
-            terms.append((p0, p1 + apply(own, d, zero_bias=True), apply(delta, d, zero_bias=True)))
+            handed = handed + [(p0, linear[0])] if same else None
+        linear = [p1 + apply(own, d[t], zero_bias=True) if t in d else p1 for t, p1 in enumerate(linear)]
+        quadratic = [apply(delta, d[s], zero_bias=True) for delta in deltas for s, _ in moved]
+        terms.append((p0, *linear, *quadratic))
     if handed:
         found.extend(handed)
-    return terms
+    return monomials, terms
+
+
+def _monomial_weights(monomials: Sequence[tuple[str, ...]], coefficients: Variant) -> tuple[float, ...]:
+    """The weight of each monomial of `_combo_terms` at the variant θ0 + Σ_t c_t τ_t (a task it lacks: c_t = 0)."""
+    weights = []
+    for monomial in monomials:
+        weight = 1.0
+        for task in monomial:
+            weight = weight * coefficients.get(task, 0.0)
+        weights.append(weight)
+    return tuple(weights)
 
 
 def _captured_term(rec: Recorded, name: str, compute: torch.dtype) -> torch.Tensor | None:
@@ -286,11 +315,19 @@ def _captured_term(rec: Recorded, name: str, compute: torch.dtype) -> torch.Tens
 
 
 def _at(terms: tuple, a: float, out: torch.Tensor | None = None) -> torch.Tensor:
-    """P0 + a·P1 (+ a²·P2), one fused pass per term (``torch.add`` with ``alpha``), written into `out` where given
-    (the same values, bitwise, as a new tensor)."""
-    value = torch.add(terms[0], terms[1], alpha=a) if out is None else torch.add(terms[0], terms[1], alpha=a, out=out)
-    if len(terms) > 2:
-        value.add_(terms[2], alpha=a * a)
+    """P0 + a·P1 (+ a²·P2): `_combined` at the weights (1, a, a²)."""
+    return _combined(terms, (1.0, a, a * a)[:len(terms)], out)
+
+
+def _combined(terms: tuple, weights: Sequence[float], out: torch.Tensor | None = None) -> torch.Tensor:
+    """Σ_i weights[i]·terms[i] with weights[0] = 1, one fused pass per term (``torch.add`` with ``alpha``), written
+    into `out` where given (the same values, bitwise, as a new tensor). One term: a copy of it."""
+    if len(terms) == 1:
+        return terms[0].clone() if out is None else out.copy_(terms[0])
+    value = (torch.add(terms[0], terms[1], alpha=weights[1]) if out is None
+             else torch.add(terms[0], terms[1], alpha=weights[1], out=out))
+    for term, weight in zip(terms[2:], weights[2:]):
+        value.add_(term, alpha=weight)
     return value
 
 
@@ -460,6 +497,70 @@ def replay_line(source, arch, path: str, recorded, task: str, coefficients: Sequ
     return result
 
 
+#: The most the terms of `replay_combos` may hold at once (bytes, at most 1 + T + T² per shared map and batch, where
+#: every norm moves); above it a unit's merged variants are replayed plainly. 512 MiB, the default capture budget:
+#: SmolLM2-135M's MLP at 3 tasks × 8 records × 128 tokens holds about 0.2 GiB, a 7B MLP at 8 × 512 tokens 4.7 GiB.
+COMBO_TERMS_BYTES = 512 * 2**20
+
+
+def _combo_terms_bytes(module: torch.nn.Module, maps: Sequence[SharedMap], recorded, tasks: int,
+                       compute: torch.dtype) -> float:
+    """The bytes of `_combo_terms` of every shared map of `module` on `recorded` for `tasks` tasks, at most (every
+    norm moving); a map whose output width is not known counts as too large."""
+    tokens = sum(int(rec.hidden[..., 0].numel()) for rec in recorded if isinstance(rec.hidden, torch.Tensor))
+    total = 0
+    for m in maps:
+        sub = module.get_submodule(m.name) if m.name else module
+        width = getattr(sub, "out_features", None) or getattr(sub, "nf", None)
+        if width is None:
+            return math.inf
+        total += (1 + tasks + (tasks * tasks if m.norm is not None else 0)) * tokens * int(width) * compute.itemsize
+    return total
+
+
+def replay_combos(source, arch, path: str, recorded, variants: Sequence[Variant], *, heads: bool = False
+                  ) -> Replayed:
+    """The module at `path` at merged variants θ0 + Σ_t c_t τ_t (`variants`, each task → c_t) on every recorded
+    batch: what `replay_variants` gives (up to float rounding), computed with less. The maps whose input every
+    variant shares (`shared_maps`) are computed once per task (and task pair, where a norm before them moves) as the
+    terms of a polynomial in the c_t (`_combo_terms`); each variant's output of such a map is the terms' weighted
+    sum (`_combined`, terms of weight 0 left out), and only the other parameters get a variant per merge. Heads
+    and joined paths replay plainly."""
+    if heads or "+" in path or not variants:
+        return replay_variants(source, arch, path, recorded, variants, heads=heads)
+    module = get_module(source.base.model, path)
+    maps = shared_maps(module, recorded[0]) if recorded else ()
+    tasks = list(dict.fromkeys(task for variant in variants for task in variant))
+    if _combo_terms_bytes(module, maps, recorded, len(tasks), source.dtype_for(path)) > COMBO_TERMS_BYTES:
+        return replay_variants(source, arch, path, recorded, variants)
+    recorded = [rec.upcast(source.dtype_for(path)) for rec in recorded]
+    result = Replayed([], [rec.token_mask for rec in recorded], [rec.sample_index for rec in recorded], arch=arch)
+    compute = source.dtype_for(path)
+    terms = {m.name: _combo_terms(source, module, path, tasks, m, recorded, compute) for m in maps}
+    at = {name: [torch.empty_like(t[0]) for t in per_batch] for name, (_, per_batch) in terms.items() if name}
+    # ^ the shared maps' outputs at a variant, written over variant after variant (a replay is done with them)
+    covered = {n for m in maps for n in _local_parameters(module, m.name)}
+    others = [n for n in source.base_parameters(path) if n not in covered]
+
+    def formed(name: str, b: int, variant: Variant, out: torch.Tensor | None) -> torch.Tensor:
+        monomials, per_batch = terms[name]
+        chosen = [(term, weight) for i, (term, weight) in enumerate(zip(per_batch[b], _monomial_weights(monomials,
+                                                                                                       variant)))
+                  if i == 0 or weight != 0]
+        return _combined(tuple(t for t, _ in chosen), tuple(w for _, w in chosen), out)
+
+    for variant in variants:
+        if "" in terms:  # the module is itself a shared map
+            result.outputs.append([formed("", b, variant, None) for b in range(len(recorded))])
+            continue
+        params = (source.variant(path, variant, others, pooled=True) if others
+                  else source.upcast_buffers(path))
+        result.outputs.append([_replayed_with(module, rec, params, {name: formed(name, b, variant, at[name][b])
+                                                                    for name in terms})
+                               for b, rec in enumerate(recorded)])
+    return result
+
+
 def _replayed_with(module, rec: Recorded, params, fixed: dict[str, torch.Tensor],
                    kept: dict[str, list] | None = None) -> torch.Tensor:
     """`replay` of `module` with the submodules named in `fixed` returning the given outputs instead of computing,
@@ -506,6 +607,15 @@ class Unit:
     run: Callable[..., Replayed]
     changed: Callable[[str], bool]  # whether task's fine-tune changes this unit's parameters
     line: Callable[[str, Sequence[float]], Replayed] | None = None
+    # (input task, merged variants) → what ``run`` returns, the shared maps computed once (`replay_combos`)
+    combos: Callable[[str, Sequence[Variant]], Replayed] | None = None
+
+    def merged(self, task: str, variants: Sequence[Variant]) -> Replayed:
+        """The replays of merged variants θ0 + Σ_t c_t τ_t on `task`'s inputs (through `combos` where the unit
+        has one)."""
+        if self.combos is not None:
+            return self.combos(task, variants)
+        return self.run(task, variants)
 
     def points(self, task: str, coefficients: Sequence[float]) -> Replayed:
         """The replays of θ0 + a·τ_task for each a of `coefficients` (through `line` where the unit has one)."""
@@ -601,7 +711,10 @@ def block_unit(source, arch, path: str, served: list[Submodule], recorded: dict,
             from_block[("terms", task)] = child.found
         return replayed
 
-    return Unit(path, served, run, lambda task: source.changed(path, task), line)
+    def combos(task, variants):
+        return replay_combos(source, arch, path, recorded[task][path], variants, heads=heads)
+
+    return Unit(path, served, run, lambda task: source.changed(path, task), line, combos)
 
 
 def attention_points_coincide(source, block_path: str, attn_child: str, task: str, recorded: list[Recorded]) -> bool:

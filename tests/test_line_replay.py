@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from submerge.diagnostics.capture import model_outputs, record_inputs
-from submerge.diagnostics.linearity import nonlinearity
+from submerge.diagnostics.linearity import nonlinearity, projection
 from submerge.diagnostics.modules import find_submodules, get_module
-from submerge.diagnostics.replay import SharedMap, replay_line, replay_variants, shared_maps
+from submerge.diagnostics.replay import SharedMap, replay_combos, replay_line, replay_variants, shared_maps
 from submerge.diagnostics.toy import ARCHITECTURES
 
 LEVELS = ("model", "layer", "attn", "mlp", "linear")
@@ -346,3 +346,73 @@ def test_map_outputs_are_kept_only_where_a_layers_capture_fits_the_budget(toy_ki
         assert bool(maps_seen) == (budget > 1)
     np.testing.assert_array_equal(results[1 << 30].nonlinearity_score.values, results[1].nonlinearity_score.values)
     assert flops[1 << 30] < flops[1]
+
+
+# ------------------------------------------------------------------ merged variants (`replay_combos`)
+
+
+def _two_tasks(toy_kit, toy_root, architecture: str, **options):
+    """The kit's base with two fine-tunes (its own, and a second trained from another seed), both on its data."""
+    import warnings
+
+    from submerge.diagnostics import toy
+    from submerge.diagnostics.experiment import Experiment
+
+    kit = toy_kit(architecture)
+    second = toy_root / f"{architecture}_second"
+    if not (second / "model.safetensors").exists():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            toy.finetune(kit.base_dir, second, "code", steps=3, seed=1)
+    settings = {"samples": 3, "max_tokens": 48, "batch_size": 2, "dtype": "float32", "device": "cpu", **options}
+    return Experiment.load(str(kit.base_dir), {"math": str(kit.finetuned_dir), "code": str(second)},
+                           {"math": str(kit.data_path), "code": str(kit.data_path)}, **settings)
+
+
+@pytest.mark.parametrize("budget", ["default", "below"])
+@pytest.mark.parametrize("architecture", [a for a in ARCHITECTURES if a != "bert"])
+def test_merged_variants_with_shared_maps_match_their_plain_replays(toy_kit, toy_root, architecture, budget,
+                                                                     monkeypatch):
+    """Both sides of `COMBO_TERMS_BYTES`: within it the shared maps' terms are formed (equal to the plain replays to
+    float32 rounding); above it (the budget lowered to 0) every unit replays plainly, bit for bit."""
+    from submerge.diagnostics import replay as replay_module
+
+    if budget == "below":
+        monkeypatch.setattr(replay_module, "COMBO_TERMS_BYTES", 0)
+    formed = []
+    terms = replay_module._combo_terms
+    monkeypatch.setattr(replay_module, "_combo_terms", lambda *args, **kwargs: formed.append(1) or terms(*args, **kwargs))
+    experiment = _two_tasks(toy_kit, toy_root, architecture)
+    arch, source = experiment.arch, experiment.parameter_source()
+    modules = find_submodules(experiment.base.model, ("layer", "attn", "mlp", "linear"), layers=[1], arch=arch)
+    paths = [m.path for m in modules]
+    recorded = record_inputs(experiment.base.model, arch, paths, experiment.batches["math"], outputs=True)
+    variants = [{"math": 0.3, "code": 0.7}, {"math": 1.0}, {"code": 0.5}, {"math": 0.5, "code": 1.5}]
+    shared_somewhere = False
+    for path in paths:
+        module = get_module(experiment.base.model, path)
+        shared_somewhere |= bool(shared_maps(module, recorded[path][0]))
+        merged = replay_combos(source, arch, path, recorded[path], variants)
+        plain = replay_variants(source, arch, path, recorded[path], variants)
+        for got, want in zip(merged.outputs, plain.outputs, strict=True):
+            for g, w in zip(got, want, strict=True):
+                if budget == "below":
+                    assert torch.equal(g, w), path
+                else:
+                    torch.testing.assert_close(g, w, rtol=2e-5, atol=2e-6, msg=path)
+    assert shared_somewhere
+    assert bool(formed) == (budget == "default")  # the shared path ran within the budget, and only there
+
+
+@pytest.mark.parametrize("architecture", [a for a in ARCHITECTURES if a != "bert"])
+def test_projection_with_shared_maps_matches_plain_replay(toy_kit, toy_root, architecture):
+    experiment = _two_tasks(toy_kit, toy_root, architecture, dtype="float64")
+    levels = ("model", "layer", "attn", "mlp", "linear")
+    shared = projection(experiment, levels=levels, alphas=(0.5, 1.0), progress=False)
+    plain = projection(experiment, levels=levels, alphas=(0.5, 1.0), progress=False, plain_replay=True)
+    for name in ("projection_distance", "cosine_merge", "cosine_base"):
+        fast, slow = shared[name].values, plain[name].values
+        assert np.isfinite(slow).sum() > 0
+        np.testing.assert_array_equal(np.isnan(fast), np.isnan(slow))
+        # an exactly linear map has PD 0 up to float64 rounding, where relative agreement means nothing
+        np.testing.assert_allclose(fast, slow, rtol=1e-6, atol=1e-12, err_msg=name)

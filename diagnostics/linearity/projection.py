@@ -112,6 +112,7 @@ def projection(
     levels: Sequence[str] = DEFAULT_LEVELS,
     alphas: Sequence[float] | None = None,
     floor_samples: int = FLOOR_SAMPLES,
+    plain_replay: bool = False,
     run: RunSettings | None = None,
     **run_options,
 ) -> xr.Dataset:
@@ -123,6 +124,9 @@ def projection(
     ``projection_distance_floor`` (module, combo): what rounding at the compute dtype contributes
     (`submerge.diagnostics.linearity.floor`): |PD − PD in float64| over the first `floor_samples` records of each
     task, the largest over the subset's α grid (NaN when the compute dtype is float64 or `floor_samples` is 0).
+    A unit's merged variants are replayed with the maps every variant shares computed once per task and task pair
+    (`submerge.diagnostics.replay.replay_combos`); ``plain_replay`` replays each merge on its own parameters instead
+    (the straightforward path, equal up to float rounding).
     ``run`` (or its fields as keywords: ``store``, ``force``, ``progress``, ``command``, ``on_unit``,
     ``capture_budget``, ``compute_dtype``, ``engine``): `submerge.diagnostics.execution.RunSettings`; with a
     ``RayEngine`` the layers are measured by a pipeline of Ray workers, and this process alone writes the store.
@@ -149,7 +153,8 @@ def projection(
                 wanted = [c for c, (subset, _) in enumerate(combos) if a in subset]
                 for start in range(0, len(wanted), COMBOS_PER_REPLAY):
                     group = wanted[start:start + COMBOS_PER_REPLAY]
-                    replayed = unit.run(a, [dict(zip(*combos[c])) for c in group]).of(module)
+                    merges = [dict(zip(*combos[c])) for c in group]
+                    replayed = (unit.run(a, merges) if plain_replay else unit.merged(a, merges)).of(module)
                     for v, c in enumerate(group):
                         merged[c][a] = Outputs([replayed.values[v]], replayed.masks, replayed.indices).minus(base)
                 del outs
@@ -177,7 +182,7 @@ def projection(
         )
 
     with run.engine.running():  # one Ray instance (when on Ray) for the floor's two passes and the sweep
-        floors = _floors(experiment, sweep, floor_samples, levels=levels, alphas=alphas)
+        floors = _floors(experiment, sweep, floor_samples, levels=levels, alphas=alphas, plain_replay=plain_replay)
         sweep.run("Projection Distance", measure, functools.partial(piece, floors=floors))
     return sweep.writer.finish({"equations": "seed 002 Eq. 8 (PD), Eq. 16 (cosine_merge), Eq. 17 (cosine_base)",
                                 "cosine_base": "mean over pairs t<t' (Eq. 17 prints 1/(T(T-1)) over t<t', half a mean)",
