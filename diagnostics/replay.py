@@ -259,7 +259,7 @@ def _combo_terms(source, module, path: str, tasks: Sequence[str], shared: Shared
         local = {short[n]: (torch.zeros_like(v) if zero_bias and short[n] == "bias" else v) for n, v in params.items()}
         return functional_call(sub, local, (x,), strict=False)
 
-    moved = []  # (index of the task, its norm's τ) where the norm moves
+    moved = []  # (index of the task, its norm's τ, zeros of that shape) where the norm moves
     if shared.norm is not None:
         norm, norm_names = module.get_submodule(shared.norm), _local_parameters(module, shared.norm)
         norm_own = {n.removeprefix(f"{shared.norm}."): base[n].to(device=source.device, dtype=compute)
@@ -268,15 +268,14 @@ def _combo_terms(source, module, path: str, tasks: Sequence[str], shared: Shared
             norm_delta = {n.removeprefix(f"{shared.norm}."): d.to(compute)
                           for n, d in source.deltas(path, task, norm_names).items()}
             if any(bool(d.abs().max() > 0) for d in norm_delta.values() if d.numel()):
-                moved.append((i, norm_delta))
-    monomials = [(), *((t,) for t in tasks), *((t, tasks[s]) for t in tasks for s, _ in moved)]
+                moved.append((i, norm_delta, {n: torch.zeros_like(v) for n, v in norm_delta.items()}))
+    monomials = [(), *((t,) for t in tasks), *((t, tasks[s]) for t in tasks for s, _, _ in moved)]
     terms, handed = [], [] if found is not None else None  # handed: None once a batch's input is not the child's
     for b, rec in enumerate(recorded):
         x = rec.args[0] if rec.args else rec.kwargs["hidden_states"]
         z0 = x if shared.norm is None else functional_call(norm, norm_own, (x,), strict=False)
         d = {}
-        for s, norm_delta in moved:  # the norm's linear part: norm(x; θ0 + τ) − norm(x; θ0) = norm(x; τ) − norm(x; 0)
-            zero = {n: torch.zeros_like(v) for n, v in norm_delta.items()}
+        for s, norm_delta, zero in moved:  # the norm's linear part: norm(x; θ0 + τ) − norm(x; θ0) = norm(x; τ) − norm(x; 0)
             d[s] = functional_call(norm, norm_delta, (x,), strict=False) - functional_call(norm, zero, (x,),
                                                                                            strict=False)
         p0 = _captured_term(rec, shared.name, compute)
@@ -288,22 +287,22 @@ def _combo_terms(source, module, path: str, tasks: Sequence[str], shared: Shared
             same = isinstance(child, torch.Tensor) and child.dtype == z0.dtype and torch.equal(child, z0)
             handed = handed + [(p0, linear[0])] if same else None
         linear = [p1 + apply(own, d[t], zero_bias=True) if t in d else p1 for t, p1 in enumerate(linear)]
-        quadratic = [apply(delta, d[s], zero_bias=True) for delta in deltas for s, _ in moved]
+        quadratic = [apply(delta, d[s], zero_bias=True) for delta in deltas for s, _, _ in moved]
         terms.append((p0, *linear, *quadratic))
     if handed:
         found.extend(handed)
     return monomials, terms
 
 
+def _unshared_parameters(source, module: torch.nn.Module, path: str, maps: Sequence[SharedMap]) -> list[str]:
+    """The local names of `module`'s parameters outside every shared map: those a point or merge gets a variant of."""
+    covered = {n for m in maps for n in _local_parameters(module, m.name)}
+    return [n for n in source.base_parameters(path) if n not in covered]
+
+
 def _monomial_weights(monomials: Sequence[tuple[str, ...]], coefficients: Variant) -> tuple[float, ...]:
     """The weight of each monomial of `_combo_terms` at the variant θ0 + Σ_t c_t τ_t (a task it lacks: c_t = 0)."""
-    weights = []
-    for monomial in monomials:
-        weight = 1.0
-        for task in monomial:
-            weight = weight * coefficients.get(task, 0.0)
-        weights.append(weight)
-    return tuple(weights)
+    return tuple(math.prod((coefficients.get(task, 0.0) for task in monomial), start=1.0) for monomial in monomials)
 
 
 def _captured_term(rec: Recorded, name: str, compute: torch.dtype) -> torch.Tensor | None:
@@ -477,8 +476,7 @@ def replay_line(source, arch, path: str, recorded, task: str, coefficients: Sequ
     at = {name: [torch.empty_like(t[0]) for t in per_batch] for name, per_batch in terms.items() if name}
     # ^ the shared maps' outputs at a point, written over point after point (a point's replay is done with them)
     rotary = LineRotary.of(module, maps) if shared_rotary else None
-    covered = {n for m in maps for n in _local_parameters(module, m.name)}
-    others = [n for n in source.base_parameters(path) if n not in covered]
+    others = _unshared_parameters(source, module, path, maps)
     for a in coefficients:
         if a == 0 and all(rec.output is not None for rec in recorded):
             result.outputs.append([rec.output for rec in recorded])
@@ -528,19 +526,17 @@ def replay_combos(source, arch, path: str, recorded, variants: Sequence[Variant]
     and joined paths replay plainly."""
     if heads or "+" in path or not variants:
         return replay_variants(source, arch, path, recorded, variants, heads=heads)
-    module = get_module(source.base.model, path)
+    module, compute = get_module(source.base.model, path), source.dtype_for(path)
     maps = shared_maps(module, recorded[0]) if recorded else ()
     tasks = list(dict.fromkeys(task for variant in variants for task in variant))
-    if _combo_terms_bytes(module, maps, recorded, len(tasks), source.dtype_for(path)) > COMBO_TERMS_BYTES:
+    if _combo_terms_bytes(module, maps, recorded, len(tasks), compute) > COMBO_TERMS_BYTES:
         return replay_variants(source, arch, path, recorded, variants)
-    recorded = [rec.upcast(source.dtype_for(path)) for rec in recorded]
+    recorded = [rec.upcast(compute) for rec in recorded]
     result = Replayed([], [rec.token_mask for rec in recorded], [rec.sample_index for rec in recorded], arch=arch)
-    compute = source.dtype_for(path)
     terms = {m.name: _combo_terms(source, module, path, tasks, m, recorded, compute) for m in maps}
     at = {name: [torch.empty_like(t[0]) for t in per_batch] for name, (_, per_batch) in terms.items() if name}
     # ^ the shared maps' outputs at a variant, written over variant after variant (a replay is done with them)
-    covered = {n for m in maps for n in _local_parameters(module, m.name)}
-    others = [n for n in source.base_parameters(path) if n not in covered]
+    others = _unshared_parameters(source, module, path, maps)
 
     def formed(name: str, b: int, variant: Variant, out: torch.Tensor | None) -> torch.Tensor:
         monomials, per_batch = terms[name]

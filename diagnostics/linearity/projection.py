@@ -142,25 +142,6 @@ def projection(
                                                      "alphas": None if alphas is None else list(alphas)},
                   run, regroup=True)
 
-    def measure(unit: Unit) -> dict:
-        results = {}
-        for module in unit.modules:
-            deltas, merged = {}, [{} for _ in combos]
-            for a in tasks:
-                outs = unit.run(a, [{}] + [{t: 1.0} for t in tasks]).of(module)
-                base = outs.values[0]
-                deltas[a] = Outputs(outs.values[1:], outs.masks, outs.indices).minus(base)
-                wanted = [c for c, (subset, _) in enumerate(combos) if a in subset]
-                for start in range(0, len(wanted), COMBOS_PER_REPLAY):
-                    group = wanted[start:start + COMBOS_PER_REPLAY]
-                    merges = [dict(zip(*combos[c])) for c in group]
-                    replayed = (unit.run(a, merges) if plain_replay else unit.merged(a, merges)).of(module)
-                    for v, c in enumerate(group):
-                        merged[c][a] = Outputs([replayed.values[v]], replayed.masks, replayed.indices).minus(base)
-                del outs
-            results[module.name] = _metrics(tasks, subsets, combos, deltas, merged)
-        return results
-
     def piece(modules, values, *, floors: xr.DataArray | None) -> xr.Dataset:
         floor = (np.full((len(modules), len(combos)), np.nan) if floors is None
                  else floors.sel(module=[m.name for m in modules]).values)
@@ -183,11 +164,35 @@ def projection(
 
     with run.engine.running():  # one Ray instance (when on Ray) for the floor's two passes and the sweep
         floors = _floors(experiment, sweep, floor_samples, levels=levels, alphas=alphas, plain_replay=plain_replay)
+        measure = functools.partial(_measure, tasks=tasks, subsets=subsets, combos=combos, plain_replay=plain_replay)
         sweep.run("Projection Distance", measure, functools.partial(piece, floors=floors))
     return sweep.writer.finish({"equations": "seed 002 Eq. 8 (PD), Eq. 16 (cosine_merge), Eq. 17 (cosine_base)",
                                 "cosine_base": "mean over pairs t<t' (Eq. 17 prints 1/(T(T-1)) over t<t', half a mean)",
                                 "data": "x ranges over the union of the subset's task data",
                                 "projection_distance_floor": FLOOR_NOTE})
+
+
+def _measure(unit: Unit, *, tasks, subsets, combos, plain_replay: bool) -> dict:
+    """{module: (PD per combo, cosine_merge per combo, cosine_base per subset)} of one unit: each task's Δf_t and each
+    combo's Δ_merge on every task's inputs, replayed `COMBOS_PER_REPLAY` merges at a time (through the unit's
+    shared maps unless `plain_replay`), then `_metrics`."""
+    results = {}
+    for module in unit.modules:
+        deltas, merged = {}, [{} for _ in combos]
+        for a in tasks:
+            outs = unit.run(a, [{}] + [{t: 1.0} for t in tasks]).of(module)
+            base = outs.values[0]
+            deltas[a] = Outputs(outs.values[1:], outs.masks, outs.indices).minus(base)
+            wanted = [c for c, (subset, _) in enumerate(combos) if a in subset]
+            for start in range(0, len(wanted), COMBOS_PER_REPLAY):
+                group = wanted[start:start + COMBOS_PER_REPLAY]
+                merges = [dict(zip(*combos[c])) for c in group]
+                replayed = (unit.run(a, merges) if plain_replay else unit.merged(a, merges)).of(module)
+                for v, c in enumerate(group):
+                    merged[c][a] = Outputs([replayed.values[v]], replayed.masks, replayed.indices).minus(base)
+            del outs
+        results[module.name] = _metrics(tasks, subsets, combos, deltas, merged)
+    return results
 
 
 def _floors(experiment, sweep: Sweep, floor_samples: int, **options) -> xr.DataArray | None:
